@@ -1,0 +1,26 @@
+"""The dataset module: raw rows -> training examples with exact loss masks.
+
+Pipeline, one stage per module::
+
+    parse.canonicalize_row            raw row -> canonical messages, tools, ParseReport
+    truncate.structured_truncate_messages   fit max_length, keep system + latest exchange
+    render.build_text_and_masks       one chat-template render + verified char mask
+    tokenize.tokenize_with_char_mask  offsets project the char mask -> labels
+    pipeline.process_rows             all of the above for a batch of rows
+"""
+
+from qlora_train.config import DataConfig
+from qlora_train.data.chat_templates import get_chat_template, shipped_templates
+from qlora_train.data.messages import DropReason, Message, RowRejected
+from qlora_train.data.parse import CanonicalRow, ParseReport, canonicalize_row
+from qlora_train.data.pipeline import process_rows
+from qlora_train.data.render import build_text_and_masks, render_conversation, template_layout
+from qlora_train.data.tokenize import IGNORE_INDEX, make_labels, tokenize_with_char_mask
+from qlora_train.data.truncate import TruncationResult, structured_truncate_messages
+
+__all__ = [
+    "CanonicalRow", "DataConfig", "DropReason", "IGNORE_INDEX", "Message", "ParseReport", "RowRejected",
+    "TruncationResult", "build_text_and_masks", "canonicalize_row", "get_chat_template", "make_labels",
+    "process_rows", "render_conversation", "shipped_templates", "structured_truncate_messages",
+    "template_layout", "tokenize_with_char_mask",
+]

@@ -1,0 +1,49 @@
+"""The canonical message type that flows between the dataset stages, and row rejection.
+
+A message is a plain dict (what ``apply_chat_template`` takes)::
+
+    {"role": "assistant", "content": "4", "reasoning_content": "2+2=4",
+     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]}
+
+``role`` and ``content`` (a str) are always present; ``reasoning_content``,
+``tool_calls``, ``name`` and ``tool_call_id`` only when the row has them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+KNOWN_ROLES = ("system", "user", "assistant", "tool")
+
+
+class Message(TypedDict):
+    role: str
+    content: str
+    reasoning_content: NotRequired[str]
+    tool_calls: NotRequired[list[dict[str, Any]]]
+    name: NotRequired[str]
+    tool_call_id: NotRequired[str]
+
+
+class DropReason:
+    """Why a row was refused. Every refused row is counted under exactly one of these."""
+
+    BAD_ROW = "bad_row"
+    UNKNOWN_SCHEMA = "unknown_schema"
+    NO_MESSAGES = "no_messages"
+    NO_ASSISTANT_TURN = "no_assistant_turn"
+    EMPTY_ASSISTANT = "empty_assistant_turn"
+    BAD_CONTENT_TYPE = "bad_content_type"
+    TOOLS_UNPARSEABLE = "tools_unparseable"
+    TEMPLATE_ERROR = "template_error"
+    MASK_UNVERIFIED = "mask_unverified"
+    NO_TRAINED_TOKEN = "no_trained_token_after_truncation"
+
+
+class RowRejected(Exception):
+    """A stage refuses a row: ``reason`` is a ``DropReason`` value, ``detail`` says where and why."""
+
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}")

@@ -1,0 +1,275 @@
+"""Stage 1: a raw row of any common schema -> canonical messages + tools + a ParseReport.
+
+    >>> canonicalize_row({"prompt": "2+2?", "response": "<think>add</think>4"}).messages
+    [{'role': 'user', 'content': '2+2?'},
+     {'role': 'assistant', 'content': '4', 'reasoning_content': 'add'}]
+
+Pure: the input row is never mutated. Problems that make a row unusable raise
+``RowRejected`` with a reason and the offending key or message index.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from qlora_train.config import DataConfig
+from qlora_train.data.messages import KNOWN_ROLES, DropReason, Message, RowRejected
+
+log = logging.getLogger(__name__)
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+    "bot": "assistant", "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
+    "function_response": "tool",
+}
+PROMPT_KEYS = ("prompt", "question", "instruction")
+RESPONSE_KEYS = ("response", "completion", "answer", "output", "chosen")
+_warned_roles: set[str] = set()
+
+
+@dataclass
+class ParseReport:
+    """What canonicalization did to one row; ``+`` adds reports up over a dataset."""
+
+    schema: str = "unknown"
+    schemas: Counter = field(default_factory=Counter)
+    rows: int = 0
+    extracted_think_from_content: int = 0
+    unbalanced_think_tags: int = 0
+    moved_reasoning_keys: Counter = field(default_factory=Counter)
+    dropped_think_messages: int = 0
+    think_capped_messages: int = 0
+    tools_present: int = 0
+    tools_parsed_from_string: int = 0
+    unknown_roles: Counter = field(default_factory=Counter)
+
+    def __add__(self, other: "ParseReport") -> "ParseReport":
+        out = ParseReport()
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "schema":
+                setattr(out, "schema", a if a == b else "mixed")
+            else:
+                setattr(out, f.name, a + b)
+        return out
+
+    @classmethod
+    def total(cls, reports) -> "ParseReport":
+        """Sum of many reports (an empty sum has ``schema='none'``)."""
+        out = None
+        for r in reports:
+            out = r if out is None else out + r
+        return out if out is not None else cls(schema="none")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), Counter) else v) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ParseReport":
+        kw = {k: (Counter(v) if isinstance(v, dict) else v) for k, v in d.items()}
+        return cls(**kw)
+
+
+@dataclass
+class CanonicalRow:
+    messages: list[Message]
+    tools: list[dict] | None
+    report: ParseReport
+
+
+def detect_schema(row: dict, cfg: DataConfig) -> str:
+    """Which schema a row follows: messages / sharegpt / prompt_response / unknown."""
+    for key in (cfg.messages_field, "messages", "conversations", "conversation"):
+        value = row.get(key)
+        if isinstance(value, list) and value:
+            first = value[0] if isinstance(value[0], dict) else {}
+            return "sharegpt" if ("from" in first and "value" in first) else "messages"
+    if any(k in row for k in PROMPT_KEYS) and any(k in row for k in RESPONSE_KEYS):
+        return "prompt_response"
+    return "unknown"
+
+
+def _text(value: Any, where: str) -> str:
+    """Message content -> str. Lists of text parts are joined; dicts become JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        return "".join(str(p.get("text", "")) for p in value)
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise RowRejected(DropReason.BAD_CONTENT_TYPE, f"{where}: content of type {type(value).__name__}")
+
+
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise RowRejected(DropReason.BAD_ROW, f"{where}: tool_calls is a string that is not JSON") from None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise RowRejected(DropReason.BAD_ROW, f"{where}: tool_calls must be a list")
+    calls = []
+    for j, call in enumerate(value):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RowRejected(DropReason.BAD_ROW, f"{where}.tool_calls[{j}]: needs a function name")
+        args = fn.get("arguments", fn.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass  # keep the string as written; templates print strings verbatim
+        out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            out["id"] = call["id"]
+        calls.append(out)
+    return calls
+
+
+def _split_inline_think(content: str) -> tuple[str | None, str, bool]:
+    """'<think>r</think>answer' -> ('r', 'answer', balanced). No tags -> (None, content, True)."""
+    if THINK_CLOSE not in content:
+        return None, content, THINK_OPEN not in content
+    head, _, answer = content.partition(THINK_CLOSE)
+    stripped = head.lstrip()
+    if stripped.startswith(THINK_OPEN):
+        head = stripped[len(THINK_OPEN):]
+    elif THINK_OPEN in head:  # text before <think>: not a leading reasoning block
+        return None, content, False
+    return head.strip("\n"), answer.lstrip("\n"), True
+
+
+def _raw_messages(row: dict, schema: str, cfg: DataConfig) -> list[dict]:
+    if schema in ("messages", "sharegpt"):
+        for key in (cfg.messages_field, "messages", "conversations", "conversation"):
+            if isinstance(row.get(key), list) and row[key]:
+                return row[key]
+        raise RowRejected(DropReason.NO_MESSAGES, f"no non-empty list under '{cfg.messages_field}'")
+    prompt_key = next(k for k in PROMPT_KEYS if k in row)
+    response_key = next(k for k in RESPONSE_KEYS if k in row)
+    msgs = []
+    if isinstance(row.get("system"), str) and row["system"]:
+        msgs.append({"role": "system", "content": row["system"]})
+    msgs.append({"role": "user", "content": row[prompt_key]})
+    msgs.append({"role": "assistant", "content": row[response_key]})
+    return msgs
+
+
+def _message(raw: Any, i: int, schema: str, cfg: DataConfig, report: ParseReport) -> Message:
+    where = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise RowRejected(DropReason.BAD_ROW, f"{where}: expected a mapping, got {type(raw).__name__}")
+    if schema == "sharegpt" or ("role" not in raw and "from" in raw):
+        src = raw.get("from")
+        role = SHAREGPT_ROLES.get(src.lower(), src) if isinstance(src, str) else src
+        content = raw.get("value", raw.get("content"))
+    else:
+        role, content = raw.get("role"), raw.get("content")
+    if not isinstance(role, str) or not role:
+        raise RowRejected(DropReason.BAD_ROW, f"{where}: missing role")
+    msg: Message = {"role": role, "content": _text(content, where)}
+    if role not in KNOWN_ROLES:
+        report.unknown_roles[role] += 1
+        if role not in _warned_roles:
+            _warned_roles.add(role)
+            log.warning("unknown role %r kept as is (first seen at %s)", role, where)
+    for key in cfg.reasoning_keys:
+        value = raw.get(key)
+        if isinstance(value, str) and value.strip():
+            msg["reasoning_content"] = value
+            report.moved_reasoning_keys[key] += 1
+            break
+    if raw.get("tool_calls"):
+        msg["tool_calls"] = _tool_calls(raw["tool_calls"], where)
+    for key in ("name", "tool_call_id"):
+        if isinstance(raw.get(key), str):
+            msg[key] = raw[key]
+    if cfg.extract_think_tags and role in cfg.assistant_roles:
+        reasoning, answer, balanced = _split_inline_think(msg["content"])
+        if not balanced:
+            report.unbalanced_think_tags += 1
+        if reasoning is not None:
+            msg["content"] = answer
+            report.extracted_think_from_content += 1
+            if "reasoning_content" not in msg and reasoning.strip():
+                msg["reasoning_content"] = reasoning
+    return msg
+
+
+def _tools(row: dict, cfg: DataConfig, report: ParseReport) -> list[dict] | None:
+    for column in cfg.tools_columns:
+        value = row.get(column)
+        if value is None or value == "" or value == []:
+            continue
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise RowRejected(DropReason.TOOLS_UNPARSEABLE, f"column '{column}': {exc}") from None
+            report.tools_parsed_from_string += 1
+        if isinstance(value, dict):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+            raise RowRejected(DropReason.TOOLS_UNPARSEABLE, f"column '{column}': expected a list of objects")
+        report.tools_present += 1
+        return value
+    return None
+
+
+def _cap_reasoning(text: str, max_tokens: int, tokenizer) -> str:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if len(enc["input_ids"]) <= max_tokens:
+        return text
+    return text[: enc["offset_mapping"][max_tokens - 1][1]]
+
+
+def canonicalize_row(row: dict, cfg: DataConfig | None = None, *, tokenizer=None) -> CanonicalRow:
+    """Raw row -> ``CanonicalRow(messages, tools, report)``.
+
+    Detects the schema (or uses ``cfg.dataset_schema``), maps roles, moves
+    reasoning fields into ``reasoning_content``, extracts inline think blocks,
+    applies ``think_mode`` / ``think_max_tokens`` (needs ``tokenizer``) and
+    finds tools in the first matching tools column.
+    """
+    cfg = cfg or DataConfig()
+    if not isinstance(row, dict):
+        raise RowRejected(DropReason.BAD_ROW, f"row is a {type(row).__name__}, not a mapping")
+    schema = cfg.dataset_schema if cfg.dataset_schema != "auto" else detect_schema(row, cfg)
+    report = ParseReport(schema=schema, schemas=Counter({schema: 1}), rows=1)
+    if schema == "unknown":
+        raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"no known schema among keys {sorted(row)[:8]}")
+    raw = _raw_messages(row, schema, cfg)
+    messages = [_message(m, i, schema, cfg, report) for i, m in enumerate(raw)]
+    if cfg.think_mode == "drop":
+        for m in messages:
+            if m.pop("reasoning_content", None) is not None:
+                report.dropped_think_messages += 1
+    elif cfg.think_max_tokens > 0:
+        if tokenizer is None:
+            raise ValueError("think_max_tokens needs a tokenizer")
+        for m in messages:
+            if "reasoning_content" in m:
+                capped = _cap_reasoning(m["reasoning_content"], cfg.think_max_tokens, tokenizer)
+                if capped != m["reasoning_content"]:
+                    m["reasoning_content"] = capped
+                    report.think_capped_messages += 1
+    trained = [i for i, m in enumerate(messages) if m["role"] in cfg.assistant_roles]
+    if not trained:
+        raise RowRejected(DropReason.NO_ASSISTANT_TURN, f"no message with a role in {list(cfg.assistant_roles)}")
+    for i in trained:
+        m = messages[i]
+        if not m["content"].strip() and not m.get("tool_calls") and not m.get("reasoning_content"):
+            raise RowRejected(DropReason.EMPTY_ASSISTANT, f"messages[{i}]: empty {m['role']} turn without tool calls")
+    tools = _tools(row, cfg, report)
+    return CanonicalRow(messages=messages, tools=tools, report=report)

@@ -1,0 +1,85 @@
+"""Stage 4: tokenize the rendered text and project the char mask onto tokens -> labels.
+
+    >>> out = tokenize_with_char_mask(text, char_mask, tok)
+    >>> out.keys()
+    dict_keys(['input_ids', 'attention_mask', 'labels'])
+
+Labels are made here and nowhere else. Projection rule: a token is trained
+when at least one of its characters is trained, so no trained character is
+ever left out of the loss (a token whose characters are part trained, part
+masked is rare: special tokens never merge with text; ``count_straddling``
+measures it). ``IGNORE_INDEX`` marks tokens without loss.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], np.ndarray]]:
+    """One batched fast-tokenizer call -> per text ``(input_ids, offsets[n, 2])``.
+
+    ``add_special_tokens=False``: the ids are exactly the tokenization of the
+    rendered text, so no BOS is added on top of one the template wrote.
+    """
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+    return [
+        (ids, np.asarray(offs, dtype=np.int64).reshape(-1, 2))
+        for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])
+    ]
+
+
+def trained_token_mask(offsets: np.ndarray, char_mask: np.ndarray) -> np.ndarray:
+    """offsets[n, 2] + char_mask[len(text)] -> bool[n]: token has >= 1 trained character."""
+    csum = np.zeros(len(char_mask) + 1, dtype=np.int64)
+    np.cumsum(char_mask, out=csum[1:])
+    return (csum[offsets[:, 1]] - csum[offsets[:, 0]]) > 0
+
+
+def count_straddling(offsets: np.ndarray, char_mask: np.ndarray) -> int:
+    """Tokens whose characters are partly trained and partly masked."""
+    csum = np.zeros(len(char_mask) + 1, dtype=np.int64)
+    np.cumsum(char_mask, out=csum[1:])
+    trained = csum[offsets[:, 1]] - csum[offsets[:, 0]]
+    width = offsets[:, 1] - offsets[:, 0]
+    return int(((trained > 0) & (trained < width)).sum())
+
+
+def make_labels(
+    input_ids: list[int],
+    offsets: np.ndarray,
+    char_mask: np.ndarray,
+    *,
+    max_length: int | None = None,
+    truncate_side: str = "left",
+) -> dict[str, list[int]]:
+    """The one place labels are made: ids + offsets + char mask -> input_ids, attention_mask, labels.
+
+    When ``max_length`` is exceeded, tokens are cut on ``truncate_side``
+    (``left`` keeps the last ``max_length`` tokens, ``right`` the first).
+    """
+    ids = np.asarray(input_ids, dtype=np.int64)
+    labels = np.where(trained_token_mask(offsets, char_mask), ids, IGNORE_INDEX)
+    if max_length is not None and len(ids) > max_length:
+        cut = slice(len(ids) - max_length, None) if truncate_side == "left" else slice(0, max_length)
+        ids, labels = ids[cut], labels[cut]
+    assert len(ids) == len(labels), "input_ids and labels must have the same length"
+    return {"input_ids": ids.tolist(), "attention_mask": [1] * len(ids), "labels": labels.tolist()}
+
+
+def tokenize_with_char_mask(
+    text: str,
+    char_mask,
+    tokenizer,
+    *,
+    max_length: int | None = None,
+    truncate_side: str = "left",
+) -> dict[str, list[int]]:
+    """Rendered text + char mask -> ``input_ids``, ``attention_mask``, ``labels`` (-100 = ignored)."""
+    char_mask = np.asarray(char_mask, dtype=np.uint8)
+    if len(char_mask) != len(text):
+        raise ValueError(f"char_mask has {len(char_mask)} entries for {len(text)} characters")
+    (ids, offsets), = encode_batch([text], tokenizer)
+    return make_labels(ids, offsets, char_mask, max_length=max_length, truncate_side=truncate_side)

@@ -1,0 +1,169 @@
+"""Stage 2: fit a conversation into ``max_length`` tokens while keeping what matters.
+
+    >>> r = structured_truncate_messages(msgs, tok, max_length=512)
+    >>> r.dropped_turns, r.reasoning_trimmed_tokens, r.needs_token_fallback
+    (2, 0, False)
+
+Order of actions, each only if the previous was not enough:
+
+1. keep the leading system message(s) (and the tools, which the template
+   renders), and the latest exchange: the last user message and everything
+   after it (tool calls, tool results, the final answer);
+2. drop the oldest middle exchanges first, whole exchanges at a time (a user
+   message and the turns answering it), so no assistant turn loses its question;
+3. trim ``reasoning_content`` of kept turns whose reasoning is rendered, from
+   the end of the longest one;
+4. otherwise report ``needs_token_fallback`` (the tokenize stage cuts tokens on
+   ``truncate_side``).
+
+Lengths are counted on ONE render + tokenization: each message's token cost is
+read off the token offsets of its rendered segment, so dropping turns needs no
+re-render per turn; the choice is then confirmed by one re-render.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qlora_train.data.messages import Message
+from qlora_train.data.render import RenderedConversation, render_conversation
+from qlora_train.data.tokenize import encode_batch
+
+_TRIM_MARGIN = 2  # tokens of slack when trimming reasoning (BPE merges at the cut)
+_MAX_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A render with its tokenization (what truncation counts on)."""
+
+    rendered: RenderedConversation
+    input_ids: list[int]
+    offsets: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class TruncationResult:
+    messages: list[Message]
+    num_tokens_before: int
+    num_tokens_after: int
+    dropped_messages: int = 0
+    dropped_turns: int = 0
+    reasoning_trimmed_tokens: int = 0
+    needs_token_fallback: bool = False
+    final: Measured | None = field(default=None, repr=False)  # the render of ``messages``
+
+
+def measure(messages, tokenizer, *, tools=None, assistant_roles=("assistant",), think_loss="all") -> Measured:
+    rendered = render_conversation(
+        messages, tokenizer, tools=tools, assistant_roles=assistant_roles, think_loss=think_loss
+    )
+    (ids, offsets), = encode_batch([rendered.text], tokenizer)
+    return Measured(rendered, ids, offsets)
+
+
+def _message_token_costs(m: Measured) -> np.ndarray:
+    """Tokens starting inside each message's rendered segment (end of previous .. its end)."""
+    starts = m.offsets[:, 0]
+    bounds = np.searchsorted(starts, np.asarray((0,) + m.rendered.message_ends), side="left")
+    return np.diff(bounds)
+
+
+def _exchanges(messages: list[Message]) -> tuple[int, int, list[list[int]]]:
+    """(end of protected head, start of protected tail, middle exchanges as index lists)."""
+    head = 0
+    while head < len(messages) and messages[head]["role"] == "system":
+        head += 1
+    users = [i for i, m in enumerate(messages) if m["role"] == "user" and i >= head]
+    tail = users[-1] if users else len(messages)
+    groups: list[list[int]] = []
+    for i in range(head, tail):
+        if messages[i]["role"] == "user" or not groups:
+            groups.append([])
+        groups[-1].append(i)
+    return head, tail, groups
+
+
+def structured_truncate_messages(
+    messages: list[Message],
+    tokenizer,
+    *,
+    max_length: int,
+    tools: list[dict] | None = None,
+    assistant_roles=("assistant",),
+    think_loss: str = "all",
+    measured: Measured | None = None,
+) -> TruncationResult:
+    """Messages -> ``TruncationResult`` whose messages render to <= ``max_length`` tokens when possible.
+
+    ``measured`` may pass in the render + tokenization of ``messages`` already
+    made by the caller, so the common no-truncation case costs nothing extra.
+    The input list and its messages are never mutated.
+    """
+    kw = dict(tools=tools, assistant_roles=assistant_roles, think_loss=think_loss)
+    current = measured or measure(messages, tokenizer, **kw)
+    before = current.num_tokens
+    result = TruncationResult(list(messages), before, before, final=current)
+    if before <= max_length:
+        return result
+
+    # 2. drop whole middle exchanges, oldest first, sized on the one measured render
+    _, _, groups = _exchanges(messages)
+    costs = _message_token_costs(current)
+    drop: set[int] = set()
+    estimate = before
+    for group in groups:
+        if estimate <= max_length:
+            break
+        drop.update(group)
+        estimate -= int(costs[group].sum())
+        result.dropped_turns += 1
+    kept = [m for i, m in enumerate(messages) if i not in drop]
+    if drop:
+        current = measure(kept, tokenizer, **kw)
+        remaining = [g for g in groups if not drop.issuperset(g)]
+        while current.num_tokens > max_length and remaining:  # estimate was short: drop one more
+            drop.update(remaining.pop(0))
+            result.dropped_turns += 1
+            kept = [m for i, m in enumerate(messages) if i not in drop]
+            current = measure(kept, tokenizer, **kw)
+    result.dropped_messages = len(drop)
+
+    # 3. trim rendered reasoning of kept turns, longest first
+    for _ in range(_MAX_ROUNDS):
+        excess = current.num_tokens - max_length
+        if excess <= 0:
+            break
+        starts = current.offsets[:, 0]
+        best = None
+        for turn in current.rendered.turns:
+            if turn.reasoning:
+                a, b = np.searchsorted(starts, turn.reasoning)
+                if best is None or b - a > best[2] - best[1]:
+                    best = (turn, int(a), int(b))
+        if best is None:
+            break
+        turn, a, b = best
+        n_reason = b - a
+        keep = max(0, n_reason - excess - _TRIM_MARGIN)
+        text = current.rendered.text
+        new_reasoning = text[turn.reasoning[0]: int(starts[a + keep])].rstrip() if keep else ""
+        msg = dict(kept[turn.index])
+        msg["reasoning_content"] = new_reasoning
+        if not new_reasoning:
+            msg.pop("reasoning_content")
+        kept = kept[: turn.index] + [msg] + kept[turn.index + 1:]
+        result.reasoning_trimmed_tokens += n_reason - keep
+        current = measure(kept, tokenizer, **kw)
+
+    result.messages = kept
+    result.final = current
+    result.num_tokens_after = current.num_tokens
+    result.needs_token_fallback = current.num_tokens > max_length
+    return result
