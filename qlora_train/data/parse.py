@@ -162,7 +162,9 @@ def _raw_messages(row: dict, schema: str, cfg: DataConfig) -> list[dict]:
     if isinstance(row.get("system"), str) and row["system"]:
         msgs.append({"role": "system", "content": row["system"]})
     msgs.append({"role": "user", "content": row[prompt_key]})
-    msgs.append({"role": "assistant", "content": row[response_key]})
+    answer = {"role": "assistant", "content": row[response_key]}
+    answer.update({k: row[k] for k in cfg.reasoning_keys if k in row})  # row-level reasoning belongs to the answer
+    msgs.append(answer)
     return msgs
 
 
