@@ -28,6 +28,7 @@ class Message(TypedDict):
 class DropReason:
     """Why a row was refused. Every refused row is counted under exactly one of these."""
 
+    UNPARSEABLE_JSON = "unparseable_json"
     BAD_ROW = "bad_row"
     UNKNOWN_SCHEMA = "unknown_schema"
     NO_MESSAGES = "no_messages"

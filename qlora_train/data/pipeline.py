@@ -39,7 +39,7 @@ def _rows(batch: dict[str, list] | list[dict]) -> list[dict]:
     return [{k: batch[k][i] for k in keys} for i in range(n)]
 
 
-def _empty_output() -> dict[str, Any]:
+def empty_output() -> dict[str, Any]:
     return {
         "input_ids": [], "attention_mask": [], "labels": [], "drop_reason": "", "drop_detail": "",
         "num_tokens_before": 0, "num_tokens": 0, "num_trained_tokens": 0, "dropped_turns": 0,
@@ -47,10 +47,14 @@ def _empty_output() -> dict[str, Any]:
     }
 
 
-def process_rows(batch, tokenizer, cfg: DataConfig, *, row_offset: int = 0) -> dict[str, list]:
-    """A batch of raw rows -> columns ``OUTPUT_COLUMNS`` (one entry per input row)."""
+def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | None = None) -> dict[str, list]:
+    """A batch of raw rows -> columns ``OUTPUT_COLUMNS`` (one entry per input row).
+
+    ``locations`` name the rows in drop details (default: ``row <index in batch>``).
+    """
     rows = _rows(batch)
-    outs = [_empty_output() for _ in rows]
+    where = locations or [f"row {i}" for i in range(len(rows))]
+    outs = [empty_output() for _ in rows]
     kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss)
     staged: list[tuple[int, Any, Any]] = []  # (row index, canonical row, rendered)
     for i, row in enumerate(rows):
@@ -60,7 +64,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, row_offset: int = 0) -> d
             rendered = render_conversation(canon.messages, tokenizer, tools=canon.tools, **kw)
             staged.append((i, canon, rendered))
         except RowRejected as rej:
-            outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"row {row_offset + i}: {rej.detail}"
+            outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
     encoded = encode_batch([r.text for _, _, r in staged], tokenizer)
     for (i, canon, rendered), (ids, offsets) in zip(staged, encoded):
         out = outs[i]
@@ -78,14 +82,14 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, row_offset: int = 0) -> d
                 if tr.needs_token_fallback:
                     out["token_fallback"] = cfg.truncate_side
         except RowRejected as rej:
-            out["drop_reason"], out["drop_detail"] = rej.reason, f"row {row_offset + i}: {rej.detail}"
+            out["drop_reason"], out["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
             continue
         example = make_labels(ids, offsets, char_mask, max_length=cfg.max_length, truncate_side=cfg.truncate_side)
         n_trained = int(np.count_nonzero(np.asarray(example["labels"]) != IGNORE_INDEX))
         out["straddling_tokens"] = count_straddling(offsets, char_mask)
         if n_trained == 0:
             out["drop_reason"] = DropReason.NO_TRAINED_TOKEN
-            out["drop_detail"] = f"row {row_offset + i}: no trained token left within max_length={cfg.max_length}"
+            out["drop_detail"] = f"{where[i]}: no trained token left within max_length={cfg.max_length}"
             continue
         out.update(example, num_tokens=len(example["input_ids"]), num_trained_tokens=n_trained)
     return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}

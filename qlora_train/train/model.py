@@ -1,0 +1,93 @@
+"""Load the tokenizer, and the base model in 4-bit (nf4, double quant) with a LoRA adapter."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from qlora_train.config import Config, ModelConfig
+from qlora_train.data.chat_templates import get_chat_template
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CUDA_ONLY_OPTIMIZERS = ("paged_", "8bit", "bnb")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how this process computes."""
+
+    device: str  # "cuda" or "cpu"
+    local_rank: int
+    compute_dtype: torch.dtype
+    optim: str
+    bf16: bool
+    fp16: bool
+    note: str  # one log line saying what was chosen and why
+
+
+def resolve_runtime(cfg: Config) -> Runtime:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        dtype = DTYPES[cfg.model.compute_dtype]
+        if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            dtype = torch.float16
+        return Runtime("cuda", local_rank, dtype, cfg.train.optim, dtype is torch.bfloat16, dtype is torch.float16,
+                       f"CUDA: compute dtype {dtype}, optimizer {cfg.train.optim}")
+    optim = cfg.train.optim
+    if any(tag in optim for tag in CUDA_ONLY_OPTIMIZERS):
+        optim = "adamw_torch"
+    note = (f"no CUDA device: training on CPU in float32 with {optim}"
+            + (f" (config asked for {cfg.train.optim}, which needs CUDA)" if optim != cfg.train.optim else ""))
+    return Runtime("cpu", local_rank, torch.float32, optim, False, False, note)
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """Tokenizer with the configured chat template; pad token falls back to EOS."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return get_chat_template(tok, cfg.chat_template)
+
+
+def load_model(cfg: Config, runtime: Runtime):
+    """Base model (quantised as configured) prepared for k-bit training, wrapped in a peft LoRA adapter."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    m = cfg.model
+    quant = None
+    if m.load_in_4bit:
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=runtime.compute_dtype)
+    elif m.load_in_8bit:
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    device_map = {"": runtime.local_rank} if runtime.device == "cuda" else {"": "cpu"}
+    kwargs = dict(quantization_config=quant, dtype=runtime.compute_dtype, device_map=device_map,
+                  trust_remote_code=m.trust_remote_code)
+    if m.attn_implementation:
+        kwargs["attn_implementation"] = m.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
+    gc = cfg.train.gradient_checkpointing
+    gc_kwargs = {"use_reentrant": False}
+    if quant is not None:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc,
+                                                gradient_checkpointing_kwargs=gc_kwargs)
+    elif gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save,
+                      task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

@@ -1,0 +1,122 @@
+"""The train flow, top to bottom: config -> data -> 4-bit model + LoRA -> Trainer -> outputs.
+
+Runs unchanged as one process or under ``torchrun`` / ``accelerate launch``:
+rank 0 preprocesses first and the others reuse the datasets cache; only rank
+0 writes reports and outputs; each rank loads its own 4-bit model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import yaml
+
+from qlora_train.config import Config
+from qlora_train.data.dataset import MODEL_COLUMNS, build_datasets
+from qlora_train.train.collator import PadCollator
+from qlora_train.train.model import count_parameters, load_model, load_tokenizer, resolve_runtime
+
+log = logging.getLogger("qlora_train")
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary name, then rename: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def training_arguments(cfg: Config, runtime, has_eval: bool):
+    from transformers import TrainingArguments
+
+    t = cfg.train
+    report_to = t.report_to if isinstance(t.report_to, list) else [t.report_to]
+    return TrainingArguments(
+        output_dir=t.output_dir, max_steps=t.max_steps, num_train_epochs=t.num_epochs,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        per_device_eval_batch_size=t.per_device_eval_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps, learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio, weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm, optim=runtime.optim, bf16=runtime.bf16, fp16=runtime.fp16,
+        use_cpu=runtime.device == "cpu", logging_steps=t.logging_steps, save_strategy="steps",
+        save_steps=t.save_steps, save_total_limit=t.save_total_limit,
+        eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps or t.save_steps,
+        seed=t.seed, data_seed=t.seed, report_to=[] if report_to == ["none"] else report_to,
+        dataloader_num_workers=t.dataloader_num_workers, remove_unused_columns=False,
+        gradient_checkpointing=False,  # enabled on the model by load_model
+        ddp_find_unused_parameters=False, disable_tqdm=False,
+    )
+
+
+def resolve_resume(cfg: Config) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    resume = cfg.train.resume_from_checkpoint
+    if resume != "auto":
+        return resume
+    last = get_last_checkpoint(cfg.train.output_dir) if Path(cfg.train.output_dir).is_dir() else None
+    log.info("resume_from_checkpoint: auto -> %s", last or "no checkpoint yet, starting fresh")
+    return last
+
+
+def summary_lines(cfg: Config, runtime, model, report) -> list[str]:
+    trainable, total = count_parameters(model)
+    return [
+        "=" * 72,
+        f"model      {cfg.model.name_or_path}  (4-bit: {cfg.model.load_in_4bit}, template: {cfg.model.chat_template})",
+        f"runtime    {runtime.note}",
+        f"LoRA       r={cfg.lora.r} alpha={cfg.lora.alpha}  trainable {trainable:,} of {total:,} "
+        f"({trainable / total:.2%})",
+        *[f"data       {line}" for line in report.lines()],
+        f"output     {cfg.train.output_dir}",
+        "=" * 72,
+    ]
+
+
+def train(cfg: Config) -> Path:
+    """Run one training job; returns the output directory."""
+    from transformers import Trainer
+
+    out = Path(cfg.train.output_dir)
+    main = is_main_process()
+    runtime = resolve_runtime(cfg)
+    log.info(runtime.note)
+    tokenizer = load_tokenizer(cfg.model)
+    args = training_arguments(cfg, runtime, has_eval=cfg.data.eval_fraction > 0)
+
+    with args.main_process_first(desc="preprocessing"):
+        train_ds, eval_ds, report = build_datasets(cfg.data, tokenizer)
+    train_ds = train_ds.select_columns(list(MODEL_COLUMNS))
+    eval_ds = eval_ds.select_columns(list(MODEL_COLUMNS)) if eval_ds is not None else None
+
+    model = load_model(cfg, runtime)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "dataset_report.json", report.to_json())
+        print("\n".join(summary_lines(cfg, runtime, model, report)), flush=True)
+
+    trainer = Trainer(
+        model=model, args=args, data_collator=PadCollator(tokenizer.pad_token_id),
+        train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+    )
+    trainer.train(resume_from_checkpoint=resolve_resume(cfg))
+
+    trainer.save_model(str(out))  # the LoRA adapter (rank 0 only)
+    if main:
+        trainer.save_state()
+        tokenizer.save_pretrained(out)
+        write_atomic(out / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
+        write_atomic(out / "loss_history.json", json.dumps(losses, indent=1))
+        if len(losses) >= 2:
+            log.info("loss %.4f (step %d) -> %.4f (step %d)", losses[0]["loss"], losses[0]["step"],
+                     losses[-1]["loss"], losses[-1]["step"])
+        log.info("adapter, tokenizer and config written to %s", out)
+    return out
