@@ -37,6 +37,7 @@ def training_arguments(cfg: Config, runtime, has_eval: bool):
     from transformers import TrainingArguments
 
     t = cfg.train
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     report_to = t.report_to if isinstance(t.report_to, list) else [t.report_to]
     return TrainingArguments(
         output_dir=t.output_dir, max_steps=t.max_steps, num_train_epochs=t.num_epochs,
@@ -50,8 +51,7 @@ def training_arguments(cfg: Config, runtime, has_eval: bool):
         eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps or t.save_steps,
         seed=t.seed, data_seed=t.seed, report_to=[] if report_to == ["none"] else report_to,
         dataloader_num_workers=t.dataloader_num_workers, remove_unused_columns=False,
-        gradient_checkpointing=False,  # enabled on the model by load_model
-        ddp_find_unused_parameters=False, disable_tqdm=False,
+        ddp_find_unused_parameters=False, ddp_backend="gloo" if runtime.device == "cpu" and distributed else None,
     )
 
 
@@ -80,10 +80,11 @@ def summary_lines(cfg: Config, runtime, model, report) -> list[str]:
     ]
 
 
-def train(cfg: Config) -> Path:
-    """Run one training job; returns the output directory."""
-    from transformers import Trainer
+def train(cfg: Config, *, callbacks: list | None = None):
+    """Run one training job; returns the finished ``Trainer`` (outputs are in ``cfg.train.output_dir``)."""
+    from transformers import Trainer, set_seed
 
+    set_seed(cfg.train.seed)  # before the adapter is built: LoRA init is random
     out = Path(cfg.train.output_dir)
     main = is_main_process()
     runtime = resolve_runtime(cfg)
@@ -104,7 +105,7 @@ def train(cfg: Config) -> Path:
 
     trainer = Trainer(
         model=model, args=args, data_collator=PadCollator(tokenizer.pad_token_id),
-        train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+        train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer, callbacks=callbacks,
     )
     trainer.train(resume_from_checkpoint=resolve_resume(cfg))
 
@@ -119,4 +120,4 @@ def train(cfg: Config) -> Path:
             log.info("loss %.4f (step %d) -> %.4f (step %d)", losses[0]["loss"], losses[0]["step"],
                      losses[-1]["loss"], losses[-1]["step"])
         log.info("adapter, tokenizer and config written to %s", out)
-    return out
+    return trainer

@@ -1,0 +1,34 @@
+PYTHON ?= python3
+TINY   ?= .cache/tiny-qwen3
+
+.PHONY: install test test-fast lint bench demo docs
+
+# Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
+install:
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		echo "CUDA GPU found: installing torch from the index"; \
+	else \
+		$(PYTHON) -m pip install "torch==2.13.0"; \
+	fi
+	$(PYTHON) -m pip install -e ".[dev]"
+
+test:
+	$(PYTHON) -m pytest -q
+
+test-fast:
+	$(PYTHON) -m pytest -q -m "not slow"
+
+lint:
+	$(PYTHON) -m ruff check qlora_train tests benchmarks scripts
+
+bench:
+	$(PYTHON) benchmarks/bench_preprocess.py
+
+$(TINY)/config.json:
+	$(PYTHON) -m qlora_train.tiny --out $(TINY)
+
+demo: $(TINY)/config.json
+	qlora-train --config configs/quickstart.yaml
+
+docs:
+	$(PYTHON) -m qlora_train.config > docs/config.md
