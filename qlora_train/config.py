@@ -7,6 +7,7 @@ these models (``python -m qlora_train.config``) and a test keeps the two in sync
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -240,7 +241,7 @@ def config_reference_markdown() -> str:
         for key, field in model.model_fields.items():
             default = "required" if field.is_required() else repr(
                 field.default_factory() if field.default_factory else field.default)
-            ann = str(field.annotation).replace("typing.", "").replace("|", "\\|")
+            ann = re.sub(r"[\w.]+\.(\w+)", r"\1", str(field.annotation)).replace("|", "\\|")
             lines.append(f"| `{key}` | `{ann}` | `{default}` | {field.description or ''} |")
         lines.append("")
     return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""Sources and the dataset report: every row is kept or dropped with a reason and a location."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qlora_train.config import DataConfig, DatasetSource
+from qlora_train.data.dataset import EmptyDatasetError, build_datasets
+from qlora_train.data.sources import SourceError, load_source
+
+GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+TOOL_ROW = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}, {"role": "tool", "content": "1"},
+    {"role": "assistant", "content": "one"}]}
+
+
+def test_jsonl_with_broken_line_and_report(tmp_path, qwen3_tok):
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps(GOOD), "{not json", json.dumps({"foo": 1}), json.dumps(TOOL_ROW),
+             json.dumps({"messages": [{"role": "user", "content": "only a question"}]})]
+    path.write_text("\n".join(lines) + "\n")
+    cfg = DataConfig(datasets=[DatasetSource(path=str(path))], max_length=64)
+    train_ds, eval_ds, report = build_datasets(cfg, qwen3_tok)
+    assert report.rows_in == 5 and report.rows_kept == 2 == len(train_ds) and eval_ds is None
+    assert report.dropped == {"unparseable_json": 1, "unknown_schema": 1, "no_assistant_turn": 1}
+    assert report.first_dropped["unparseable_json"].startswith(f"{path}:2: unparseable JSON line")
+    assert report.first_dropped["no_assistant_turn"].startswith(f"{path}:5:")
+    assert report.parse["rows"] == 2 and report.parse["schemas"] == {"messages": 2}  # rows that parsed
+
+
+def test_nested_rows_are_not_unioned_by_arrow(tmp_path, qwen3_tok):
+    """Arrow would give every tool call every argument key seen in the file (as null)."""
+    other = json.loads(json.dumps(TOOL_ROW))
+    other["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"y": 2}
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([TOOL_ROW, other]))  # a top-level JSON array
+    ds = load_source(DatasetSource(path=str(path)))
+    rows = [json.loads(r) for r in ds["row"]]
+    assert rows == [TOOL_ROW, other]
+    assert ds["location"] == [f"{path}[0]", f"{path}[1]"]
+
+
+def test_parquet_and_max_samples(tmp_path, qwen3_tok):
+    import datasets
+
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list([{"prompt": f"q{i}", "response": f"a{i}"} for i in range(5)]).to_parquet(path)
+    cfg = DataConfig(datasets=[DatasetSource(path=str(path), max_samples=3)], eval_fraction=0.34)
+    train_ds, eval_ds, report = build_datasets(cfg, qwen3_tok)
+    assert report.rows_in == 3 and len(train_ds) + len(eval_ds) == 3 and len(eval_ds) == 1
+
+
+def test_all_rows_dropped_stops_with_reasons(tmp_path, qwen3_tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"foo": 1}) + "\n")
+    with pytest.raises(EmptyDatasetError, match="unknown_schema: 1"):
+        build_datasets(DataConfig(datasets=[DatasetSource(path=str(path))]), qwen3_tok)
+
+
+def test_missing_source_names_the_path():
+    with pytest.raises(SourceError, match="nope.jsonl"):
+        load_source(DatasetSource(path="nope.jsonl"))
+
+
+def test_too_long_rows_are_truncated_or_refused(tmp_path, qwen3_tok):
+    long = {"messages": [{"role": "system", "content": "S " * 200}, {"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "a"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(long) + "\n" + json.dumps(GOOD) + "\n")
+    cfg = DataConfig(datasets=[DatasetSource(path=str(path))], max_length=40, truncate_side="left")
+    train_ds, _, report = build_datasets(cfg, qwen3_tok)
+    assert report.rows_token_fallback == {"left": 1} and report.rows_kept == 2
+    assert max(len(ids) for ids in train_ds["input_ids"]) == 40
+    cfg = DataConfig(datasets=[DatasetSource(path=str(path))], max_length=40, truncate_side="right")
+    _, _, report = build_datasets(cfg, qwen3_tok)  # the right cut leaves the answer out
+    assert report.dropped == {"no_trained_token_after_truncation": 1}
