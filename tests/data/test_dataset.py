@@ -47,7 +47,7 @@ def test_parquet_and_max_samples(tmp_path, qwen3_tok):
 
     path = tmp_path / "d.parquet"
     datasets.Dataset.from_list([{"prompt": f"q{i}", "response": f"a{i}"} for i in range(5)]).to_parquet(path)
-    cfg = DataConfig(datasets=[DatasetSource(path=str(path), max_samples=3)], eval_fraction=0.34)
+    cfg = DataConfig(datasets=[DatasetSource(path=str(path), max_samples=3)], eval_fraction=0.3)
     train_ds, eval_ds, report = build_datasets(cfg, qwen3_tok)
     assert report.rows_in == 3 and len(train_ds) + len(eval_ds) == 3 and len(eval_ds) == 1
 
