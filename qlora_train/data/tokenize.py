@@ -24,6 +24,8 @@ def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], np.ndarra
     ``add_special_tokens=False``: the ids are exactly the tokenization of the
     rendered text, so no BOS is added on top of one the template wrote.
     """
+    if not texts:
+        return []
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
     return [
         (ids, np.asarray(offs, dtype=np.int64).reshape(-1, 2))
