@@ -73,9 +73,10 @@ class DataConfig(_Section):
     cache_dir: str | None = Field(None, description="datasets cache directory (default: the HF cache).")
 
     @model_validator(mode="after")
-    def _check(self) -> "DataConfig":
+    def _check(self) -> DataConfig:
         if self.think_mode == "drop" and self.think_loss == "answer_plus_think":
-            raise ValueError("think_mode: drop removes reasoning, so think_loss: answer_plus_think has nothing to train")
+            raise ValueError("think_mode: drop removes reasoning, so think_loss: answer_plus_think "
+                             "has nothing to train")
         if not self.assistant_roles:
             raise ValueError("assistant_roles must name at least one role")
         return self
@@ -98,7 +99,7 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow code from the model repository to run.")
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelConfig":
+    def _check(self) -> ModelConfig:
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("load_in_4bit and load_in_8bit cannot both be true")
         return self

@@ -48,18 +48,18 @@ class ParseReport:
     tools_parsed_from_string: int = 0
     unknown_roles: Counter = field(default_factory=Counter)
 
-    def __add__(self, other: "ParseReport") -> "ParseReport":
+    def __add__(self, other: ParseReport) -> ParseReport:
         out = ParseReport()
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.name == "schema":
-                setattr(out, "schema", a if a == b else "mixed")
+                out.schema = a if a == b else "mixed"
             else:
                 setattr(out, f.name, a + b)
         return out
 
     @classmethod
-    def total(cls, reports) -> "ParseReport":
+    def total(cls, reports) -> ParseReport:
         """Sum of many reports (an empty sum has ``schema='none'``)."""
         out = None
         for r in reports:
@@ -70,7 +70,7 @@ class ParseReport:
         return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), Counter) else v) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ParseReport":
+    def from_dict(cls, d: dict[str, Any]) -> ParseReport:
         kw = {k: (Counter(v) if isinstance(v, dict) else v) for k, v in d.items()}
         return cls(**kw)
 

@@ -102,7 +102,8 @@ def template_layout(tokenizer) -> TemplateLayout:
     if eot is None:
         eot = after.split("\n", 1)[0]
     if not eot:
-        log.warning("chat template writes no end-of-turn marker after assistant turns: the model will not learn to stop")
+        log.warning("chat template writes no end-of-turn marker after assistant turns: "
+                    "the model will not learn to stop")
     layout = TemplateLayout(assistant_header=header, end_of_turn=eot)
     _LAYOUTS[key] = layout
     return layout

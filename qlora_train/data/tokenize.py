@@ -5,10 +5,14 @@
     dict_keys(['input_ids', 'attention_mask', 'labels'])
 
 Labels are made here and nowhere else. Projection rule: a token is trained
-when at least one of its characters is trained, so no trained character is
-ever left out of the loss (a token whose characters are part trained, part
-masked is rare: special tokens never merge with text; ``count_straddling``
-measures it). ``IGNORE_INDEX`` marks tokens without loss.
+when its FIRST character is trained. A token belongs to where it starts, as in
+generation, where the model emits tokens from the position where the prompt
+ends. Tokens whose characters are part trained, part masked ("straddling") are
+rare, because special tokens never merge with text; with the Qwen tokenizer they
+are whitespace runs such as the header's "\n" merged with content that starts
+with " \n" (masked: it starts in the header) or a reasoning's final "." merged
+with the masked "\n" before "</think>" (trained: it starts in the reasoning).
+``count_straddling`` counts them. ``IGNORE_INDEX`` marks tokens without loss.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], np.ndarra
 
 
 def trained_token_mask(offsets: np.ndarray, char_mask: np.ndarray) -> np.ndarray:
-    """offsets[n, 2] + char_mask[len(text)] -> bool[n]: token has >= 1 trained character."""
-    csum = np.zeros(len(char_mask) + 1, dtype=np.int64)
-    np.cumsum(char_mask, out=csum[1:])
-    return (csum[offsets[:, 1]] - csum[offsets[:, 0]]) > 0
+    """offsets[n, 2] + char_mask[len(text)] -> bool[n]: the token's first character is trained."""
+    if len(char_mask) == 0:
+        return np.zeros(len(offsets), dtype=bool)
+    starts = np.minimum(offsets[:, 0], len(char_mask) - 1)
+    return (char_mask[starts] > 0) & (offsets[:, 1] > offsets[:, 0])
 
 
 def count_straddling(offsets: np.ndarray, char_mask: np.ndarray) -> int:
