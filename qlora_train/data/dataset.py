@@ -62,19 +62,19 @@ class DatasetReport:
 def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig) -> dict:
     """datasets.map function: JSON-text rows (+ load errors) -> OUTPUT_COLUMNS."""
     ok = [i for i, err in enumerate(batch["load_error"]) if not err]
-    rows = [json.loads(batch["row"][i]) for i in ok]
-    good = process_rows(rows, tokenizer, cfg, locations=[batch["location"][i] for i in ok])
-    n = len(batch["row"])
-    out = {col: [None] * n for col in OUTPUT_COLUMNS}
-    for col in OUTPUT_COLUMNS:
-        for j, i in enumerate(ok):
-            out[col][i] = good[col][j]
+    good = process_rows([json.loads(batch["row"][i]) for i in ok], tokenizer, cfg,
+                        locations=[batch["location"][i] for i in ok])
+    out = {col: [] for col in OUTPUT_COLUMNS}
+    j = 0
     for i, err in enumerate(batch["load_error"]):
-        if err:
-            bad = empty_output()
-            bad["drop_reason"], bad["drop_detail"] = DropReason.UNPARSEABLE_JSON, f"{batch['location'][i]}: {err}"
-            for col in OUTPUT_COLUMNS:
-                out[col][i] = bad[col]
+        if err:  # unreadable line: dropped with its location
+            row = empty_output()
+            row["drop_reason"], row["drop_detail"] = DropReason.UNPARSEABLE_JSON, f"{batch['location'][i]}: {err}"
+        else:
+            row = {col: good[col][j] for col in OUTPUT_COLUMNS}
+            j += 1
+        for col in OUTPUT_COLUMNS:
+            out[col].append(row[col])
     return out
 
 
@@ -123,7 +123,7 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datase
                                 + "; ".join(report.first_dropped.values()))
     kept = processed.filter(lambda r: [not x for x in r], input_columns=["drop_reason"], batched=True,
                             desc="dropping refused rows")
-    kept = kept.select_columns(list(MODEL_COLUMNS) + ["num_tokens"])
+    kept = kept.select_columns(list(MODEL_COLUMNS))
     eval_ds = None
     if cfg.eval_fraction > 0 and len(kept) >= 2:
         split = kept.train_test_split(test_size=cfg.eval_fraction, seed=cfg.shuffle_seed)

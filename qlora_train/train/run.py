@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from qlora_train.config import Config
-from qlora_train.data.dataset import MODEL_COLUMNS, build_datasets
+from qlora_train.data.dataset import build_datasets
 from qlora_train.train.collator import PadCollator
 from qlora_train.train.model import count_parameters, load_model, load_tokenizer, resolve_runtime
 
@@ -94,8 +94,6 @@ def train(cfg: Config, *, callbacks: list | None = None):
 
     with args.main_process_first(desc="preprocessing"):
         train_ds, eval_ds, report = build_datasets(cfg.data, tokenizer)
-    train_ds = train_ds.select_columns(list(MODEL_COLUMNS))
-    eval_ds = eval_ds.select_columns(list(MODEL_COLUMNS)) if eval_ds is not None else None
 
     model = load_model(cfg, runtime)
     if main:
