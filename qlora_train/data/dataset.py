@@ -60,7 +60,7 @@ class DatasetReport:
 
 
 def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig) -> dict:
-    """datasets.map function: JSON-text rows (+ load errors) -> OUTPUT_COLUMNS."""
+    """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source."""
     ok = [i for i, err in enumerate(batch["load_error"]) if not err]
     good = process_rows([json.loads(batch["row"][i]) for i in ok], tokenizer, cfg,
                         locations=[batch["location"][i] for i in ok])
@@ -75,6 +75,7 @@ def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig) -> dict:
             j += 1
         for col in OUTPUT_COLUMNS:
             out[col].append(row[col])
+    out["source"] = list(batch["source"])
     return out
 
 

@@ -5,6 +5,7 @@ Every source becomes the same three columns::
     row        the raw row as JSON text ("" when it could not be read)
     location   "file:line" (JSON lines), "file[i]" (others), for messages naming the row
     load_error why the row could not be read ("" when it could)
+    source     which ``data.datasets`` entry the row came from (``source_label``), for per-source reports
 
 Rows are stored as JSON text on purpose: Arrow would merge the differing
 nested shapes of rows (tool arguments, optional message keys) into one struct
@@ -118,9 +119,22 @@ def load_source(src: DatasetSource, *, cache_dir: str | None = None) -> datasets
     return out
 
 
+def source_label(index: int, src: DatasetSource) -> str:
+    """``data.datasets[i]`` entry -> the name reports use for it, e.g. ``"0:data/chat.jsonl"``."""
+    return f"{index}:{src.path}"
+
+
+def _label_rows(batch: dict, label: str) -> dict:
+    return {"source": [label] * len(batch["row"])}
+
+
 def load_sources(sources: list[DatasetSource], *, cache_dir: str | None = None) -> datasets.Dataset:
-    """All sources, concatenated in order."""
+    """All sources, concatenated in order, each row tagged with its ``source`` label."""
     if not sources:
         raise SourceError("data.datasets is empty: name at least one data source")
-    parts = [load_source(s, cache_dir=cache_dir) for s in sources]
+    parts = [
+        load_source(s, cache_dir=cache_dir).map(_label_rows, batched=True, fn_kwargs={"label": source_label(i, s)},
+                                                 desc="labelling rows")
+        for i, s in enumerate(sources)
+    ]
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
