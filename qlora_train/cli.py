@@ -1,4 +1,8 @@
-"""``qlora-train --config x.yaml [--set key.path=value ...]``: a thin entry over ``train.run``."""
+"""``qlora-train --config x.yaml [--set key.path=value ...]``: a thin entry over ``train.run``.
+
+``--stats-only`` and ``--debug-samples N`` run the data pipeline with the
+tokenizer only (``diagnostics.run``) and exit without training.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config value (repeatable; applied after the file)")
-    return p.parse_args(argv)
+    d = p.add_argument_group("diagnostics (tokenizer and data only, no model; exit without training)")
+    d.add_argument("--stats-only", action="store_true",
+                   help="print length statistics; write stats.json and token_lengths.png")
+    d.add_argument("--stats-dir", metavar="DIR",
+                   help="where diagnostics write their files (default: train.output_dir)")
+    d.add_argument("--debug-samples", type=int, default=0, metavar="N",
+                   help="show N processed samples with trained text marked; write debug_samples.html")
+    d.add_argument("--debug-seed", type=int, metavar="SEED", help="draw the samples at random with this seed")
+    d.add_argument("--debug-tokens", action="store_true", help="also print one line per token: label and id")
+    d.add_argument("--debug-refused", action="store_true", help="show refused rows with their reason instead")
+    args = p.parse_args(argv)
+    if args.debug_samples < 0:
+        p.error("--debug-samples must be >= 0")
+    if (args.debug_seed is not None or args.debug_tokens or args.debug_refused) and not args.debug_samples:
+        p.error("--debug-seed, --debug-tokens and --debug-refused need --debug-samples N")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,10 +52,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from qlora_train.data.dataset import EmptyDatasetError
     from qlora_train.data.sources import SourceError
-    from qlora_train.train.run import train
 
     try:
-        train(cfg)
+        if args.stats_only or args.debug_samples:
+            from qlora_train.diagnostics.run import DebugOptions, diagnose
+
+            debug = DebugOptions(args.debug_samples, args.debug_seed, args.debug_tokens, args.debug_refused)
+            diagnose(cfg, stats=args.stats_only, debug=debug, out_dir=args.stats_dir)
+        else:
+            from qlora_train.train.run import train
+
+            train(cfg)
     except (EmptyDatasetError, SourceError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

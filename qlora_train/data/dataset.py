@@ -79,13 +79,13 @@ def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig) -> dict:
     return out
 
 
-def summarize(processed: datasets.Dataset) -> DatasetReport:
-    """Counts over the processed (not yet filtered) dataset."""
-    cols = processed.select_columns(
-        ["drop_reason", "drop_detail", "num_tokens", "num_trained_tokens", "dropped_turns",
-         "reasoning_trimmed_tokens", "token_fallback", "straddling_tokens", "parse_report"]
-    ).to_dict()
-    report = DatasetReport(rows_in=len(processed))
+REPORT_COLUMNS = ("drop_reason", "drop_detail", "num_tokens", "num_trained_tokens", "dropped_turns",
+                  "reasoning_trimmed_tokens", "token_fallback", "straddling_tokens", "parse_report")
+
+
+def summarize_columns(cols: dict[str, list]) -> DatasetReport:
+    """Counts over processed rows given as columns (at least ``REPORT_COLUMNS``)."""
+    report = DatasetReport(rows_in=len(cols["drop_reason"]))
     dropped: Counter = Counter()
     for reason, detail in zip(cols["drop_reason"], cols["drop_detail"]):
         if reason:
@@ -104,6 +104,11 @@ def summarize(processed: datasets.Dataset) -> DatasetReport:
     return report
 
 
+def summarize(processed: datasets.Dataset) -> DatasetReport:
+    """Counts over the processed (not yet filtered) dataset."""
+    return summarize_columns(processed.select_columns(list(REPORT_COLUMNS)).to_dict())
+
+
 def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datasets.Dataset:
     """Raw rows -> every row processed (kept rows have tokens, dropped rows a reason)."""
     return raw.map(
@@ -113,10 +118,15 @@ def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datase
     )
 
 
+def load_and_process(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Config -> (raw rows, processed rows), aligned row for row (the map keeps order)."""
+    raw = load_sources(cfg.datasets, cache_dir=cfg.cache_dir)
+    return raw, process_dataset(raw, tokenizer, cfg)
+
+
 def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset | None, DatasetReport]:
     """Config -> (train, eval or None, report). Raises ``EmptyDatasetError`` if no row survives."""
-    raw = load_sources(cfg.datasets, cache_dir=cfg.cache_dir)
-    processed = process_dataset(raw, tokenizer, cfg)
+    _, processed = load_and_process(cfg, tokenizer)
     report = summarize(processed)
     if report.rows_kept == 0:
         reasons = ", ".join(f"{r}: {n}" for r, n in report.dropped.items())

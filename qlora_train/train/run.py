@@ -16,6 +16,7 @@ import yaml
 
 from qlora_train.config import Config
 from qlora_train.data.dataset import build_datasets
+from qlora_train.files import write_atomic
 from qlora_train.train.collator import PadCollator
 from qlora_train.train.model import count_parameters, load_model, load_tokenizer, resolve_runtime
 
@@ -24,13 +25,6 @@ log = logging.getLogger("qlora_train")
 
 def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary name, then rename: a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def training_arguments(cfg: Config, runtime, has_eval: bool):

@@ -1,0 +1,1 @@
+"""Diagnostics before training: length statistics (``--stats-only``) and mask rendering (``--debug-samples``)."""

@@ -1,0 +1,93 @@
+"""The diagnostics flow: tokenizer + the training data pipeline, no model weights.
+
+``--stats-only`` prints the length report and writes ``stats.json`` and
+``token_lengths.png``; ``--debug-samples N`` prints N processed samples and
+writes ``debug_samples.html``. Both write into ``out_dir`` (``--stats-dir``,
+default ``train.output_dir``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from qlora_train.config import Config
+from qlora_train.data.dataset import load_and_process
+from qlora_train.diagnostics.html import debug_html
+from qlora_train.diagnostics.samples import format_sample, legend, load_samples, select_indices
+from qlora_train.diagnostics.stats import STATS_COLUMNS, compute_stats, stats_lines, tool_schema_tokens, write_histogram
+from qlora_train.files import write_atomic
+
+log = logging.getLogger(__name__)
+STATS_FILE, HISTOGRAM_FILE, HTML_FILE = "stats.json", "token_lengths.png", "debug_samples.html"
+
+
+@dataclass(frozen=True)
+class DebugOptions:
+    samples: int = 0  # 0: no samples
+    seed: int | None = None  # None: the first rows
+    tokens: bool = False  # one line per token
+    refused: bool = False  # show refused rows (with their reason) instead of kept ones
+
+
+def use_color(stream: TextIO) -> bool:
+    """Colour only on a terminal and when ``NO_COLOR`` is unset or empty."""
+    return stream.isatty() and not os.environ.get("NO_COLOR")
+
+
+def _tools_rows(raw, cols: dict[str, list]) -> dict[int, dict]:
+    idx = [i for i, p in enumerate(cols["parse_report"]) if json.loads(p).get("tools_present")]
+    return {i: json.loads(text) for i, text in zip(idx, raw.select(idx)["row"])} if idx else {}
+
+
+def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, stream: TextIO) -> dict:
+    """Print the report; write ``stats.json`` and the histogram. Returns the stats."""
+    cols = processed.select_columns(list(STATS_COLUMNS)).to_dict()
+    tools = tool_schema_tokens(_tools_rows(raw, cols), tokenizer, cfg.data)
+    stats = compute_stats(cols, max_length=cfg.data.max_length, tool_tokens=tools)
+    write_atomic(out_dir / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False))
+    write_histogram(cols, max_length=cfg.data.max_length, path=out_dir / HISTOGRAM_FILE)
+    print("\n".join(stats_lines(stats)), file=stream)
+    print(f"wrote {out_dir / STATS_FILE} and {out_dir / HISTOGRAM_FILE}", file=stream)
+    return stats
+
+
+def debug_report(raw, processed, tokenizer, opts: DebugOptions, *, out_dir: Path, stream: TextIO) -> list:
+    """Print ``opts.samples`` samples; write ``debug_samples.html``. Returns the samples."""
+    indices = select_indices(processed["drop_reason"], opts.samples, seed=opts.seed, refused=opts.refused)
+    samples = load_samples(raw, processed, tokenizer, indices)
+    color = use_color(stream)
+    what = "refused" if opts.refused else "kept"
+    print(f"{len(samples)} {what} samples ({'seed ' + str(opts.seed) if opts.seed is not None else 'first rows'}); "
+          + legend(color=color), file=stream)
+    for sample in samples:
+        print(format_sample(sample, color=color, show_tokens=opts.tokens), file=stream)
+    if not samples:
+        print(f"no {what} rows to show" + ("" if opts.refused else "; --debug-refused shows refused rows"),
+              file=stream)
+    write_atomic(out_dir / HTML_FILE, debug_html(samples))
+    print(f"wrote {out_dir / HTML_FILE}", file=stream)
+    return samples
+
+
+def diagnose(cfg: Config, *, stats: bool, debug: DebugOptions, out_dir: str | Path | None = None,
+             stream: TextIO | None = None) -> dict:
+    """Run the requested diagnostics; returns ``{"stats": …, "samples": …}`` for what ran."""
+    from qlora_train.train.model import load_tokenizer
+
+    stream = stream or sys.stdout
+    out = Path(out_dir or cfg.train.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(cfg.model)
+    raw, processed = load_and_process(cfg.data, tokenizer)
+    result = {}
+    if stats:
+        result["stats"] = stats_report(raw, processed, tokenizer, cfg, out_dir=out, stream=stream)
+    if debug.samples:
+        result["samples"] = debug_report(raw, processed, tokenizer, debug, out_dir=out, stream=stream)
+    return result

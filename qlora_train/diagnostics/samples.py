@@ -1,0 +1,145 @@
+"""``--debug-samples N``: processed examples shown with trained text distinct from masked text.
+
+    >>> sample = load_samples(raw, processed, tok, [0])[0]
+    >>> print(format_sample(sample, color=False))
+    --- row 0  data.jsonl:1  (source 0:data.jsonl)
+    tokens 21 before truncation, 21 after; trained 6; truncation: none
+    <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n⟦Hello!<|im_end|>⟧\\n
+
+What is shown is decoded from the processed ``input_ids`` and ``labels``, the
+exact tensors training would get: a token is trained when its label is not
+``IGNORE_INDEX``. Each token's text comes from a streaming decode, so the pieces
+join to the decoded example and a character split over several byte tokens is
+shown with the token that completes it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+from tokenizers.decoders import DecodeStream
+
+from qlora_train.data.tokenize import IGNORE_INDEX
+
+OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦ trained ⟧ in the plain (no colour) form
+GREEN, GREY, RESET = "\x1b[32m", "\x1b[90m", "\x1b[0m"
+RAW_PREVIEW_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class Sample:
+    index: int  # row index in the processed dataset
+    location: str
+    source: str
+    input_ids: list[int]
+    labels: list[int]
+    pieces: list[str]  # text of each token; "".join(pieces) is the decoded example
+    num_tokens_before: int
+    truncation: str
+    drop_reason: str = ""
+    drop_detail: str = ""
+    raw: str = ""  # refused rows: the raw row as JSON text
+
+    @property
+    def trained(self) -> list[bool]:
+        return [label != IGNORE_INDEX for label in self.labels]
+
+    @property
+    def num_trained(self) -> int:
+        return sum(self.trained)
+
+
+def token_pieces(ids: list[int], tokenizer) -> list[str]:
+    """Token ids -> the text each token adds (a token that ends mid-character adds ``""``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow tokenizer: per-token decode (multi-byte characters may show as �)
+        return [tokenizer.decode([int(i)], skip_special_tokens=False) for i in ids]
+    stream = DecodeStream(skip_special_tokens=False)
+    return [stream.step(backend, int(i)) or "" for i in ids]
+
+
+def spans(sample: Sample) -> list[tuple[str, bool]]:
+    """Consecutive tokens of equal trained-ness merged: ``[(text, trained), …]``."""
+    out: list[tuple[str, bool]] = []
+    for piece, trained in zip(sample.pieces, sample.trained):
+        if out and out[-1][1] == trained:
+            out[-1] = (out[-1][0] + piece, trained)
+        else:
+            out.append((piece, trained))
+    return out
+
+
+def trained_text(sample: Sample) -> list[str]:
+    """The trained spans' text, in order."""
+    return [text for text, trained in spans(sample) if trained]
+
+
+def truncation_summary(dropped_turns: int, reasoning_trimmed: int, token_fallback: str) -> str:
+    """``(2, 0, "left")`` -> ``"dropped 2 middle turns; token-level cut (left)"``."""
+    parts = []
+    if dropped_turns:
+        parts.append(f"dropped {dropped_turns} middle turns")
+    if reasoning_trimmed:
+        parts.append(f"trimmed {reasoning_trimmed} reasoning tokens")
+    if token_fallback:
+        parts.append(f"token-level cut ({token_fallback})")
+    return "; ".join(parts) or "none"
+
+
+def select_indices(drop_reasons: list[str], n: int, *, seed: int | None = None, refused: bool = False) -> list[int]:
+    """Indices of ``n`` kept rows (refused rows with ``refused=True``): the first ``n``, or a seeded random draw."""
+    pool = [i for i, reason in enumerate(drop_reasons) if bool(reason) == refused]
+    if seed is None:
+        return pool[:n]
+    return sorted(random.Random(seed).sample(pool, min(n, len(pool))))
+
+
+def load_samples(raw, processed, tokenizer, indices: list[int]) -> list[Sample]:
+    """Rows ``indices`` of the aligned raw and processed datasets -> ``Sample``s."""
+    out = []
+    for i in indices:
+        p, r = processed[i], raw[i]
+        out.append(Sample(
+            index=i, location=r["location"], source=r["source"], input_ids=p["input_ids"], labels=p["labels"],
+            pieces=token_pieces(p["input_ids"], tokenizer), num_tokens_before=p["num_tokens_before"],
+            truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"], p["token_fallback"]),
+            drop_reason=p["drop_reason"], drop_detail=p["drop_detail"], raw=r["row"] or "",
+        ))
+    return out
+
+
+def raw_preview(raw: str) -> str:
+    try:
+        text = json.dumps(json.loads(raw), indent=2, ensure_ascii=False)
+    except (json.JSONDecodeError, TypeError):
+        text = raw
+    if len(text) > RAW_PREVIEW_CHARS:
+        text = text[:RAW_PREVIEW_CHARS] + f"\n… ({len(text) - RAW_PREVIEW_CHARS} more characters)"
+    return text
+
+
+def format_sample(sample: Sample, *, color: bool, show_tokens: bool = False) -> str:
+    """One sample as terminal text: trained spans green (``color``) or inside ``⟦ ⟧`` (plain)."""
+    head = f"--- row {sample.index}  {sample.location}  (source {sample.source})"
+    if sample.drop_reason:
+        return "\n".join([head, f"refused: {sample.drop_reason}: {sample.drop_detail}", raw_preview(sample.raw)])
+    lines = [head, f"tokens {sample.num_tokens_before} before truncation, {len(sample.input_ids)} after; "
+                   f"trained {sample.num_trained}; truncation: {sample.truncation}"]
+    if color:
+        body = "".join(f"{GREEN if t else GREY}{text}{RESET}" for text, t in spans(sample))
+    else:
+        body = "".join(f"{OPEN}{text}{CLOSE}" if t else text for text, t in spans(sample))
+    lines.append(body)
+    if show_tokens:
+        lines.append(f"{'pos':>6} {'label':>7} {'id':>7}  token")
+        lines += [f"{pos:>6} {label:>7} {tid:>7}  {piece!r}"
+                  for pos, (tid, label, piece) in enumerate(zip(sample.input_ids, sample.labels, sample.pieces))]
+    return "\n".join(lines)
+
+
+def legend(*, color: bool) -> str:
+    if color:
+        return f"legend: {GREEN}trained{RESET} {GREY}masked{RESET}"
+    return f"legend: {OPEN}trained{CLOSE}, everything else masked"

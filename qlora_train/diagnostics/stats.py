@@ -1,0 +1,231 @@
+"""``--stats-only``: length and masking statistics of the processed dataset, per source and overall.
+
+    >>> stats = compute_stats(processed_columns, max_length=2048)
+    >>> stats["overall"]["rows_in"] == stats["overall"]["rows_kept"] + sum(stats["overall"]["dropped"].values())
+    True
+
+Everything is computed from the columns ``process_rows`` writes (the same
+rows training would see); nothing here loads model weights. Percentiles are
+nearest-rank: ``p50`` is a length some row really has, the smallest with at
+least half the rows at or below it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+from qlora_train.config import DataConfig
+from qlora_train.data.dataset import REPORT_COLUMNS, summarize_columns
+from qlora_train.data.parse import canonicalize_row
+from qlora_train.data.render import render_text
+
+PERCENTILES = (25, 50, 75, 90, 95, 99)
+STATS_COLUMNS = (*REPORT_COLUMNS, "num_tokens_before", "source")
+
+# advice thresholds (docs/diagnostics.md explains each)
+AT_MAX_SHARE = 0.30
+UNDER_QUARTER_SHARE = 0.50
+TOOL_SCHEMA_SHARE = 0.20
+
+
+def percentiles(values) -> dict[str, int | None]:
+    """Nearest-rank percentiles and max: ``[1, 2, 3, 4]`` -> ``{"p25": 1, "p50": 2, "p75": 3, …, "max": 4}``."""
+    arr = np.sort(np.asarray(values, dtype=np.int64))
+    out: dict[str, int | None] = {}
+    for p in PERCENTILES:
+        out[f"p{p}"] = int(arr[max(math.ceil(p / 100 * len(arr)), 1) - 1]) if len(arr) else None
+    out["max"] = int(arr[-1]) if len(arr) else None
+    return out
+
+
+def _share(numerator: int, denominator: int) -> float:
+    return numerator / denominator if denominator else 0.0
+
+
+def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None) -> dict:
+    """Statistics of one group of processed rows (columns ``STATS_COLUMNS``)."""
+    report = summarize_columns(cols)
+    kept = np.array([not r for r in cols["drop_reason"]], dtype=bool)
+    before = np.asarray(cols["num_tokens_before"], dtype=np.int64)
+    tokenized = before[before > 0]  # rows that got as far as tokenization (kept or dropped later)
+    after = np.asarray(cols["num_tokens"], dtype=np.int64)[kept]
+    trained = np.asarray(cols["num_trained_tokens"], dtype=np.int64)[kept]
+    fallback = Counter(s for s in cols["token_fallback"] if s)
+    tools = list((tool_tokens or {}).values())
+    return {
+        "rows_in": report.rows_in,
+        "rows_kept": report.rows_kept,
+        "dropped": dict(sorted(report.dropped.items())),
+        "first_dropped": report.first_dropped,
+        "tokens_before_truncation": {"rows": int(len(tokenized)), **percentiles(tokenized)},
+        "tokens_after_truncation": {"rows": int(len(after)), **percentiles(after)},
+        "share_at_max_length": _share(int(np.count_nonzero(tokenized >= max_length)), len(tokenized)),
+        "share_under_25pct_max_length": _share(int(np.count_nonzero(after < 0.25 * max_length)), len(after)),
+        "share_under_50pct_max_length": _share(int(np.count_nonzero(after < 0.50 * max_length)), len(after)),
+        "truncation": {
+            "rows_turns_dropped": report.rows_turns_dropped,
+            "turns_dropped": int(sum(cols["dropped_turns"])),
+            "rows_reasoning_trimmed": report.rows_reasoning_trimmed,
+            "reasoning_tokens_trimmed": int(sum(cols["reasoning_trimmed_tokens"])),
+            "rows_token_fallback_left": fallback.get("left", 0),
+            "rows_token_fallback_right": fallback.get("right", 0),
+        },
+        "trained_tokens": {
+            "total": int(trained.sum()),
+            "share_of_tokens": _share(int(trained.sum()), int(after.sum())),
+            "per_row": percentiles(trained),
+        },
+        "tool_schema_tokens": {
+            "rows_with_tools": len(tools),
+            "mean_per_row": float(np.mean(tools)) if tools else 0.0,
+            "share_of_their_tokens": _share(sum(tools), int(sum(before[i] for i in (tool_tokens or {})))),
+        },
+        "straddling_tokens": report.straddling_tokens,
+        "parse": report.parse,
+    }
+
+
+def tool_schema_tokens(rows: dict[int, dict], tokenizer, cfg: DataConfig) -> dict[int, int]:
+    """Row index -> tokens its tool schemas add to the render (render with tools minus without).
+
+    Only for rows that carry tools; costs one extra render per such row, so it
+    runs in diagnostics, never in training.
+    """
+    with_tools, without = [], []
+    index = []
+    for i, row in rows.items():
+        try:
+            canon = canonicalize_row(row, cfg, tokenizer=tokenizer)
+            if not canon.tools:
+                continue
+            with_tools.append(render_text(canon.messages, tokenizer, tools=canon.tools))
+            without.append(render_text(canon.messages, tokenizer))
+        except Exception:  # a row that cannot render is counted (with its reason) elsewhere
+            continue
+        index.append(i)
+    if not index:
+        return {}
+    a = tokenizer(with_tools, add_special_tokens=False)["input_ids"]
+    b = tokenizer(without, add_special_tokens=False)["input_ids"]
+    return {i: len(x) - len(y) for i, x, y in zip(index, a, b)}
+
+
+def advice(overall: dict, *, max_length: int) -> list[str]:
+    """Plain advice lines from the overall statistics (empty when nothing stands out)."""
+    out = []
+    at_max = overall["share_at_max_length"]
+    if at_max > AT_MAX_SHARE:
+        out.append(f"{at_max:.0%} of rows reach max_length={max_length} (more than {AT_MAX_SHARE:.0%}): raise "
+                   f"data.max_length (p95 before truncation is {overall['tokens_before_truncation']['p95']}) "
+                   "or pre-filter long rows")
+    under = overall["share_under_25pct_max_length"]
+    if under > UNDER_QUARTER_SHARE:
+        p99 = overall["tokens_before_truncation"]["p99"] or 0
+        suggestion = max(64, math.ceil(p99 / 64) * 64)
+        out.append(f"{under:.0%} of rows use under 25% of max_length={max_length}: lower data.max_length "
+                   f"(e.g. to {suggestion}, p99 rounded up to 64) to save memory")
+    tools = overall["tool_schema_tokens"]
+    if tools["rows_with_tools"] and tools["share_of_their_tokens"] > TOOL_SCHEMA_SHARE:
+        out.append(f"tool schemas add {tools['mean_per_row']:.0f} tokens per row on average "
+                   f"({tools['share_of_their_tokens']:.0%} of the {tools['rows_with_tools']} rows with tools): "
+                   "drop unused tools or shorten their descriptions")
+    dropped = sum(overall["dropped"].values())
+    if dropped:
+        out.append(f"{dropped} of {overall['rows_in']} rows are dropped (reasons above); "
+                   "docs/diagnostics.md says what each reason means")
+    return out
+
+
+def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None) -> dict:
+    """All processed rows (columns ``STATS_COLUMNS``) -> ``{"max_length", "overall", "sources", "advice"}``."""
+    tool_tokens = tool_tokens or {}
+    sources: dict[str, dict] = {}
+    labels = cols["source"]
+    for label in dict.fromkeys(labels):  # first-seen order
+        idx = [i for i, s in enumerate(labels) if s == label]
+        sub = {k: [cols[k][i] for i in idx] for k in STATS_COLUMNS}
+        sub_tools = {j: tool_tokens[i] for j, i in enumerate(idx) if i in tool_tokens}
+        sources[label] = group_stats(sub, max_length=max_length, tool_tokens=sub_tools)
+    overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens)
+    return {"max_length": max_length, "overall": overall, "sources": sources,
+            "advice": advice(overall, max_length=max_length)}
+
+
+def _pct(d: dict) -> str:
+    return "  ".join(f"{k} {v}" for k, v in d.items() if k != "rows")
+
+
+def _counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1])) or "none"
+
+
+def parse_lines(p: dict) -> list[str]:
+    """``ParseReport`` totals as two readable lines."""
+    return [
+        f"parse: schemas {_counts(p.get('schemas', {}))}; unknown roles {_counts(p.get('unknown_roles', {}))}",
+        f"reasoning: think blocks extracted {p.get('extracted_think_from_content', 0)} (unbalanced tags "
+        f"{p.get('unbalanced_think_tags', 0)}), keys moved {_counts(p.get('moved_reasoning_keys', {}))}, dropped "
+        f"{p.get('dropped_think_messages', 0)}, capped {p.get('think_capped_messages', 0)}; tools present "
+        f"{p.get('tools_present', 0)} (parsed from a string {p.get('tools_parsed_from_string', 0)})",
+    ]
+
+
+def stats_lines(stats: dict) -> list[str]:
+    """Human-readable report of ``compute_stats`` output."""
+    lines = []
+    groups = [("overall", stats["overall"])]
+    if len(stats["sources"]) > 1:
+        groups += [(f"source {label}", s) for label, s in stats["sources"].items()]
+    for name, s in groups:
+        t = s["truncation"]
+        lines += [
+            f"== {name}",
+            f"rows in {s['rows_in']}, kept {s['rows_kept']}, dropped {s['rows_in'] - s['rows_kept']}",
+            *[f"  dropped {n:>7}  {reason}  (first: {s['first_dropped'][reason]})"
+              for reason, n in s["dropped"].items()],
+            f"tokens before truncation ({s['tokens_before_truncation']['rows']} rows): "
+            f"{_pct(s['tokens_before_truncation'])}",
+            f"tokens after truncation  ({s['tokens_after_truncation']['rows']} rows): "
+            f"{_pct(s['tokens_after_truncation'])}",
+            f"rows at max_length={stats['max_length']}: {s['share_at_max_length']:.1%}; under 25%: "
+            f"{s['share_under_25pct_max_length']:.1%}; under 50%: {s['share_under_50pct_max_length']:.1%}",
+            f"truncation: turns dropped in {t['rows_turns_dropped']} rows ({t['turns_dropped']} turns), reasoning "
+            f"trimmed in {t['rows_reasoning_trimmed']} rows ({t['reasoning_tokens_trimmed']} tokens), token-level "
+            f"cut in {t['rows_token_fallback_left']} rows (left) / {t['rows_token_fallback_right']} (right)",
+            f"trained tokens: {s['trained_tokens']['total']} ({s['trained_tokens']['share_of_tokens']:.1%} of "
+            f"tokens); per row {_pct(s['trained_tokens']['per_row'])}",
+            f"tool schemas: {s['tool_schema_tokens']['rows_with_tools']} rows, "
+            f"{s['tool_schema_tokens']['mean_per_row']:.0f} tokens per row on average",
+            *parse_lines(s["parse"]),
+        ]
+    lines.append("== advice")
+    lines += [f"- {line}" for line in stats["advice"]] or ["- nothing stands out"]
+    return lines
+
+
+def write_histogram(cols: dict[str, list], *, max_length: int, path) -> None:
+    """PNG histogram of token lengths before and after truncation, with the max_length line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    before = [n for n in cols["num_tokens_before"] if n > 0]
+    after = [n for n, r in zip(cols["num_tokens"], cols["drop_reason"]) if not r]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    top = max([max_length, *before]) if before else max_length
+    bins = np.linspace(0, top, 51)
+    ax.hist(before, bins=bins, histtype="step", linewidth=1.5, color="black",
+            label=f"before truncation ({len(before)} rows)")
+    ax.hist(after, bins=bins, alpha=0.6, label=f"after truncation, kept ({len(after)} rows)")
+    ax.axvline(max_length, color="red", linestyle="--", label=f"max_length = {max_length}")
+    ax.set_xlabel("tokens per row")
+    ax.set_ylabel("rows")
+    ax.set_title("Token lengths")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
