@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install test test-fast lint bench demo docs
+.PHONY: install browser test test-fast lint bench demo docs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -11,6 +11,14 @@ install:
 		$(PYTHON) -m pip install "torch==2.13.0"; \
 	fi
 	$(PYTHON) -m pip install -e ".[dev]"
+
+# Headless Chromium from Debian's packages, for the debug_samples.html check (optional; needs root + apt).
+browser:
+	@if command -v chromium >/dev/null 2>&1; then echo "chromium present"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		|| echo "could not install chromium: the browser check will be skipped"; \
+	else echo "no apt-get or not root: install chromium yourself to run the browser check"; fi
 
 test:
 	$(PYTHON) -m pytest -q

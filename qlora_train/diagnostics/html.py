@@ -4,7 +4,7 @@ One self-contained page (inline CSS, no script, no network): every token is a
 ``<span class="tok on|off" title="#pos id … label …">``; trained tokens
 (``on``) have a green background, masked ones (``off``) grey text. Hovering a
 token outlines it and shows its position, id and label. Long samples wrap and
-each sample can be folded.
+scroll inside their box (drag its corner to enlarge); each sample can be folded.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ h1 { font-size: 1.4rem; } h2 { font-size: 1.05rem; margin: 0; display: inline; }
 .legend span { padding: 0 .4em; }
 section { border: 1px solid #ccc; border-radius: 6px; margin: 1.2rem 0; padding: .6rem 1rem; }
 .meta { color: #444; font-size: .9rem; margin: .4rem 0; }
-pre { white-space: pre-wrap; word-break: break-word; font-size: .85rem; line-height: 1.45; margin: .4rem 0; }
+pre { white-space: pre-wrap; word-break: break-word; font-size: .85rem; line-height: 1.45; margin: .4rem 0;
+      max-height: 40em; overflow-y: auto; resize: vertical; }
 .tok.on { background: #c8f7c5; color: #0b3d0b; }
 .tok.off { color: #777; }
 .tok:hover { outline: 1px solid #c00; background: #ffe9a8; }
