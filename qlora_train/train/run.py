@@ -159,9 +159,23 @@ def publish(staging: Path, out: Path) -> None:
 
 
 def last_checkpoint(output_dir: str) -> str | None:
-    from transformers.trainer_utils import get_last_checkpoint
+    """The newest complete ``checkpoint-N`` in ``output_dir``, or None.
 
-    return get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+    The Trainer writes ``trainer_state.json`` last into a checkpoint, so a folder
+    without a readable one was cut short (e.g. SIGKILL while saving) and is skipped.
+    """
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*") if Path(output_dir).is_dir() else []:
+        step = path.name.removeprefix("checkpoint-")
+        if path.is_dir() and step.isdigit():
+            found.append((int(step), path))
+    for _, path in sorted(found, reverse=True):
+        try:
+            json.loads((path / "trainer_state.json").read_text())
+            return str(path)
+        except (OSError, ValueError):
+            log.warning("skipping incomplete checkpoint %s (no readable trainer_state.json)", path)
+    return None
 
 
 def train(cfg: Config, *, callbacks: list | None = None):
