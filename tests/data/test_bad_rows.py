@@ -108,3 +108,12 @@ def test_skip_counts_every_row_and_warns_once_per_reason(tmp_path, qwen3_tok, ca
     warnings = sorted(r.getMessage() for r in caplog.records)
     assert len(warnings) == 3
     assert warnings[2].startswith(f"dropped 2 rows: unknown_schema (first: {path}:2: ")
+
+
+def test_troubleshooting_page_lists_every_drop_reason():
+    from pathlib import Path
+
+    from qlora_train.data.messages import KNOWN_DROP_REASONS
+
+    page = (Path(__file__).resolve().parents[2] / "docs/troubleshooting.md").read_text()
+    assert [r for r in sorted(KNOWN_DROP_REASONS) if f"| `{r}` |" not in page] == []
