@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_training(cfg) -> int:
     """Train, turning the expected failures into one clear message and an exit code (no traceback).
 
-    0 done · 1 data error (unreadable source, every row dropped, a bad row with
-    ``on_bad_row: error``) · 2 config error · 3 CUDA out of memory ·
+    0 done · 1 data or model error (unreadable source, every row dropped, a bad
+    row with ``on_bad_row: error``, a model that cannot be loaded) · 2 config error · 3 CUDA out of memory ·
     128 + signal: stopped by Ctrl-C / SIGTERM after saving a checkpoint.
     """
     import torch
@@ -47,6 +47,7 @@ def run_training(cfg) -> int:
     from qlora_train.data.dataset import EmptyDatasetError
     from qlora_train.data.messages import BadRowError
     from qlora_train.data.sources import SourceError
+    from qlora_train.train.model import ModelLoadError
     from qlora_train.train.run import oom_advice, train
     from qlora_train.train.signals import TrainingInterrupted
 
@@ -57,7 +58,7 @@ def run_training(cfg) -> int:
         for problem in err.problems:
             print(f"  {problem}", file=sys.stderr)
         return 2
-    except (EmptyDatasetError, SourceError, BadRowError) as err:
+    except (EmptyDatasetError, SourceError, BadRowError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except torch.OutOfMemoryError as err:

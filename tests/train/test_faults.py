@@ -173,3 +173,20 @@ def test_resume_auto_skips_a_checkpoint_cut_short(tmp_path, caplog):
     assert sum("skipping incomplete checkpoint" in r.getMessage() for r in caplog.records) == 2
     assert run.resolve_resume(cfg.model_copy(update={"train": cfg.train.model_copy(
         update={"output_dir": str(tmp_path / "none")})})) is None
+
+
+def test_unreachable_hub_model_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = write_config(tmp_path, [GOOD_ROW], name_or_path="org/none-such")
+    assert main(["--config", path]) == 1
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and error[0].startswith("error: cannot load the tokenizer org/none-such: ")
+
+
+def test_template_that_cannot_be_probed_is_a_config_error(tmp_path, qwen_tokenizer_dir, capsys):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")  # no add_generation_prompt
+    path = write_config(tmp_path, [GOOD_ROW], name_or_path=str(qwen_tokenizer_dir), chat_template=str(template))
+    assert main(["--config", path]) == 2
+    assert ("  model.chat_template: ValueError: chat template: add_generation_prompt must append an assistant "
+            "header to the render") in capsys.readouterr().err.splitlines()
