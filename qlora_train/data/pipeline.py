@@ -110,7 +110,6 @@ def _example(canon, rendered, ids, offsets, tokenizer, cfg: DataConfig, out: dic
             measured=Measured(rendered, ids, offsets), **kw,
         )
         ids, offsets, char_mask = tr.final.input_ids, tr.final.offsets, tr.final.rendered.char_mask
-        check_unicode(tr.final.rendered)
         out["dropped_turns"] = tr.dropped_turns
         out["reasoning_trimmed_tokens"] = tr.reasoning_trimmed_tokens
         if tr.needs_token_fallback:
