@@ -63,7 +63,7 @@ ESCAPING_TEMPLATE = RAISING_TEMPLATE.replace(
 @pytest.mark.parametrize("template, detail", [
     (RAISING_TEMPLATE, "row 1: TemplateError: role narrator not supported"),
     (ESCAPING_TEMPLATE, "row 1: SecurityError: "),  # the sandbox refuses attribute escapes
-])
+], ids=["raise_exception", "sandbox"])
 def test_template_errors_are_row_reasons(qwen_tokenizer_dir, template, detail):
     from transformers import AutoTokenizer
 

@@ -166,13 +166,15 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_model_di
     ref = reference_run
     cfg_path = write_config(tmp_path / "run", tiny_model_dir, max_steps=6, resume_from_checkpoint="auto")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(cfg_path)], cwd=REPO, env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for line in child.stdout:
-        if line.strip() == "saved 2":
-            child.send_signal(signal.SIGTERM)
-            break
-    stdout, stderr = child.communicate(timeout=300)
+    with open(tmp_path / "stderr.txt", "w") as err:  # a file: a full stderr pipe could block the child
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(cfg_path)], cwd=REPO, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=err)
+        for line in child.stdout:
+            if line.strip() == "saved 2":
+                child.send_signal(signal.SIGTERM)
+                break
+        stdout, _ = child.communicate(timeout=300)
+    stderr = (tmp_path / "stderr.txt").read_text()
     assert child.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     out = tmp_path / "run" / "out"
     assert ("interrupted: stopped by SIGTERM at step 3; checkpoint saved to "
