@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from qlora_train.config import ConfigError, load_config
@@ -50,22 +51,53 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {problem}", file=sys.stderr)
         return 2
 
+    if args.stats_only or args.debug_samples:
+        from qlora_train.diagnostics.run import DebugOptions, diagnose
+
+        debug = DebugOptions(args.debug_samples, args.debug_seed, args.debug_tokens, args.debug_refused)
+        return run_guarded(cfg, lambda: diagnose(cfg, stats=args.stats_only, debug=debug, out_dir=args.stats_dir))
+    from qlora_train.train.run import train
+
+    return run_guarded(cfg, lambda: train(cfg))
+
+
+def run_guarded(cfg, job) -> int:
+    """Run ``job`` (training or diagnostics), turning the expected failures into one clear message and an
+    exit code (no traceback).
+
+    0 done · 1 data or model error (unreadable source, every row dropped, a bad
+    row with ``on_bad_row: error``, a model that cannot be loaded) · 2 config error · 3 CUDA out of memory ·
+    128 + signal: stopped by Ctrl-C / SIGTERM after saving a checkpoint.
+    """
+    import torch
+
     from qlora_train.data.dataset import EmptyDatasetError
+    from qlora_train.data.messages import BadRowError
     from qlora_train.data.sources import SourceError
+    from qlora_train.train.model import ModelLoadError
+    from qlora_train.train.run import oom_advice
+    from qlora_train.train.signals import TrainingInterrupted
 
     try:
-        if args.stats_only or args.debug_samples:
-            from qlora_train.diagnostics.run import DebugOptions, diagnose
-
-            debug = DebugOptions(args.debug_samples, args.debug_seed, args.debug_tokens, args.debug_refused)
-            diagnose(cfg, stats=args.stats_only, debug=debug, out_dir=args.stats_dir)
-        else:
-            from qlora_train.train.run import train
-
-            train(cfg)
-    except (EmptyDatasetError, SourceError) as err:
+        job()
+    except ConfigError as err:
+        print("invalid config:", file=sys.stderr)
+        for problem in err.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    except (EmptyDatasetError, SourceError, BadRowError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except torch.OutOfMemoryError as err:
+        print(f"error: {oom_advice(cfg)}\n({' '.join(str(err).split())[:300]})", file=sys.stderr)
+        return 3
+    except TrainingInterrupted as stop:
+        print(f"interrupted: {stop}", file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:  # outside the training loop, or a second Ctrl-C inside it
+        print("interrupted: stopped at once without saving (a single Ctrl-C or SIGTERM during training saves "
+              "a checkpoint first)", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -7,6 +7,7 @@ these models (``python -m qlora_train.config``) and a test keeps the two in sync
 from __future__ import annotations
 
 import difflib
+import glob as globlib
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -27,8 +28,8 @@ class DatasetSource(_Section):
 
     path: str = Field(description="A local JSON/JSONL/Parquet/CSV/Arrow file, a directory, or a glob.")
     split: str = Field("train", description="Split to read.")
-    builder: str | None = Field(
-        None, description="datasets builder (json, parquet, csv, arrow) for files without a known extension."
+    builder: Literal["json", "parquet", "csv", "arrow"] | None = Field(
+        None, description="datasets builder for files without a known extension."
     )
     max_samples: int | None = Field(None, ge=1, description="Keep at most this many rows of this source.")
 
@@ -71,14 +72,24 @@ class DataConfig(_Section):
     num_proc: int | None = Field(None, ge=1, description="Processes for the preprocessing map.")
     batch_size: int = Field(256, ge=1, description="Rows per preprocessing batch (one batched tokenizer call).")
     cache_dir: str | None = Field(None, description="datasets cache directory (default: the HF cache).")
+    on_bad_row: Literal["skip", "error"] = Field(
+        "skip", description="`skip`: drop a refused row, count it, warn once per reason with the first row's "
+        "location; `error`: stop at the first refused row, naming it.",
+    )
+    on_too_long: Literal["truncate", "drop"] = Field(
+        "truncate", description="Rows over `max_length`: `truncate` (structured, then token-level) or `drop` "
+        "(reason `too_long`).",
+    )
 
+    # Section checks name their key first ("key: why"); _describe joins it to the section's path.
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         if self.think_mode == "drop" and self.think_loss == "answer_plus_think":
-            raise ValueError("think_mode: drop removes reasoning, so think_loss: answer_plus_think "
-                             "has nothing to train")
+            raise ValueError("think_loss: answer_plus_think trains reasoning, but think_mode: drop removes it")
+        if self.think_mode == "drop" and self.think_max_tokens:
+            raise ValueError("think_max_tokens: caps reasoning, but think_mode: drop removes it (set 0)")
         if not self.assistant_roles:
-            raise ValueError("assistant_roles must name at least one role")
+            raise ValueError("assistant_roles: name at least one role")
         return self
 
 
@@ -101,7 +112,7 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.load_in_4bit and self.load_in_8bit:
-            raise ValueError("load_in_4bit and load_in_8bit cannot both be true")
+            raise ValueError("load_in_8bit: cannot be true together with load_in_4bit (pick one)")
         return self
 
 
@@ -116,6 +127,12 @@ class LoraSettings(_Section):
     )
     modules_to_save: list[str] | None = Field(None, description="Modules trained in full and saved with the adapter.")
 
+    @model_validator(mode="after")
+    def _check(self) -> LoraSettings:
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("target_modules: name at least one module, or use all-linear")
+        return self
+
 
 class TrainConfig(_Section):
     """Optimisation and output settings (the ``train:`` section)."""
@@ -127,7 +144,10 @@ class TrainConfig(_Section):
     per_device_eval_batch_size: int = Field(1, ge=1, description="Examples per device per eval step.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimiser step.")
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
-    lr_scheduler: str = Field("cosine", description="transformers scheduler name (cosine, linear, constant, …).")
+    lr_scheduler: Literal[
+        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
+        "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
+    ] = Field("cosine", description="transformers scheduler name.")
     warmup_ratio: float = Field(0.03, ge=0.0, lt=1.0, description="Share of steps used for warm-up.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
@@ -143,6 +163,12 @@ class TrainConfig(_Section):
     resume_from_checkpoint: str | None = Field(None, description="A checkpoint path, or `auto` for the latest one.")
     report_to: list[str] | str = Field("tensorboard", description="Loggers: tensorboard, wandb, none, …")
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError("max_steps: must be -1 (train num_epochs) or at least 1")
+        return self
 
 
 class Config(_Section):
@@ -178,15 +204,97 @@ def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+def key_path(loc: tuple) -> str:
+    """``("data", "datasets", 0, "path")`` -> ``"data.datasets[0].path"``."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "<root>"
+
+
 def _describe(err: dict) -> str:
     loc = tuple(err["loc"])
-    path = ".".join(str(p) for p in loc) or "<root>"
+    path = key_path(loc)
     if err["type"] == "extra_forbidden":
         close = difflib.get_close_matches(str(loc[-1]), _known_keys(Config, loc), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         return f"{path}: unknown key{hint}"
     msg = err["msg"].removeprefix("Value error, ")
+    key, sep, why = msg.partition(": ")
+    if err["type"] == "value_error" and sep and key in _known_keys(Config, loc + (key,)):
+        return f"{path}.{key}: {why}"  # a section check naming its key
     return f"{path}: {msg}"
+
+
+_GLOB_CHARS = "*?["
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """``"Qwen/Qwen3-1.7B"`` -> True; ``"./m"``, ``"/abs/m"``, ``".cache/m"``, ``"a/b/c"``, ``"d/x.jsonl"`` -> False.
+
+    A hub id is ``name`` or ``org/name``; anything with a leading ``.``, ``/`` or
+    ``~``, more than one ``/``, or a data-file extension is a local path.
+    """
+    return bool(_HUB_ID.match(value)) and not value.lower().endswith(_DATA_SUFFIXES)
+
+
+def _local_dir_problem(key: str, value: Any) -> list[str]:
+    if not isinstance(value, str) or looks_like_hub_id(value) or Path(value).expanduser().is_dir():
+        return []
+    return [f"{key}: local directory not found: {value} (a hub id looks like 'org/name')"]
+
+
+def _dataset_problems(data: dict) -> list[str]:
+    sources = data.get("datasets")
+    if not sources:
+        return ["data.datasets: name at least one data source"]
+    problems = []
+    for i, src in enumerate(sources if isinstance(sources, list) else []):
+        path = src.get("path") if isinstance(src, dict) else None
+        if not isinstance(path, str):
+            continue
+        key = f"data.datasets[{i}].path"
+        if any(ch in path for ch in _GLOB_CHARS):
+            if not globlib.glob(path, recursive=True):
+                problems.append(f"{key}: no file matches the glob {path}")
+        elif not Path(path).exists() and not looks_like_hub_id(path):
+            problems.append(f"{key}: file not found: {path}")
+    return problems
+
+
+def _chat_template_problem(value: Any) -> list[str]:
+    from qlora_train.data.chat_templates import ALIASES, shipped_templates
+
+    names = shipped_templates()
+    if not isinstance(value, str) or value == "tokenizer" or ALIASES.get(value, value) in names:
+        return []
+    if value.endswith(".jinja"):
+        return [] if Path(value).is_file() else [f"model.chat_template: template file not found: {value}"]
+    close = difflib.get_close_matches(value, names + list(ALIASES), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return [f"model.chat_template: unknown template '{value}'{hint}: use one of {names}, 'tokenizer', "
+            "or a .jinja path"]
+
+
+def file_problems(tree: dict) -> list[str]:
+    """Paths the config names that cannot be used, checked on the raw YAML tree (so every problem is listed).
+
+    Data files, local model/tokenizer directories, a ``.jinja`` template, a resume
+    checkpoint, and an ``output_dir`` that is a file. Hub ids are not looked up.
+    """
+    section = lambda name: tree.get(name) if isinstance(tree.get(name), dict) else {}
+    model, data, train = section("model"), section("data"), section("train")
+    problems = _dataset_problems(data)
+    problems += _local_dir_problem("model.name_or_path", model.get("name_or_path"))
+    problems += _local_dir_problem("model.tokenizer", model.get("tokenizer"))
+    problems += _chat_template_problem(model.get("chat_template"))
+    resume = train.get("resume_from_checkpoint")
+    if isinstance(resume, str) and resume != "auto" and not Path(resume).is_dir():
+        problems.append(f"train.resume_from_checkpoint: checkpoint directory not found: {resume} "
+                        "(or use 'auto')")
+    out = train.get("output_dir")
+    if isinstance(out, str) and Path(out).is_file():
+        problems.append(f"train.output_dir: is a file, not a directory: {out}")
+    return problems
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:
@@ -202,8 +310,9 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """YAML file (+ ``key.path=value`` overrides, applied last) -> validated ``Config``.
 
-    Relative dataset paths are resolved against the YAML file's directory when
-    they exist there. Raises ``ConfigError`` listing every problem.
+    Relative dataset and ``.jinja`` paths are resolved against the YAML file's
+    directory when they exist there. Checks the schema and the paths the config
+    names (``file_problems``) and raises ``ConfigError`` listing every problem.
     """
     path = Path(path)
     if not path.is_file():
@@ -218,16 +327,33 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         if "=" not in item:
             raise ConfigError([f"--set {item!r}: expected key.path=value"])
         key, raw = item.split("=", 1)
-        _set_path(tree, key.strip(), yaml.safe_load(raw))
-    for source in (tree.get("data") or {}).get("datasets") or []:
-        if isinstance(source, dict) and isinstance(source.get("path"), str):
-            candidate = path.parent / source["path"]
-            if not Path(source["path"]).is_absolute() and candidate.exists():
-                source["path"] = str(candidate)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ConfigError([f"--set {key.strip()}: value {raw!r} is not valid YAML"]) from None
+        _set_path(tree, key.strip(), value)
+    _resolve_relative_paths(tree, path.parent)
+    problems = file_problems(tree)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError([_describe(e) for e in exc.errors()], source=str(path)) from None
+        problems = [_describe(e) for e in exc.errors()] + problems
+    if problems:
+        raise ConfigError(problems, source=str(path))
+    return cfg
+
+
+def _resolve_relative_paths(tree: dict, base: Path) -> None:
+    """Relative dataset and ``.jinja`` paths that exist next to the YAML file are made relative to it."""
+    resolve = lambda p: str(base / p) if not Path(p).is_absolute() and (base / p).exists() else p
+    data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
+    sources = data.get("datasets") if isinstance(data.get("datasets"), list) else []
+    for source in sources:
+        if isinstance(source, dict) and isinstance(source.get("path"), str):
+            source["path"] = resolve(source["path"])
+    model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
+    if isinstance(model.get("chat_template"), str) and model["chat_template"].endswith(".jinja"):
+        model["chat_template"] = resolve(model["chat_template"])
 
 
 def config_reference_markdown() -> str:

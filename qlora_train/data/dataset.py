@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import datasets
 
 from qlora_train.config import DataConfig
-from qlora_train.data.messages import DropReason
+from qlora_train.data.messages import CONFIGURED_DROPS, BadRowError, DropReason
 from qlora_train.data.parse import ParseReport
 from qlora_train.data.pipeline import OUTPUT_COLUMNS, empty_output, process_rows
 from qlora_train.data.sources import load_sources
@@ -76,7 +76,17 @@ def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig) -> dict:
         for col in OUTPUT_COLUMNS:
             out[col].append(row[col])
     out["source"] = list(batch["source"])
+    if cfg.on_bad_row == "error":
+        stop_at_first_bad_row(out["drop_reason"], out["drop_detail"])
     return out
+
+
+def stop_at_first_bad_row(reasons: list[str], details: list[str]) -> None:
+    """``data.on_bad_row: error``: raise ``BadRowError`` for the first refused row (configured drops excepted)."""
+    for reason, detail in zip(reasons, details):
+        if reason and reason not in CONFIGURED_DROPS:
+            raise BadRowError(f"bad row ({reason}) at {detail} [data.on_bad_row: error; use skip to drop and count "
+                              "such rows]")
 
 
 REPORT_COLUMNS = ("drop_reason", "drop_detail", "num_tokens", "num_trained_tokens", "dropped_turns",

@@ -39,6 +39,17 @@ class DropReason:
     TEMPLATE_ERROR = "template_error"
     MASK_UNVERIFIED = "mask_unverified"
     NO_TRAINED_TOKEN = "no_trained_token_after_truncation"
+    INVALID_UNICODE = "invalid_unicode"
+    TOO_LONG = "too_long"
+
+
+# Drops the user asked for (``data.on_too_long: drop``); ``data.on_bad_row: error`` does not stop on them.
+CONFIGURED_DROPS = frozenset({DropReason.TOO_LONG})
+KNOWN_DROP_REASONS = frozenset(v for k, v in vars(DropReason).items() if k.isupper())
+
+
+class BadRowError(Exception):
+    """``data.on_bad_row: error`` and a row was refused: the message names the row and the reason."""
 
 
 class RowRejected(Exception):

@@ -59,10 +59,21 @@ def _builder(file: Path, src: DatasetSource) -> str:
     return builder
 
 
+def _dump(item) -> str:
+    """A row -> JSON text. Lone surrogates (undecodable bytes, broken escapes) are kept as ``\\udcxx`` escapes:
+    Arrow cannot store them raw, and the pipeline drops such rows as ``invalid_unicode`` with their location."""
+    text = json.dumps(item, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(item, ensure_ascii=True, default=str)
+    return text
+
+
 def _json_rows(files: list[str], stamps: list[str]):
     """Rows of JSON-array or JSON-lines files (``stamps`` only feed the cache fingerprint)."""
     for file in files:
-        with open(file, encoding="utf-8", errors="replace") as fh:
+        with open(file, encoding="utf-8", errors="surrogateescape") as fh:  # bad bytes -> counted, not replaced
             head = fh.read(4096).lstrip()
             fh.seek(0)
             if head.startswith("["):
@@ -72,7 +83,7 @@ def _json_rows(files: list[str], stamps: list[str]):
                     yield {"row": "", "location": f"{file}:{exc.lineno}", "load_error": f"invalid JSON: {exc.msg}"}
                     continue
                 for i, item in enumerate(items):
-                    yield {"row": json.dumps(item, ensure_ascii=False), "location": f"{file}[{i}]", "load_error": ""}
+                    yield {"row": _dump(item), "location": f"{file}[{i}]", "load_error": ""}
                 continue
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
@@ -82,14 +93,14 @@ def _json_rows(files: list[str], stamps: list[str]):
                 except json.JSONDecodeError as exc:
                     yield {"row": "", "location": f"{file}:{lineno}", "load_error": f"unparseable JSON line: {exc.msg}"}
                     continue
-                yield {"row": json.dumps(item, ensure_ascii=False), "location": f"{file}:{lineno}", "load_error": ""}
+                yield {"row": _dump(item), "location": f"{file}:{lineno}", "load_error": ""}
 
 
 def _to_rows(batch: dict, indices: list[int], file: str) -> dict:
     keys = list(batch)
     rows = [{k: batch[k][j] for k in keys} for j in range(len(indices))]
     return {
-        "row": [json.dumps(r, ensure_ascii=False, default=str) for r in rows],
+        "row": [_dump(r) for r in rows],
         "location": [f"{file}[{i}]" for i in indices],
         "load_error": [""] * len(indices),
     }

@@ -135,7 +135,7 @@ def advice(overall: dict, *, max_length: int) -> list[str]:
     dropped = sum(overall["dropped"].values())
     if dropped:
         out.append(f"{dropped} of {overall['rows_in']} rows are dropped (reasons above); "
-                   "docs/diagnostics.md says what each reason means")
+                   "docs/troubleshooting.md says what each reason means")
     return out
 
 

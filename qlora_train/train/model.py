@@ -8,12 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
-from qlora_train.config import Config, ModelConfig
+from qlora_train.config import Config, ConfigError, ModelConfig
 from qlora_train.data.chat_templates import get_chat_template
+from qlora_train.data.render import template_layout
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CUDA_ONLY_OPTIMIZERS = ("paged_", "8bit", "bnb")
+
+
+class ModelLoadError(Exception):
+    """The tokenizer or model named in the config cannot be loaded (missing files, no network for a hub id)."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +54,19 @@ def load_tokenizer(cfg: ModelConfig):
     """Tokenizer with the configured chat template; pad token falls back to EOS."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    name = cfg.tokenizer or cfg.name_or_path
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load the tokenizer {name}: {' '.join(str(exc).split())}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return get_chat_template(tok, cfg.chat_template)
+    try:
+        tok = get_chat_template(tok, cfg.chat_template)
+        template_layout(tok)  # probed once here: a template that cannot be used is a config error, not a row's
+    except Exception as exc:
+        raise ConfigError([f"model.chat_template: {type(exc).__name__}: {exc}"]) from None
+    return tok
 
 
 def load_model(cfg: Config, runtime: Runtime):
@@ -72,7 +86,10 @@ def load_model(cfg: Config, runtime: Runtime):
                   trust_remote_code=m.trust_remote_code)
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load the model {m.name_or_path}: {' '.join(str(exc).split())}") from None
     gc = cfg.train.gradient_checkpointing
     gc_kwargs = {"use_reentrant": False}
     if quant is not None:

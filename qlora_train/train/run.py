@@ -3,34 +3,58 @@
 Runs unchanged as one process or under ``torchrun`` / ``accelerate launch``:
 rank 0 preprocesses first and the others reuse the datasets cache; only rank
 0 writes reports and outputs; each rank loads its own 4-bit model.
+
+Faults: Ctrl-C / SIGTERM saves a checkpoint at the current step and raises
+``TrainingInterrupted`` (``signals.py``). The final outputs are staged in
+``<output_dir>/.final.tmp``, moved into place file by file (each ``os.replace``
+is atomic), and ``training_complete.json`` is written last: a run is complete
+exactly when that marker exists.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 
 import yaml
 
-from qlora_train.config import Config
+from qlora_train.config import Config, ConfigError
 from qlora_train.data.dataset import build_datasets
 from qlora_train.files import write_atomic
 from qlora_train.train.collator import PadCollator
 from qlora_train.train.model import count_parameters, load_model, load_tokenizer, resolve_runtime
+from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
 
 log = logging.getLogger("qlora_train")
+COMPLETE_MARKER = "training_complete.json"
+STAGING_DIR = ".final.tmp"
 
 
 def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def check_optimizer(name: str) -> None:
+    """``train.optim`` must be a transformers optimiser name (checked before anything loads)."""
+    from transformers.training_args import OptimizerNames
+
+    names = [o.value for o in OptimizerNames]
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError([f"train.optim: unknown optimizer '{name}'{hint}"])
+
+
 def training_arguments(cfg: Config, runtime, has_eval: bool):
     from transformers import TrainingArguments
 
     t = cfg.train
+    check_optimizer(t.optim)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     report_to = t.report_to if isinstance(t.report_to, list) else [t.report_to]
     return TrainingArguments(
@@ -50,12 +74,10 @@ def training_arguments(cfg: Config, runtime, has_eval: bool):
 
 
 def resolve_resume(cfg: Config) -> str | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
     resume = cfg.train.resume_from_checkpoint
     if resume != "auto":
         return resume
-    last = get_last_checkpoint(cfg.train.output_dir) if Path(cfg.train.output_dir).is_dir() else None
+    last = last_checkpoint(cfg.train.output_dir)
     log.info("resume_from_checkpoint: auto -> %s", last or "no checkpoint yet, starting fresh")
     return last
 
@@ -74,8 +96,87 @@ def summary_lines(cfg: Config, runtime, model, report) -> list[str]:
     ]
 
 
+def oom_advice(cfg: Config) -> str:
+    """CUDA out of memory -> what to change in the config, most effective first."""
+    d, t, m = cfg.data, cfg.train, cfg.model
+    tips = [f"lower data.max_length (now {d.max_length}); `--set data.on_too_long=drop` skips the longest rows "
+            "instead of cutting them",
+            f"lower train.per_device_train_batch_size (now {t.per_device_train_batch_size}) and raise "
+            f"train.gradient_accumulation_steps (now {t.gradient_accumulation_steps}) to keep the effective batch"]
+    if not t.gradient_checkpointing:
+        tips.append("set train.gradient_checkpointing: true (recomputes activations instead of storing them)")
+    if getattr(t, "packing", None) is False:
+        tips.append("set train.packing: true with per_device_train_batch_size: 1 (no padding; each step holds "
+                    "at most max_length tokens)")
+    if not (m.load_in_4bit or m.load_in_8bit):
+        tips.append("load the base in 4-bit: model.load_in_4bit: true")
+    if t.per_device_eval_batch_size > 1:
+        tips.append(f"lower train.per_device_eval_batch_size (now {t.per_device_eval_batch_size})")
+    return "CUDA ran out of memory. Try, in this order:\n" + "\n".join(f"  - {tip}" for tip in tips)
+
+
+def save_final_outputs(trainer, tokenizer, cfg: Config, out: Path, main: bool) -> None:
+    """Adapter, tokenizer, config, trainer state and loss history -> ``out``, atomically (see the module doc)."""
+    staging = out / STAGING_DIR
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)
+    trainer.save_model(str(staging))  # every rank calls it; rank 0 writes the LoRA adapter
+    if not main:
+        return
+    trainer.state.save_to_json(str(staging / "trainer_state.json"))
+    tokenizer.save_pretrained(staging)
+    (staging / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
+    (staging / "loss_history.json").write_text(json.dumps(losses, indent=1))
+    publish(staging, out)
+    write_atomic(out / COMPLETE_MARKER, json.dumps(
+        {"global_step": trainer.state.global_step, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+    if len(losses) >= 2:
+        log.info("loss %.4f (step %d) -> %.4f (step %d)", losses[0]["loss"], losses[0]["step"],
+                 losses[-1]["loss"], losses[-1]["step"])
+    log.info("adapter, tokenizer and config written to %s", out)
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move every staged entry into ``out`` (``os.replace``), ``adapter_config.json`` last, then drop ``staging``.
+
+    Each file appears whole or not at all; peft finds an adapter by its config, so
+    the config is only there once the weights are.
+    """
+    entries = sorted(staging.iterdir(), key=lambda p: p.name == "adapter_config.json")
+    for src in entries:
+        dst = out / src.name
+        if dst.is_dir() and src.is_dir():
+            shutil.rmtree(dst)
+        os.replace(src, dst)
+    staging.rmdir()
+
+
+def last_checkpoint(output_dir: str) -> str | None:
+    """The newest complete ``checkpoint-N`` in ``output_dir``, or None.
+
+    The Trainer writes ``trainer_state.json`` last into a checkpoint, so a folder
+    without a readable one was cut short (e.g. SIGKILL while saving) and is skipped.
+    """
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*") if Path(output_dir).is_dir() else []:
+        step = path.name.removeprefix("checkpoint-")
+        if path.is_dir() and step.isdigit():
+            found.append((int(step), path))
+    for _, path in sorted(found, reverse=True):
+        try:
+            json.loads((path / "trainer_state.json").read_text())
+            return str(path)
+        except (OSError, ValueError):
+            log.warning("skipping incomplete checkpoint %s (no readable trainer_state.json)", path)
+    return None
+
+
 def train(cfg: Config, *, callbacks: list | None = None):
-    """Run one training job; returns the finished ``Trainer`` (outputs are in ``cfg.train.output_dir``)."""
+    """Run one training job; returns the finished ``Trainer`` (outputs are in ``cfg.train.output_dir``).
+
+    Raises ``TrainingInterrupted`` after saving a checkpoint when SIGINT/SIGTERM arrives.
+    """
     from transformers import Trainer, set_seed
 
     set_seed(cfg.train.seed)  # before the adapter is built: LoRA init is random
@@ -83,8 +184,8 @@ def train(cfg: Config, *, callbacks: list | None = None):
     main = is_main_process()
     runtime = resolve_runtime(cfg)
     log.info(runtime.note)
+    args = training_arguments(cfg, runtime, has_eval=cfg.data.eval_fraction > 0)  # config errors before loading
     tokenizer = load_tokenizer(cfg.model)
-    args = training_arguments(cfg, runtime, has_eval=cfg.data.eval_fraction > 0)
 
     with args.main_process_first(desc="preprocessing"):
         train_ds, eval_ds, report = build_datasets(cfg.data, tokenizer)
@@ -92,24 +193,19 @@ def train(cfg: Config, *, callbacks: list | None = None):
     model = load_model(cfg, runtime)
     if main:
         out.mkdir(parents=True, exist_ok=True)
+        (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so
         write_atomic(out / "dataset_report.json", report.to_json())
         print("\n".join(summary_lines(cfg, runtime, model, report)), flush=True)
 
-    trainer = Trainer(
-        model=model, args=args, data_collator=PadCollator(tokenizer.pad_token_id),
-        train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer, callbacks=callbacks,
-    )
-    trainer.train(resume_from_checkpoint=resolve_resume(cfg))
-
-    trainer.save_model(str(out))  # the LoRA adapter (rank 0 only)
-    if main:
-        trainer.save_state()
-        tokenizer.save_pretrained(out)
-        write_atomic(out / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
-        write_atomic(out / "loss_history.json", json.dumps(losses, indent=1))
-        if len(losses) >= 2:
-            log.info("loss %.4f (step %d) -> %.4f (step %d)", losses[0]["loss"], losses[0]["step"],
-                     losses[-1]["loss"], losses[-1]["step"])
-        log.info("adapter, tokenizer and config written to %s", out)
+    stopper = StopOnSignal()
+    with handle_stop_signals(stopper):
+        trainer = Trainer(
+            model=model, args=args, data_collator=PadCollator(tokenizer.pad_token_id),
+            train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+            callbacks=[*(callbacks or []), stopper],
+        )
+        trainer.train(resume_from_checkpoint=resolve_resume(cfg))
+        if stopper.stopped_at is not None:
+            raise TrainingInterrupted(stopper.signum, stopper.stopped_at, last_checkpoint(cfg.train.output_dir))
+        save_final_outputs(trainer, tokenizer, cfg, out, main)  # a signal now waits for the save to finish
     return trainer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,11 @@ def test_cli_trains_and_writes_outputs(tmp_path, tiny_model_dir):
     assert main(["--config", str(cfg_path)]) == 0
     out = tmp_path / "out"
     for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "chat_template.jinja",
-                 "config.yaml", "dataset_report.json", "trainer_state.json", "loss_history.json"):
+                 "config.yaml", "dataset_report.json", "trainer_state.json", "loss_history.json",
+                 "training_complete.json"):
         assert (out / name).is_file(), name
+    assert json.loads((out / "training_complete.json").read_text())["global_step"] == 4
+    assert not (out / ".final.tmp").exists()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     report = json.loads((out / "dataset_report.json").read_text())
     assert report["rows_in"] == 16 == report["rows_kept"] + sum(report["dropped"].values())
@@ -108,8 +112,14 @@ class CrashAt(TrainerCallback):
             raise RuntimeError("simulated crash")
 
 
-def test_resume_auto_continues_from_last_checkpoint(tmp_path, tiny_model_dir):
-    ref = train(load_config(write_config(tmp_path / "ref", tiny_model_dir, max_steps=6)))
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, tiny_model_dir):
+    """An uninterrupted 6-step run that the resumed runs are compared with."""
+    return train(load_config(write_config(tmp_path_factory.mktemp("ref"), tiny_model_dir, max_steps=6)))
+
+
+def test_resume_auto_continues_from_last_checkpoint(tmp_path, tiny_model_dir, reference_run):
+    ref = reference_run
     cfg_path = write_config(tmp_path / "run", tiny_model_dir, max_steps=6, resume_from_checkpoint="auto")
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(load_config(cfg_path), callbacks=[CrashAt(3)])
@@ -117,10 +127,78 @@ def test_resume_auto_continues_from_last_checkpoint(tmp_path, tiny_model_dir):
     assert (out / "checkpoint-2").is_dir() and not (out / "adapter_model.safetensors").exists()
     resumed = train(load_config(cfg_path))
     assert resumed.state.global_step == 6
-    ref_loss = {h["step"]: h["loss"] for h in ref.state.log_history if "loss" in h}
-    new_loss = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h}
-    for step in (3, 4, 5, 6):  # the resumed curve continues the uninterrupted one
+    assert_losses_continue(ref, resumed, steps=(3, 4, 5, 6))
+
+
+def losses(trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def assert_losses_continue(ref, resumed, steps):
+    """The resumed run's loss curve continues the uninterrupted one with the same seed."""
+    ref_loss, new_loss = losses(ref), losses(resumed)
+    for step in steps:
         assert new_loss[step] == pytest.approx(ref_loss[step], rel=1e-3), step
+
+
+# Runs the CLI in a child process; says when a checkpoint is saved and pauses after step 3, so that a
+# SIGTERM sent on "saved 2" lands during step 3.
+CHILD = """
+import sys, time
+from transformers import TrainerCallback
+import qlora_train.train.run as run
+from qlora_train.cli import main
+
+class Pace(TrainerCallback):
+    def on_save(self, args, state, control, **kw):
+        print(f"saved {state.global_step}", flush=True)
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == 3:
+            time.sleep(3)
+
+real_train = run.train
+run.train = lambda cfg, callbacks=None: real_train(cfg, callbacks=[Pace()])
+sys.exit(main(["--config", sys.argv[1]]))
+"""
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_model_dir, reference_run):
+    ref = reference_run
+    cfg_path = write_config(tmp_path / "run", tiny_model_dir, max_steps=6, resume_from_checkpoint="auto")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "stderr.txt", "w") as err:  # a file: a full stderr pipe could block the child
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(cfg_path)], cwd=REPO, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=err)
+        for line in child.stdout:
+            if line.strip() == "saved 2":
+                child.send_signal(signal.SIGTERM)
+                break
+        stdout, _ = child.communicate(timeout=300)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert child.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    out = tmp_path / "run" / "out"
+    assert ("interrupted: stopped by SIGTERM at step 3; checkpoint saved to "
+            f"{out / 'checkpoint-3'}; run again with train.resume_from_checkpoint: auto to continue") in stderr
+    assert "Traceback" not in stderr and "saved 3" in stdout
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert not (out / "training_complete.json").exists() and not (out / "adapter_model.safetensors").exists()
+
+    resumed = train(load_config(cfg_path))  # resume_from_checkpoint: auto -> checkpoint-3
+    assert resumed.state.global_step == 6 and (out / "training_complete.json").is_file()
+    assert_losses_continue(ref, resumed, steps=(4, 5, 6))
+
+
+def test_cuda_oom_in_training_exits_3_with_advice(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    from transformers import Trainer
+
+    def oom(self, *a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    monkeypatch.setattr(Trainer, "train", oom)
+    assert main(["--config", str(write_config(tmp_path, tiny_model_dir))]) == 3
+    err = capsys.readouterr().err
+    assert "error: CUDA ran out of memory. Try, in this order:\n  - lower data.max_length (now 128)" in err
+    assert "Traceback" not in err and not (tmp_path / "out" / "training_complete.json").exists()
 
 
 def test_two_processes_with_torchrun(tmp_path, tiny_model_dir):

@@ -1,0 +1,119 @@
+"""Bad rows: every row is kept or dropped with a reason and its location; nothing from a row crashes a batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qlora_train.config import DataConfig, DatasetSource
+from qlora_train.data import process_rows
+from qlora_train.data.dataset import build_datasets
+from qlora_train.data.messages import BadRowError
+
+GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+LONG = {"messages": [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "a"}]}
+
+
+def test_unexpected_exception_in_a_stage_drops_only_that_row(qwen3_tok, monkeypatch):
+    import qlora_train.data.pipeline as pipeline
+
+    real = pipeline.canonicalize_row
+
+    def flaky(row, cfg, **kw):
+        if row.get("boom"):
+            raise KeyError("surprise")
+        return real(row, cfg, **kw)
+
+    monkeypatch.setattr(pipeline, "canonicalize_row", flaky)
+    out = process_rows([GOOD, {**GOOD, "boom": 1}, GOOD], qwen3_tok, DataConfig(max_length=64))
+    assert out["drop_reason"] == ["", "bad_row", ""]
+    assert out["drop_detail"][1] == "row 1: unexpected KeyError: 'surprise'"
+    assert len(out["input_ids"][0]) == len(out["labels"][0]) > 0 and out["input_ids"][1] == []
+
+
+def test_lone_surrogate_is_invalid_unicode_naming_the_message(qwen3_tok):
+    bad = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a\ud800b"}]}
+    out = process_rows([bad, GOOD], qwen3_tok, DataConfig(max_length=64))
+    assert out["drop_reason"] == ["invalid_unicode", ""]
+    assert out["drop_detail"][0].startswith("row 0: messages[1]: lone surrogate '\\ud800' at character ")
+
+
+def test_on_too_long_drop_refuses_instead_of_truncating(qwen3_tok):
+    n = len(process_rows([LONG], qwen3_tok, DataConfig(max_length=512))["input_ids"][0])
+    assert n > 40
+    cut = process_rows([LONG, GOOD], qwen3_tok, DataConfig(max_length=40))
+    assert cut["drop_reason"] == ["", ""] and len(cut["input_ids"][0]) == 40
+    dropped = process_rows([LONG, GOOD], qwen3_tok, DataConfig(max_length=40, on_too_long="drop"))
+    assert dropped["drop_reason"] == ["too_long", ""]
+    assert dropped["drop_detail"][0] == f"row 0: {n} tokens > max_length=40 (data.on_too_long: drop)"
+    assert dropped["num_tokens_before"][0] == n and dropped["input_ids"][0] == []
+
+
+RAISING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('role ' + m.role + ' not supported') }}"
+    "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ESCAPING_TEMPLATE = RAISING_TEMPLATE.replace(
+    "{{ raise_exception('role ' + m.role + ' not supported') }}", "{{ m.content.__class__.__mro__ }}")
+
+
+@pytest.mark.parametrize("template, detail", [
+    (RAISING_TEMPLATE, "row 1: TemplateError: role narrator not supported"),
+    (ESCAPING_TEMPLATE, "row 1: SecurityError: "),  # the sandbox refuses attribute escapes
+], ids=["raise_exception", "sandbox"])
+def test_template_errors_are_row_reasons(qwen_tokenizer_dir, template, detail):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+    tok.chat_template = template
+    narrator = {"messages": [{"role": "narrator", "content": "once"}, *GOOD["messages"]]}
+    out = process_rows([GOOD, narrator], tok, DataConfig(max_length=64))
+    assert out["drop_reason"] == ["", "template_error"]
+    assert out["drop_detail"][1].startswith(detail), out["drop_detail"][1]
+
+
+def _jsonl(tmp_path, lines: list[bytes]) -> str:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return str(path)
+
+
+def test_undecodable_bytes_are_counted_with_file_and_line(tmp_path, qwen3_tok):
+    bad = json.dumps(GOOD).encode().replace(b'"a"', b'"a\xff"')
+    path = _jsonl(tmp_path, [json.dumps(GOOD).encode(), bad])
+    _, _, report = build_datasets(DataConfig(datasets=[DatasetSource(path=path)], max_length=64), qwen3_tok)
+    assert report.rows_in == 2 and report.rows_kept == 1 and report.dropped == {"invalid_unicode": 1}
+    assert report.first_dropped["invalid_unicode"].startswith(f"{path}:2: messages[1]: lone surrogate '\\udcff'")
+
+
+def test_on_bad_row_error_stops_at_the_first_bad_row(tmp_path, qwen3_tok):
+    path = _jsonl(tmp_path, [json.dumps(GOOD).encode(), json.dumps(LONG).encode(), b'{"foo": 1}', b"{broken"])
+    cfg = DataConfig(datasets=[DatasetSource(path=path)], max_length=40, on_bad_row="error", on_too_long="drop")
+    with pytest.raises(BadRowError) as err:  # line 2 is too long, a drop the config asked for: not a bad row
+        build_datasets(cfg, qwen3_tok)
+    assert str(err.value).startswith(f"bad row (unknown_schema) at {path}:3: no known schema among keys ['foo']")
+
+
+def test_skip_counts_every_row_and_warns_once_per_reason(tmp_path, qwen3_tok, caplog):
+    path = _jsonl(tmp_path, [json.dumps(GOOD).encode(), b'{"foo": 1}', b'{"foo": 2}', b"{broken",
+                             json.dumps(LONG).encode()])
+    cfg = DataConfig(datasets=[DatasetSource(path=path)], max_length=40, on_too_long="drop")
+    with caplog.at_level("WARNING", logger="qlora_train.data.dataset"):
+        _, _, report = build_datasets(cfg, qwen3_tok)
+    assert report.dropped == {"unknown_schema": 2, "unparseable_json": 1, "too_long": 1}
+    assert report.rows_in == 5 == report.rows_kept + sum(report.dropped.values())
+    warnings = sorted(r.getMessage() for r in caplog.records)
+    assert len(warnings) == 3
+    assert warnings[2].startswith(f"dropped 2 rows: unknown_schema (first: {path}:2: ")
+
+
+def test_troubleshooting_page_lists_every_drop_reason():
+    from pathlib import Path
+
+    from qlora_train.data.messages import KNOWN_DROP_REASONS
+
+    page = (Path(__file__).resolve().parents[2] / "docs/troubleshooting.md").read_text()
+    assert [r for r in sorted(KNOWN_DROP_REASONS) if f"| `{r}` |" not in page] == []
