@@ -8,18 +8,30 @@ Works on a batch (a dict of columns as ``datasets.map(batched=True)`` hands it,
 or a list of row dicts) so the tokenizer is called once per batch. Every row
 comes out: kept rows have tokens, dropped rows have ``drop_reason`` set and
 empty token lists, to be counted and then filtered.
+
+Chat schemas go parse -> render -> tokenize -> truncate -> ``make_labels``;
+``segments`` and ``text`` rows skip the template (``formats``) and join at
+tokenize; ``pretokenized`` rows join at ``make_labels``. Plain ``text`` rows
+keep all their tokens here (``formats.split_into_blocks`` cuts them later).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 import numpy as np
 
 from qlora_train.config import DataConfig
+from qlora_train.data.formats import (
+    plain_text_and_mask,
+    pretokenized_ids_and_mask,
+    segments_text_and_mask,
+    token_offsets,
+)
 from qlora_train.data.messages import DropReason, RowRejected
-from qlora_train.data.parse import canonicalize_row
+from qlora_train.data.parse import CHAT_SCHEMAS, canonicalize_row, map_fields, resolve_schema
 from qlora_train.data.render import render_conversation
 from qlora_train.data.tokenize import IGNORE_INDEX, count_straddling, encode_batch, make_labels
 from qlora_train.data.truncate import Measured, structured_truncate_messages
@@ -27,7 +39,7 @@ from qlora_train.data.truncate import Measured, structured_truncate_messages
 OUTPUT_COLUMNS = (
     "input_ids", "attention_mask", "labels", "drop_reason", "drop_detail", "num_tokens_before",
     "num_tokens", "num_trained_tokens", "dropped_turns", "reasoning_trimmed_tokens", "token_fallback",
-    "straddling_tokens", "parse_report",
+    "straddling_tokens", "parse_report", "content_hash",
 )
 
 
@@ -44,7 +56,37 @@ def empty_output() -> dict[str, Any]:
         "input_ids": [], "attention_mask": [], "labels": [], "drop_reason": "", "drop_detail": "",
         "num_tokens_before": 0, "num_tokens": 0, "num_trained_tokens": 0, "dropped_turns": 0,
         "reasoning_trimmed_tokens": 0, "token_fallback": "", "straddling_tokens": 0, "parse_report": "{}",
+        "content_hash": "",
     }
+
+
+def _hash(obj: Any) -> str:
+    """Stable hash of a row's canonical content (for ``dedup``)."""
+    return hashlib.blake2b(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).hexdigest()
+
+
+def content_chars(messages: list[dict]) -> int:
+    """Characters of content and reasoning over all messages (what ``min_chars``/``max_chars`` measure)."""
+    return sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in messages)
+
+
+def _check_length(n_chars: int, cfg: DataConfig) -> None:
+    if n_chars < cfg.min_chars or (cfg.max_chars is not None and n_chars > cfg.max_chars):
+        raise RowRejected(DropReason.FILTERED_BY_LENGTH,
+                          f"{n_chars} characters, outside [{cfg.min_chars}, {cfg.max_chars or 'inf'}]")
+
+
+def _template_free(row: Any, schema: str, tokenizer, cfg: DataConfig) -> tuple[str | list[int], np.ndarray]:
+    """A segments/text row -> (text, char mask); a pretokenized row -> (ids, token mask)."""
+    if not isinstance(row, dict):
+        raise RowRejected(DropReason.BAD_ROW, f"schema {schema} needs a mapping, got {type(row).__name__}")
+    row = map_fields(row, cfg.field_mappings)
+    if schema == "pretokenized":
+        return pretokenized_ids_and_mask(row, vocab_size=len(tokenizer))
+    text, mask = segments_text_and_mask(row) if schema == "segments" else plain_text_and_mask(
+        row, eos_token=tokenizer.eos_token)
+    _check_length(len(text) - (len(tokenizer.eos_token) if schema == "text" else 0), cfg)
+    return text, mask
 
 
 def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | None = None) -> dict[str, list]:
@@ -55,17 +97,31 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     rows = _rows(batch)
     where = locations or [f"row {i}" for i in range(len(rows))]
     outs = [empty_output() for _ in rows]
-    kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss)
+    kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss, train_on_eos=cfg.train_on_eos)
     staged: list[tuple[int, Any, Any]] = []  # (row index, canonical row, rendered)
+    plain: list[tuple[int, str, np.ndarray, int | None]] = []  # (row index, text, char mask, max length)
     for i, row in enumerate(rows):
         try:
-            canon = canonicalize_row(row, cfg, tokenizer=tokenizer)
-            outs[i]["parse_report"] = json.dumps(canon.report.to_dict())
-            rendered = render_conversation(canon.messages, tokenizer, tools=canon.tools, **kw)
-            staged.append((i, canon, rendered))
+            schema = resolve_schema(row, cfg) if isinstance(row, (dict, list)) else "unknown"
+            if schema in CHAT_SCHEMAS or schema == "unknown":
+                canon = canonicalize_row(row, cfg, tokenizer=tokenizer)
+                outs[i]["parse_report"] = json.dumps(canon.report.to_dict())
+                _check_length(content_chars(canon.messages), cfg)
+                outs[i]["content_hash"] = _hash([canon.messages, canon.tools])
+                rendered = render_conversation(canon.messages, tokenizer, tools=canon.tools, **kw)
+                staged.append((i, canon, rendered))
+                continue
+            text, mask = _template_free(row, schema, tokenizer, cfg)
+            outs[i]["content_hash"] = _hash([schema, text, mask.tolist()])
+            if schema == "pretokenized":
+                _finish(outs[i], text, token_offsets(len(text)), mask, cfg, where[i], max_length=cfg.max_length)
+            else:  # text rows keep every token: they are cut into blocks, not truncated
+                plain.append((i, text, mask, None if schema == "text" else cfg.max_length))
         except RowRejected as rej:
             outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
-    encoded = encode_batch([r.text for _, _, r in staged], tokenizer)
+    encoded = encode_batch([r.text for _, _, r in staged] + [t for _, t, _, _ in plain], tokenizer)
+    for (i, _, mask, max_length), (ids, offsets) in zip(plain, encoded[len(staged):]):
+        _finish(outs[i], ids, offsets, mask, cfg, where[i], max_length=max_length)
     for (i, canon, rendered), (ids, offsets) in zip(staged, encoded):
         out = outs[i]
         out["num_tokens_before"] = len(ids)
@@ -84,12 +140,20 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
         except RowRejected as rej:
             out["drop_reason"], out["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
             continue
-        example = make_labels(ids, offsets, char_mask, max_length=cfg.max_length, truncate_side=cfg.truncate_side)
-        n_trained = int(np.count_nonzero(np.asarray(example["labels"]) != IGNORE_INDEX))
-        out["straddling_tokens"] = count_straddling(offsets, char_mask)
-        if n_trained == 0:
-            out["drop_reason"] = DropReason.NO_TRAINED_TOKEN
-            out["drop_detail"] = f"{where[i]}: no trained token left within max_length={cfg.max_length}"
-            continue
-        out.update(example, num_tokens=len(example["input_ids"]), num_trained_tokens=n_trained)
+        _finish(out, ids, offsets, char_mask, cfg, where[i], max_length=cfg.max_length)
     return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
+
+
+def _finish(out: dict, ids, offsets, char_mask, cfg: DataConfig, where: str, *, max_length: int | None) -> None:
+    """ids + offsets + char mask -> the example's columns in ``out`` (or a drop reason)."""
+    out["num_tokens_before"] = len(ids) if not out["num_tokens_before"] else out["num_tokens_before"]
+    if max_length is not None and len(ids) > max_length and out["parse_report"] == "{}":
+        out["token_fallback"] = cfg.truncate_side  # template-free rows have no structured truncation
+    example = make_labels(ids, offsets, char_mask, max_length=max_length, truncate_side=cfg.truncate_side)
+    n_trained = int(np.count_nonzero(np.asarray(example["labels"]) != IGNORE_INDEX))
+    out["straddling_tokens"] = count_straddling(offsets, char_mask)
+    if n_trained == 0:
+        out["drop_reason"] = DropReason.NO_TRAINED_TOKEN
+        out["drop_detail"] = f"{where}: no trained token left within max_length={max_length}"
+        return
+    out.update(example, num_tokens=len(example["input_ids"]), num_trained_tokens=n_trained)
