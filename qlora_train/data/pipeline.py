@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from qlora_train.data.formats import (
     token_offsets,
 )
 from qlora_train.data.messages import DropReason, RowRejected
-from qlora_train.data.parse import CHAT_SCHEMAS, canonicalize_row, map_fields, resolve_schema
+from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
 from qlora_train.data.render import render_conversation
 from qlora_train.data.tokenize import IGNORE_INDEX, count_straddling, encode_batch, make_labels
 from qlora_train.data.truncate import Measured, structured_truncate_messages
@@ -111,17 +112,19 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                 rendered = render_conversation(canon.messages, tokenizer, tools=canon.tools, **kw)
                 staged.append((i, canon, rendered))
                 continue
+            outs[i]["parse_report"] = json.dumps(ParseReport(schema, Counter({schema: 1}), rows=1).to_dict())
             text, mask = _template_free(row, schema, tokenizer, cfg)
             outs[i]["content_hash"] = _hash([schema, text, mask.tolist()])
             if schema == "pretokenized":
-                _finish(outs[i], text, token_offsets(len(text)), mask, cfg, where[i], max_length=cfg.max_length)
+                _finish(outs[i], text, token_offsets(len(text)), mask, cfg, where[i], max_length=cfg.max_length,
+                        template_free=True)
             else:  # text rows keep every token: they are cut into blocks, not truncated
                 plain.append((i, text, mask, None if schema == "text" else cfg.max_length))
         except RowRejected as rej:
             outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
     encoded = encode_batch([r.text for _, _, r in staged] + [t for _, t, _, _ in plain], tokenizer)
     for (i, _, mask, max_length), (ids, offsets) in zip(plain, encoded[len(staged):]):
-        _finish(outs[i], ids, offsets, mask, cfg, where[i], max_length=max_length)
+        _finish(outs[i], ids, offsets, mask, cfg, where[i], max_length=max_length, template_free=True)
     for (i, canon, rendered), (ids, offsets) in zip(staged, encoded):
         out = outs[i]
         out["num_tokens_before"] = len(ids)
@@ -144,11 +147,13 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
 
 
-def _finish(out: dict, ids, offsets, char_mask, cfg: DataConfig, where: str, *, max_length: int | None) -> None:
+def _finish(out: dict, ids, offsets, char_mask, cfg: DataConfig, where: str, *, max_length: int | None,
+            template_free: bool = False) -> None:
     """ids + offsets + char mask -> the example's columns in ``out`` (or a drop reason)."""
-    out["num_tokens_before"] = len(ids) if not out["num_tokens_before"] else out["num_tokens_before"]
-    if max_length is not None and len(ids) > max_length and out["parse_report"] == "{}":
-        out["token_fallback"] = cfg.truncate_side  # template-free rows have no structured truncation
+    if template_free:
+        out["num_tokens_before"] = len(ids)
+        if max_length is not None and len(ids) > max_length:
+            out["token_fallback"] = cfg.truncate_side  # no structured truncation without messages
     example = make_labels(ids, offsets, char_mask, max_length=max_length, truncate_side=cfg.truncate_side)
     n_trained = int(np.count_nonzero(np.asarray(example["labels"]) != IGNORE_INDEX))
     out["straddling_tokens"] = count_straddling(offsets, char_mask)
