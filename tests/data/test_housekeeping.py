@@ -23,7 +23,8 @@ def qa(i, **extra):
 
 
 def test_dedup_counts_exact_duplicates_across_schemas_and_sources(tmp_path, qwen3_tok):
-    same_as_qa1 = {"messages": [{"role": "user", "content": "question 1"}, {"role": "assistant", "content": "answer 1"}]}
+    same_as_qa1 = {"messages": [{"role": "user", "content": "question 1"},
+                                {"role": "assistant", "content": "answer 1"}]}
     a = jsonl(tmp_path, "a.jsonl", [qa(0), qa(1), qa(0)])
     b = jsonl(tmp_path, "b.jsonl", [same_as_qa1, qa(2)])
     cfg = DataConfig(datasets=[DatasetSource(path=a), DatasetSource(path=b)], dedup=True)
@@ -35,7 +36,8 @@ def test_dedup_counts_exact_duplicates_across_schemas_and_sources(tmp_path, qwen
 
 
 def test_min_and_max_chars(tmp_path, qwen3_tok):
-    rows = [{"prompt": "q", "response": "a"}, {"prompt": "qq", "response": "aaaa"}, {"prompt": "q" * 10, "response": "a"}]
+    rows = [{"prompt": "q", "response": "a"}, {"prompt": "qq", "response": "aaaa"},
+            {"prompt": "q" * 10, "response": "a"}]
     cfg = DataConfig(datasets=[DatasetSource(path=jsonl(tmp_path, "d.jsonl", rows))], min_chars=3, max_chars=8)
     _, _, report = build_datasets(cfg, qwen3_tok)  # content chars: 2, 6, 11
     assert report.rows_kept == 1 and report.dropped == {"filtered_by_length": 2}
