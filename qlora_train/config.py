@@ -62,7 +62,10 @@ class DatasetSource(_Section):
     weight: float | None = Field(
         None, gt=0, description="Mixing weight; with weights on every source, rows are interleaved by probability."
     )
-    max_samples: int | None = Field(None, ge=1, description="Keep at most this many rows of this source.")
+    max_samples: int | None = Field(
+        None, ge=1, validation_alias=AliasChoices("max_samples", "max_items"),
+        description="Keep at most this many rows of this source (also accepted as `max_items`).",
+    )
     handlers: list[RowHandlerSpec] = Field(
         default_factory=list, description="Registered row handlers applied, in order, to the raw rows."
     )
@@ -168,6 +171,7 @@ class DataConfig(_Section):
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Share of rows held out for evaluation.")
     shuffle_seed: int = Field(42, description="Seed of the train/eval split and of `shuffle`.")
     shuffle: bool = Field(False, description="Shuffle the training rows once after mixing.")
+    max_samples: int | None = Field(None, ge=1, description="Keep at most this many training rows after mixing.")
     dedup: bool = Field(False, description="Drop exact duplicates (same canonical messages), keeping the first.")
     min_chars: int = Field(0, ge=0, description="Drop rows with fewer characters of content (`filtered_by_length`).")
     max_chars: int | None = Field(None, ge=1, description="Drop rows with more characters of content.")
@@ -177,9 +181,10 @@ class DataConfig(_Section):
     cache_dir: str | None = Field(None, description="datasets cache directory (default: the HF cache).")
 
     def for_source(self, src: DatasetSource) -> DataConfig:
-        """This config with the source's format overrides applied (``FORMAT_OVERRIDES``)."""
+        """The options that process ``src``'s rows: its format overrides (``FORMAT_OVERRIDES``) applied, and
+        the source lists and mixing left out, so that one source's cache does not depend on the others."""
         update = {k: getattr(src, k) for k in FORMAT_OVERRIDES if getattr(src, k) is not None}
-        return self.model_copy(update=update) if update else self
+        return self.model_copy(update={**update, "datasets": [], "eval_datasets": [], "mixing": MixingConfig()})
 
     def trains_role(self, role: str) -> bool:
         """Whether messages of ``role`` are trained by the role rules (before per-message overrides)."""

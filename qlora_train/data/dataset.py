@@ -6,9 +6,10 @@
 
 Order: each source is loaded and processed with its own format options
 (``DataConfig.for_source``) -> exact duplicates dropped (``dedup``) -> counted
--> refused rows filtered -> long plain texts cut into ``max_length`` blocks ->
-eval split (``eval_fraction``; or ``eval_datasets``) -> sources mixed
-(``mix_sources``: interleaved by weight, or concatenated) -> ``shuffle``.
+-> refused rows filtered -> eval split (``eval_fraction``; or ``eval_datasets``)
+-> long plain texts cut into ``max_length`` blocks -> sources mixed
+(``mix_sources``: interleaved by weight, or concatenated) -> ``shuffle`` ->
+``max_samples``.
 Every step is a ``datasets`` map/filter, cached on a fingerprint of its inputs
 and arguments (the whole data config and the tokenizer), so an unchanged run
 reuses the cache and any changed option recomputes.
@@ -274,19 +275,23 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datase
     kept = _kept_rows(processed).select_columns(carry)
     if cfg.domain_key:
         report.domains = _domain_stats(_kept_rows(processed))
-    kept, report.text_blocks_added = split_long_texts(kept, cfg.max_length)
     eval_ds = None
     if cfg.eval_datasets:
         _, eval_processed = load_and_process_sources(cfg.eval_datasets, cfg, tokenizer)
-        eval_report = summarize(eval_processed)
-        report.eval_dropped = eval_report.dropped
-        eval_ds, _ = split_long_texts(_kept_rows(eval_processed).select_columns(carry), cfg.max_length)
+        report.eval_dropped = summarize(eval_processed).dropped
+        eval_ds = _kept_rows(eval_processed).select_columns(carry)
     elif cfg.eval_fraction > 0 and len(kept) >= 2:
         split = kept.train_test_split(test_size=cfg.eval_fraction, seed=cfg.shuffle_seed)
         kept, eval_ds = split["train"], split["test"]
+    # blocks after the split, so that one long text never lands on both sides
+    kept, report.text_blocks_added = split_long_texts(kept, cfg.max_length)
+    if eval_ds is not None:
+        eval_ds, _ = split_long_texts(eval_ds, cfg.max_length)
     train = mix_sources(kept, cfg, report)
     if cfg.shuffle:
         train = train.shuffle(seed=cfg.shuffle_seed)
+    if cfg.max_samples is not None and len(train) > cfg.max_samples:
+        train = train.select(range(cfg.max_samples))
     train = train.select_columns(list(MODEL_COLUMNS))
     eval_ds = eval_ds.select_columns(list(MODEL_COLUMNS)) if eval_ds is not None else None
     report.train_rows, report.eval_rows = len(train), len(eval_ds) if eval_ds is not None else 0

@@ -85,6 +85,19 @@ def test_cache_is_reused_until_an_option_or_the_template_changes(tmp_path, qwen3
         "template": process_dataset(raw, family_tokenizers["chatml"], cfg)._fingerprint,
     }
     assert first._fingerprint not in changed.values() and len(set(changed.values())) == 3
+    # another source, weights or mixing do not touch this source's processing (DataConfig.for_source)
+    other = cfg.model_copy(update={"datasets": [DatasetSource(path=path, weight=2), DatasetSource(path="x", weight=1)]})
+    assert (process_dataset(raw, qwen3_tok, cfg.for_source(cfg.datasets[0]))._fingerprint
+            == process_dataset(raw, qwen3_tok, other.for_source(other.datasets[0]))._fingerprint)
+
+
+def test_max_samples_per_source_and_overall(tmp_path, qwen3_tok):
+    path = jsonl(tmp_path, "d.jsonl", [qa(i) for i in range(6)])
+    src = DatasetSource.model_validate({"path": path, "max_items": 4})
+    train, _, report = build_datasets(DataConfig(datasets=[src]), qwen3_tok)
+    assert report.rows_in == 4 == len(train)
+    train, _, report = build_datasets(DataConfig(datasets=[src], max_samples=3), qwen3_tok)
+    assert report.rows_in == 4 and report.train_rows == 3 == len(train)
 
 
 @register_row_handler("test_rename_qa")
