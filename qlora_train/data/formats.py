@@ -48,7 +48,7 @@ def plain_text_and_mask(row: dict, *, eos_token: str | None) -> tuple[str, np.nd
     if key is None:
         raise RowRejected(DropReason.BAD_ROW, f"text: expected a string under one of {TEXT_KEYS}")
     if not row[key].strip():
-        raise RowRejected(DropReason.EMPTY_ASSISTANT, f"field '{key}' is empty")
+        raise RowRejected(DropReason.FILTERED_BY_LENGTH, f"field '{key}' is empty")
     if not eos_token:
         raise ValueError("schema text needs a tokenizer with an eos_token")
     text = row[key] + eos_token

@@ -90,7 +90,7 @@ def train(cfg: Config, *, callbacks: list | None = None):
     runtime = resolve_runtime(cfg)
     log.info(runtime.note)
     tokenizer = load_tokenizer(cfg.model)
-    args = training_arguments(cfg, runtime, has_eval=cfg.data.eval_fraction > 0)
+    args = training_arguments(cfg, runtime, has_eval=cfg.data.eval_fraction > 0 or bool(cfg.data.eval_datasets))
 
     with args.main_process_first(desc="preprocessing"):
         train_ds, eval_ds, report = build_datasets(cfg.data, tokenizer)

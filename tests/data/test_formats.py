@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
-from qlora_train.data import IGNORE_INDEX, canonicalize_row
+from qlora_train.data import IGNORE_INDEX, canonicalize_row, make_labels
 from qlora_train.data.dataset import build_datasets
+from qlora_train.data.formats import pretokenized_ids_and_mask, segments_text_and_mask, token_offsets
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
@@ -142,3 +145,43 @@ def test_template_free_rows_name_the_problem(tmp_path, qwen3_tok, schema, row):
     _, _, report = build_datasets(cfg, qwen3_tok)
     assert report.rows_kept == 1 and report.dropped == {"bad_row": 1}
     assert report.first_dropped["bad_row"].startswith(f"{path}:1: {schema}")
+
+
+KEY = st.text(alphabet="abcdefghijklmnop_", min_size=1, max_size=6)
+TEXT = st.text(alphabet="abc xyz", min_size=1, max_size=10).filter(str.strip)
+
+
+@settings(max_examples=100, deadline=None)
+@given(role_key=KEY, content_key=KEY, user_names=st.lists(KEY, min_size=1, max_size=3, unique=True),
+       bot_names=st.lists(KEY, min_size=1, max_size=3, unique=True),
+       turns=st.lists(st.tuples(TEXT, TEXT, st.integers(0, 10)), min_size=1, max_size=3))
+def test_mapped_rows_equal_their_plain_form(role_key, content_key, user_names, bot_names, turns):
+    """Renamed keys and role names + the mappings canonicalize exactly like the plain OpenAI form."""
+    assume(role_key != content_key and not set(user_names) & set(bot_names))
+    plain, mapped = [], []
+    for q, a, pick in turns:
+        plain += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        mapped += [{role_key: user_names[pick % len(user_names)], content_key: q},
+                   {role_key: bot_names[pick % len(bot_names)], content_key: a}]
+    cfg = DataConfig(messages_field="turns", message_property_mappings={"role": role_key, "content": content_key},
+                     roles={"user": user_names, "assistant": bot_names})
+    assert canonicalize_row({"turns": mapped}, cfg).messages == canonicalize_row({"messages": plain}).messages
+
+
+@settings(max_examples=100, deadline=None)
+@given(segments=st.lists(st.tuples(st.text(max_size=6), st.booleans()), min_size=1, max_size=6))
+def test_segments_mask_is_the_labels_char_by_char(segments):
+    text, mask = segments_text_and_mask({"segments": [{"text": t, "label": lab} for t, lab in segments]})
+    assert text == "".join(t for t, _ in segments)
+    assert mask.tolist() == [int(lab) for t, lab in segments for _ in t]
+
+
+@settings(max_examples=100, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 99), st.booleans()), min_size=1, max_size=12))
+def test_pretokenized_labels_round_trip(pairs):
+    ids = [i for i, _ in pairs]
+    labels = [i if keep else IGNORE_INDEX for i, keep in pairs]
+    got_ids, mask = pretokenized_ids_and_mask({"input_ids": ids, "labels": labels}, vocab_size=100)
+    assert got_ids == ids and mask.tolist() == [int(k) for _, k in pairs]
+    example = make_labels(got_ids, token_offsets(len(ids)), mask)
+    assert example["labels"] == labels and example["input_ids"] == ids
