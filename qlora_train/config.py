@@ -201,6 +201,8 @@ class DataConfig(_Section):
             raise ValueError("assistant_roles must name at least one role")
         if self.max_chars is not None and self.max_chars < self.min_chars:
             raise ValueError("max_chars must be at least min_chars")
+        if self.eval_datasets and self.eval_fraction > 0:
+            raise ValueError("set eval_fraction or eval_datasets, not both")
         weighted = [s.weight is not None for s in self.datasets]
         if any(weighted) and not all(weighted):
             raise ValueError("datasets: set `weight` on every source or on none")

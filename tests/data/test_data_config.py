@@ -34,6 +34,7 @@ def test_yaml_sources_with_lists_aliases_and_relative_paths(tmp_path):
 
 @pytest.mark.parametrize("text, problem", [
     ("data: {datasets: [{path: a, weight: 1}, {path: b}]}", "data: datasets: set `weight` on every source"),
+    ("data: {eval_fraction: 0.1, eval_datasets: [{path: a}]}", "data: set eval_fraction or eval_datasets"),
     ("data: {datasets: [{path: a, schema: chatml}]}", "data.datasets.0.schema: Input should be 'auto'"),
     ("data: {train_on_eos: sometimes}", "data.train_on_eos: Input should be 'turn'"),
     ("data: {mask: {user: maybe}}", "data.mask.user: Input should be 'train' or 'mask'"),

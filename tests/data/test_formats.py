@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
-from qlora_train.data import IGNORE_INDEX, canonicalize_row, make_labels
+from qlora_train.data import IGNORE_INDEX, canonicalize_row, make_labels, process_rows
 from qlora_train.data.dataset import build_datasets
 from qlora_train.data.formats import pretokenized_ids_and_mask, segments_text_and_mask, token_offsets
 
@@ -185,3 +185,26 @@ def test_pretokenized_labels_round_trip(pairs):
     assert got_ids == ids and mask.tolist() == [int(k) for _, k in pairs]
     example = make_labels(got_ids, token_offsets(len(ids)), mask)
     assert example["labels"] == labels and example["input_ids"] == ids
+
+
+ANY = st.recursive(st.none() | st.booleans() | st.integers(-200, 200) | st.text(max_size=8),
+                   lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+                       ["role", "content", "from", "value", "text", "label", "training", "weight"]), inner, max_size=3),
+                   max_leaves=10)
+ROW_KEYS = ["messages", "conversations", "segments", "input_ids", "labels", "attention_mask", "instruction",
+            "input", "output", "prompt", "response", "text", "system"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.dictionaries(st.sampled_from(ROW_KEYS), ANY, max_size=4) | st.lists(ANY, max_size=3),
+                     min_size=1, max_size=4),
+       schema=st.sampled_from(["auto", "messages", "alpaca", "segments", "pretokenized", "text"]))
+def test_any_row_is_kept_or_dropped_with_a_reason(qwen3_tok, rows, schema):
+    """Whatever the row and schema: no exception, one output per row, kept rows have aligned, trained labels."""
+    out = process_rows(rows, qwen3_tok, DataConfig(dataset_schema=schema, max_length=64))
+    assert len(out["drop_reason"]) == len(rows)
+    for reason, detail, ids, labels in zip(out["drop_reason"], out["drop_detail"], out["input_ids"], out["labels"]):
+        if reason:
+            assert detail.startswith("row ") and ids == labels == []
+        else:
+            assert len(ids) == len(labels) > 0 and any(lab != IGNORE_INDEX for lab in labels)
