@@ -91,10 +91,11 @@ class MixingConfig(_Section):
     """How weighted sources are interleaved (``data.mixing``)."""
 
     seed: int = Field(42, description="Seed of the interleaving draw.")
-    stopping_strategy: Literal["all_exhausted", "first_exhausted"] = Field(
+    stopping_strategy: Literal["all_exhausted", "first_exhausted", "all_exhausted_without_replacement"] = Field(
         "all_exhausted",
         description="`all_exhausted` oversamples until every source is used up; `first_exhausted` stops at the "
-        "first source used up.",
+        "first source used up; `all_exhausted_without_replacement` uses every row once (the mix drifts from the "
+        "weights as sources run out).",
     )
 
 

@@ -10,9 +10,9 @@ Order: each source is loaded and processed with its own format options
 -> long plain texts cut into ``max_length`` blocks -> sources mixed
 (``mix_sources``: interleaved by weight, or concatenated) -> ``shuffle`` ->
 ``max_samples``.
-Every step is a ``datasets`` map/filter, cached on a fingerprint of its inputs
-and arguments (the whole data config and the tokenizer), so an unchanged run
-reuses the cache and any changed option recomputes.
+Every step is a ``datasets`` map/filter, cached on a fingerprint of its input
+and arguments (a source's processing options and the tokenizer with its
+template), so an unchanged run reuses the cache and a changed option recomputes.
 """
 
 from __future__ import annotations

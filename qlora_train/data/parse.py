@@ -362,7 +362,7 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
     if schema == "unknown":
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"no known schema among keys {sorted(row)[:8]}")
     if schema not in CHAT_SCHEMAS:
-        raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"schema {schema!r} has no messages (see data.formats)")
+        raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"schema {schema!r} is template-free: it has no messages")
     raw = _raw_messages(row, schema, cfg)
     aliases = _role_aliases(schema, cfg)
     messages = [_message(m, i, schema, cfg, report, aliases) for i, m in enumerate(raw)]

@@ -36,6 +36,15 @@ def test_observed_proportions_follow_the_weights(tmp_path, qwen3_tok, strategy, 
         assert after[lb] >= 150 and after[la] > 150
 
 
+def test_without_replacement_uses_every_row_once(tmp_path, qwen3_tok):
+    a, b = source(tmp_path, "a", 30, weight=3), source(tmp_path, "b", 10, weight=1)
+    cfg = DataConfig(datasets=[a, b], mixing=MixingConfig(stopping_strategy="all_exhausted_without_replacement"))
+    train, _, report = build_datasets(cfg, qwen3_tok)
+    assert report.rows_per_source_after_mixing == report.rows_per_source_before_mixing == {
+        f"0:{a.path}": 30, f"1:{b.path}": 10}
+    assert len(set(map(tuple, train["input_ids"]))) == 40
+
+
 def test_same_seed_same_mix_other_seed_other_mix(tmp_path, qwen3_tok):
     srcs = [source(tmp_path, "a", 40, weight=1), source(tmp_path, "b", 40, weight=1)]
     runs = [build_datasets(DataConfig(datasets=srcs, mixing=MixingConfig(seed=s, stopping_strategy="first_exhausted")),
