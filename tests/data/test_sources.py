@@ -98,3 +98,32 @@ def test_per_source_schema_and_mappings(tmp_path, qwen3_tok):
     train, _, report = build_datasets(cfg, qwen3_tok)
     assert report.rows_kept == 1 and report.dropped == {"unknown_schema": 1}
     assert report.first_dropped["unknown_schema"].startswith(f"{b}:1:")
+
+
+FORMAT_ROWS = {
+    "alpaca": [{"instruction": "Translate.", "input": "hola", "output": "hello"},
+               {"instruction": "Say hi.", "input": "", "output": "hi"}],
+    "sharegpt": [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}],
+    "segments": [{"segments": [{"text": "Q: 1\n", "label": False}, {"text": "A: 1", "label": True}]}],
+    "pretokenized": [{"input_ids": [9707, 1879], "labels": [-100, 1879]}],
+}
+
+
+@pytest.mark.parametrize("schema, fmt", [(s, f) for s in sorted(FORMAT_ROWS) for f in ("parquet", "arrow")]
+                         + [("alpaca", "csv")])  # CSV holds flat rows only
+def test_table_files_give_the_same_examples_as_json_lines(tmp_path, qwen3_tok, schema, fmt):
+    rows = FORMAT_ROWS[schema]
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = tmp_path / f"rows.{fmt}"
+    ds = datasets.Dataset.from_list(rows)
+    if fmt == "parquet":
+        ds.to_parquet(table)
+    elif fmt == "csv":
+        ds.to_csv(table, index=False)
+    else:
+        ds.save_to_disk(tmp_path / "saved")
+        table = tmp_path / "saved"
+    built = [build_datasets(DataConfig(datasets=[DatasetSource(path=str(p), schema=schema)]), qwen3_tok)[0]
+             for p in (lines, table)]
+    assert built[0].to_dict() == built[1].to_dict() and len(built[0]) == len(rows)
