@@ -62,7 +62,7 @@ def empty_output() -> dict[str, Any]:
 
 
 def _hash(obj: Any) -> str:
-    """Stable hash of a row's canonical content (for ``dedup``)."""
+    """Stable hash of a row's canonical content (``content_hash``, computed only with ``dedup``)."""
     return hashlib.blake2b(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).hexdigest()
 
 
@@ -108,13 +108,15 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                 canon = canonicalize_row(row, cfg, tokenizer=tokenizer)
                 outs[i]["parse_report"] = json.dumps(canon.report.to_dict())
                 _check_length(content_chars(canon.messages), cfg)
-                outs[i]["content_hash"] = _hash([canon.messages, canon.tools])
+                if cfg.dedup:
+                    outs[i]["content_hash"] = _hash([canon.messages, canon.tools])
                 rendered = render_conversation(canon.messages, tokenizer, tools=canon.tools, **kw)
                 staged.append((i, canon, rendered))
                 continue
             outs[i]["parse_report"] = json.dumps(ParseReport(schema, Counter({schema: 1}), rows=1).to_dict())
             text, mask = _template_free(row, schema, tokenizer, cfg)
-            outs[i]["content_hash"] = _hash([schema, text, mask.tolist()])
+            if cfg.dedup:
+                outs[i]["content_hash"] = _hash([schema, text, mask.tolist()])
             if schema == "pretokenized":
                 _finish(outs[i], text, token_offsets(len(text)), mask, cfg, where[i], max_length=cfg.max_length,
                         template_free=True)
