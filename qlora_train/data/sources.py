@@ -75,7 +75,8 @@ def _files(path: str, src: DatasetSource) -> list[Path]:
             files = sorted({Path(f) for pat in patterns for f in globlib.glob(str(p / pat), recursive=True)})
         else:
             files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")
-                           and (src.builder or f.suffix.lower() in BUILDERS))
+                           and (src.builder or f.suffix.lower() in BUILDERS)
+                           and not (f.suffix == ".json" and _is_saved_dataset(f.parent)))  # its metadata
     elif p.is_file():
         files = [p]
     else:

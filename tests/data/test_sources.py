@@ -27,11 +27,12 @@ def test_json_array_and_json_lines_are_detected(tmp_path):
     assert a["location"] == [f"{array}[{i}]" for i in range(3)] and b["location"] == [f"{lines}:{i}" for i in (1, 2, 3)]
 
 
-def test_jsonl_rows_that_are_lists(tmp_path):
-    path = tmp_path / "d.jsonl"
+@pytest.mark.parametrize("name", ["d.jsonl", "d.json"])
+def test_json_lines_rows_that_are_lists(tmp_path, name):
+    path = tmp_path / name
     convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    path.write_text(json.dumps(convo) + "\n")
-    assert rows_of(load_source(DatasetSource(path=str(path)))) == [convo]
+    path.write_text(json.dumps(convo) + "\n" + json.dumps(convo[::-1]) + "\n")
+    assert rows_of(load_source(DatasetSource(path=str(path)))) == [convo, convo[::-1]]
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv", "arrow"])
@@ -56,6 +57,7 @@ def test_saved_dataset_directory(tmp_path):
 
 def test_directory_glob_and_list_of_paths(tmp_path):
     (tmp_path / "d").mkdir()
+    datasets.Dataset.from_list(ROWS[:0]).save_to_disk(tmp_path / "d" / "saved")  # its .json metadata is not data
     (tmp_path / "d" / "1.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
     datasets.Dataset.from_list(ROWS[1:]).to_parquet(tmp_path / "d" / "2.parquet")
     (tmp_path / "d" / "notes.txt").write_text("not data")
