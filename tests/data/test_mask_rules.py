@@ -109,3 +109,14 @@ def test_trained_text_is_the_flagged_messages(qwen3_tok, turns, eos):
             think = EMPTY_THINK if i == len(msgs) - 1 else ""
             expected += think + m["content"] + end
     assert trained({"messages": msgs}, qwen3_tok, train_on_eos=eos) == expected
+
+
+@pytest.mark.parametrize("family, options, expected", [
+    ("llama3", {"mask": {"user": "train", "assistant": "train"}}, "q1<|eot_id|>a1<|eot_id|>q2<|eot_id|>a2<|eot_id|>"),
+    ("llama3", {"train_on_eos": "all"}, "<|eot_id|><|eot_id|>a1<|eot_id|><|eot_id|>a2<|eot_id|>"),
+    # Gemma folds the system prompt into the first user turn: the system message has no marker of its own
+    ("gemma", {"train_on_eos": "all"}, "<end_of_turn>a1<end_of_turn><end_of_turn>a2<end_of_turn>"),
+    ("gemma", {"mask": {"user": "train", "assistant": "train"}, "train_on_eos": "none"}, "q1a1q2a2"),
+])
+def test_rules_on_other_template_families(family_tokenizers, family, options, expected):
+    assert trained(ROW, family_tokenizers[family], **options) == expected
