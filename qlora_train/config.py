@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_REASONING_KEYS = ("reasoning", "reasoning_content", "thinking", "reason")
 DEFAULT_TOOLS_COLUMNS = ("tools", "tool_schemas", "functions", "function_schemas")
@@ -23,28 +23,130 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class DatasetSource(_Section):
-    """One dataset entry under ``data.datasets``."""
+SCHEMAS = ("auto", "messages", "sharegpt", "prompt_response", "alpaca", "segments", "pretokenized", "text",
+           "completion")
+SchemaName = Literal["auto", "messages", "sharegpt", "prompt_response", "alpaca", "segments", "pretokenized",
+                     "text", "completion"]
+MaskRule = Literal["train", "mask"]
+# DatasetSource keys that override the data-level value of the same name for that source's rows
+FORMAT_OVERRIDES = ("dataset_schema", "messages_field", "message_property_mappings", "roles", "field_mappings",
+                    "format", "no_input_format")
 
-    path: str = Field(description="A local JSON/JSONL/Parquet/CSV/Arrow file, a directory, or a glob.")
+
+class RowHandlerSpec(_Section):
+    """A registered row handler applied to a source's raw rows (``data.datasets[].handlers[]``)."""
+
+    name: str = Field(
+        description="Name given to `register_row_handler` (import its module via `data.handler_modules`)."
+    )
+    fn_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the handler.")
+    batched: bool = Field(False, description="The handler takes a batch (dict of columns) instead of one row.")
+    remove_columns: list[str] = Field(default_factory=list, description="Keys removed from each row afterwards.")
+
+
+class DatasetSource(_Section):
+    """One dataset entry under ``data.datasets`` (and ``data.eval_datasets``)."""
+
+    path: str | list[str] = Field(
+        description="A local JSON/JSONL/Parquet/CSV/Arrow file, a directory, a glob, or a hub dataset id; "
+        "a list of them is concatenated."
+    )
+    name: str | None = Field(None, description="Dataset configuration name (hub datasets).")
     split: str = Field("train", description="Split to read.")
     builder: Literal["json", "parquet", "csv", "arrow"] | None = Field(
         None, description="datasets builder for files without a known extension."
     )
-    max_samples: int | None = Field(None, ge=1, description="Keep at most this many rows of this source.")
+    data_files: str | list[str] | dict[str, str | list[str]] | None = Field(
+        None, description="Files inside a hub dataset or directory to read (passed to `load_dataset`)."
+    )
+    weight: float | None = Field(
+        None, gt=0, description="Mixing weight; with weights on every source, rows are interleaved by probability."
+    )
+    max_samples: int | None = Field(
+        None, ge=1, validation_alias=AliasChoices("max_samples", "max_items"),
+        description="Keep at most this many rows of this source (also accepted as `max_items`).",
+    )
+    handlers: list[RowHandlerSpec] = Field(
+        default_factory=list, description="Registered row handlers applied, in order, to the raw rows."
+    )
+    dataset_schema: SchemaName | None = Field(
+        None, validation_alias=AliasChoices("dataset_schema", "schema"),
+        description="Row schema of this source (also accepted as `schema`); default: `data.dataset_schema`.",
+    )
+    messages_field: str | None = Field(None, description="Overrides `data.messages_field` for this source.")
+    message_property_mappings: dict[str, str] | None = Field(
+        None, description="Overrides `data.message_property_mappings` for this source."
+    )
+    roles: dict[str, list[str]] | None = Field(None, description="Overrides `data.roles` for this source.")
+    field_mappings: dict[str, str] | None = Field(None, description="Overrides `data.field_mappings` for this source.")
+    format: str | None = Field(None, description="Overrides `data.format` for this source.")
+    no_input_format: str | None = Field(None, description="Overrides `data.no_input_format` for this source.")
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+
+class MixingConfig(_Section):
+    """How weighted sources are interleaved (``data.mixing``)."""
+
+    seed: int = Field(42, description="Seed of the interleaving draw.")
+    stopping_strategy: Literal["all_exhausted", "first_exhausted", "all_exhausted_without_replacement"] = Field(
+        "all_exhausted",
+        description="`all_exhausted` oversamples until every source is used up; `first_exhausted` stops at the "
+        "first source used up; `all_exhausted_without_replacement` uses every row once (the mix drifts from the "
+        "weights as sources run out).",
+    )
 
 
 class DataConfig(_Section):
     """Dataset settings (the ``data:`` section)."""
 
     datasets: list[DatasetSource] = Field(default_factory=list, description="Training data sources.")
-    dataset_schema: Literal["auto", "messages", "sharegpt", "prompt_response"] = Field(
-        "auto", description="Row schema; `auto` detects it per row."
+    eval_datasets: list[DatasetSource] = Field(
+        default_factory=list, description="Evaluation sources (instead of `eval_fraction`), concatenated."
+    )
+    mixing: MixingConfig = Field(default_factory=MixingConfig, description="Interleaving of weighted sources.")
+    handler_modules: list[str] = Field(
+        default_factory=list, description="Python modules imported first, so that their row handlers register."
+    )
+    dataset_schema: SchemaName = Field(
+        "auto", validation_alias=AliasChoices("dataset_schema", "schema"),
+        description="Row schema (also accepted as `schema`); `auto` detects it per row; `completion` = `text`.",
     )
     messages_field: str = Field("messages", description="Column holding the list of messages.")
-    assistant_roles: list[str] = Field(
-        default_factory=lambda: ["assistant"], description="Roles whose turns are trained."
+    message_property_mappings: dict[str, str] = Field(
+        default_factory=dict,
+        description="Message key per canonical property, e.g. {role: from, content: value}.",
     )
+    roles: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Canonical role <- role names in the data, e.g. {assistant: [gpt, bot], system: [knowledge]}.",
+    )
+    field_mappings: dict[str, str] = Field(
+        default_factory=dict,
+        description="Canonical row field <- column, e.g. {instruction: question, output: answer, text: body}.",
+    )
+    format: str | None = Field(
+        None,
+        description="alpaca: user turn text with `{instruction}` and `{input}` (default: both, a blank line apart).",
+    )
+    no_input_format: str | None = Field(
+        None, description="alpaca: user turn text with `{instruction}` when the input is empty (default: `format`)."
+    )
+    assistant_roles: list[str] = Field(
+        default_factory=lambda: ["assistant"], description="Roles whose turns are trained (when `mask` is unset)."
+    )
+    mask: dict[str, MaskRule] | None = Field(
+        None, description="Per-role rule, e.g. {system: mask, user: mask, assistant: train}; replaces assistant_roles."
+    )
+    mask_default: MaskRule = Field("mask", description="Rule for roles that `mask` does not name.")
+    train_on_eos: Literal["turn", "all", "last", "none"] = Field(
+        "turn",
+        description="End-of-turn markers trained: of trained turns (`turn`), after every message (`all`), "
+        "of the last trained turn only (`last`), or none.",
+    )
+    last_turn_only: bool = Field(False, description="Train only the last trained turn of each conversation.")
     max_length: int = Field(2048, ge=1, description="Maximum tokens per example after truncation.")
     truncate_side: Literal["left", "right"] = Field(
         "left", description="Side cut by the token-level fallback when structured truncation is not enough."
@@ -68,7 +170,13 @@ class DataConfig(_Section):
         description="Columns searched, in order, for tool schemas (list, dict or JSON string).",
     )
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Share of rows held out for evaluation.")
-    shuffle_seed: int = Field(42, description="Seed of the train/eval split.")
+    shuffle_seed: int = Field(42, description="Seed of the train/eval split and of `shuffle`.")
+    shuffle: bool = Field(False, description="Shuffle the training rows once after mixing.")
+    max_samples: int | None = Field(None, ge=1, description="Keep at most this many training rows after mixing.")
+    dedup: bool = Field(False, description="Drop exact duplicates (same canonical messages), keeping the first.")
+    min_chars: int = Field(0, ge=0, description="Drop rows with fewer characters of content (`filtered_by_length`).")
+    max_chars: int | None = Field(None, ge=1, description="Drop rows with more characters of content.")
+    domain_key: str | None = Field(None, description="Row field whose value names the row's domain in the report.")
     num_proc: int | None = Field(None, ge=1, description="Processes for the preprocessing map.")
     batch_size: int = Field(256, ge=1, description="Rows per preprocessing batch (one batched tokenizer call).")
     cache_dir: str | None = Field(None, description="datasets cache directory (default: the HF cache).")
@@ -81,6 +189,18 @@ class DataConfig(_Section):
         "(reason `too_long`).",
     )
 
+    def for_source(self, src: DatasetSource) -> DataConfig:
+        """The options that process ``src``'s rows: its format overrides (``FORMAT_OVERRIDES``) applied, and
+        the source lists and mixing left out, so that one source's cache does not depend on the others."""
+        update = {k: getattr(src, k) for k in FORMAT_OVERRIDES if getattr(src, k) is not None}
+        return self.model_copy(update={**update, "datasets": [], "eval_datasets": [], "mixing": MixingConfig()})
+
+    def trains_role(self, role: str) -> bool:
+        """Whether messages of ``role`` are trained by the role rules (before per-message overrides)."""
+        if self.mask is not None:
+            return self.mask.get(role, self.mask_default) == "train"
+        return role in self.assistant_roles
+
     # Section checks name their key first ("key: why"); _describe joins it to the section's path.
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -90,6 +210,13 @@ class DataConfig(_Section):
             raise ValueError("think_max_tokens: caps reasoning, but think_mode: drop removes it (set 0)")
         if not self.assistant_roles:
             raise ValueError("assistant_roles: name at least one role")
+        if self.max_chars is not None and self.max_chars < self.min_chars:
+            raise ValueError("max_chars: must be at least min_chars")
+        if self.eval_datasets and self.eval_fraction > 0:
+            raise ValueError("eval_datasets: set eval_fraction or eval_datasets, not both")
+        weighted = [s.weight is not None for s in self.datasets]
+        if any(weighted) and not all(weighted):
+            raise ValueError("datasets: set `weight` on every source or on none")
         return self
 
 
@@ -248,16 +375,18 @@ def _dataset_problems(data: dict) -> list[str]:
     if not sources:
         return ["data.datasets: name at least one data source"]
     problems = []
-    for i, src in enumerate(sources if isinstance(sources, list) else []):
-        path = src.get("path") if isinstance(src, dict) else None
-        if not isinstance(path, str):
-            continue
-        key = f"data.datasets[{i}].path"
-        if any(ch in path for ch in _GLOB_CHARS):
-            if not globlib.glob(path, recursive=True):
-                problems.append(f"{key}: no file matches the glob {path}")
-        elif not Path(path).exists() and not looks_like_hub_id(path):
-            problems.append(f"{key}: file not found: {path}")
+    for key, src in _sources(data):
+        paths = src.get("path")
+        listed = isinstance(paths, list)
+        for j, path in enumerate(paths if listed else [paths]):
+            if not isinstance(path, str):
+                continue
+            where = f"{key}.path" + (f"[{j}]" if listed else "")
+            if any(ch in path for ch in _GLOB_CHARS):
+                if not globlib.glob(path, recursive=True):
+                    problems.append(f"{where}: no file matches the glob {path}")
+            elif not Path(path).exists() and not looks_like_hub_id(path):
+                problems.append(f"{where}: file not found: {path}")
     return problems
 
 
@@ -307,6 +436,15 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+def _resolve_relative(p: Any, base: Path) -> Any:
+    """A dataset path relative to the YAML's directory, when it exists there (else as written)."""
+    if not isinstance(p, str) or Path(p).is_absolute():
+        return p
+    if (base / p).exists() or any(ch in p for ch in "*?[") and globlib.glob(str(base / p)):
+        return str(base / p)
+    return p
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """YAML file (+ ``key.path=value`` overrides, applied last) -> validated ``Config``.
 
@@ -343,17 +481,28 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     return cfg
 
 
+def _sources(data: dict) -> list[tuple[str, dict]]:
+    """``(key path, source)`` of every entry of ``data.datasets`` and ``data.eval_datasets`` in the raw tree."""
+    out = []
+    for section in ("datasets", "eval_datasets"):
+        entries = data.get(section)
+        for i, src in enumerate(entries if isinstance(entries, list) else []):
+            if isinstance(src, dict):
+                out.append((f"data.{section}[{i}]", src))
+    return out
+
+
 def _resolve_relative_paths(tree: dict, base: Path) -> None:
     """Relative dataset and ``.jinja`` paths that exist next to the YAML file are made relative to it."""
-    resolve = lambda p: str(base / p) if not Path(p).is_absolute() and (base / p).exists() else p
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
-    sources = data.get("datasets") if isinstance(data.get("datasets"), list) else []
-    for source in sources:
-        if isinstance(source, dict) and isinstance(source.get("path"), str):
-            source["path"] = resolve(source["path"])
+    for _, source in _sources(data):
+        if isinstance(source.get("path"), str):
+            source["path"] = _resolve_relative(source["path"], base)
+        elif isinstance(source.get("path"), list):
+            source["path"] = [_resolve_relative(p, base) for p in source["path"]]
     model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
     if isinstance(model.get("chat_template"), str) and model["chat_template"].endswith(".jinja"):
-        model["chat_template"] = resolve(model["chat_template"])
+        model["chat_template"] = _resolve_relative(model["chat_template"], base)
 
 
 def config_reference_markdown() -> str:
@@ -361,7 +510,8 @@ def config_reference_markdown() -> str:
     lines = ["# Config reference", "", "Generated from `qlora_train/config.py` "
              "(`python -m qlora_train.config > docs/config.md`).", ""]
     sections = [("model", ModelConfig), ("lora", LoraSettings), ("data", DataConfig),
-                ("data.datasets[]", DatasetSource), ("train", TrainConfig)]
+                ("data.mixing", MixingConfig), ("data.datasets[]", DatasetSource),
+                ("data.datasets[].handlers[]", RowHandlerSpec), ("train", TrainConfig)]
     for name, model in sections:
         lines += [f"## `{name}`", "", model.__doc__.strip(), "", "| key | type | default | meaning |",
                   "| --- | --- | --- | --- |"]

@@ -1,8 +1,18 @@
-"""Sources -> processed, filtered train/eval datasets and a report where every row is accounted for.
+"""Sources -> processed, filtered, mixed train/eval datasets and a report where every row is accounted for.
 
     >>> train_ds, eval_ds, report = build_datasets(cfg.data, tokenizer)
     >>> report.rows_in == report.rows_kept + sum(report.dropped.values())
     True
+
+Order: each source is loaded and processed with its own format options
+(``DataConfig.for_source``) -> exact duplicates dropped (``dedup``) -> counted
+-> refused rows filtered -> eval split (``eval_fraction``; or ``eval_datasets``)
+-> long plain texts cut into ``max_length`` blocks -> sources mixed
+(``mix_sources``: interleaved by weight, or concatenated) -> ``shuffle`` ->
+``max_samples``.
+Every step is a ``datasets`` map/filter, cached on a fingerprint of its input
+and arguments (a source's processing options and the tokenizer with its
+template), so an unchanged run reuses the cache and a changed option recomputes.
 """
 
 from __future__ import annotations
@@ -14,11 +24,13 @@ from dataclasses import asdict, dataclass, field
 
 import datasets
 
-from qlora_train.config import DataConfig
+from qlora_train.config import DataConfig, DatasetSource
+from qlora_train.data.formats import split_into_blocks
+from qlora_train.data.handlers import import_handler_modules
 from qlora_train.data.messages import CONFIGURED_DROPS, BadRowError, DropReason
 from qlora_train.data.parse import ParseReport
 from qlora_train.data.pipeline import OUTPUT_COLUMNS, empty_output, process_rows
-from qlora_train.data.sources import load_sources
+from qlora_train.data.sources import SourceError, load_labelled_source, source_label
 
 log = logging.getLogger(__name__)
 MODEL_COLUMNS = ("input_ids", "attention_mask", "labels")
@@ -43,6 +55,13 @@ class DatasetReport:
     rows_token_fallback: dict[str, int] = field(default_factory=dict)
     straddling_tokens: int = 0
     parse: dict = field(default_factory=dict)
+    duplicates: int = 0
+    text_blocks_added: int = 0
+    mixing_weights: dict[str, float] = field(default_factory=dict)  # normalised; empty when concatenated
+    rows_per_source_before_mixing: dict[str, int] = field(default_factory=dict)  # kept training rows
+    rows_per_source_after_mixing: dict[str, int] = field(default_factory=dict)
+    domains: dict[str, dict[str, int]] = field(default_factory=dict)  # domain -> rows, tokens, trained_tokens
+    eval_dropped: dict[str, int] = field(default_factory=dict)  # from eval_datasets
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -53,17 +72,29 @@ class DatasetReport:
             out.append(f"  dropped {n:>6} {reason}  e.g. {self.first_dropped[reason]}")
         share = self.trained_tokens / self.tokens if self.tokens else 0.0
         out.append(f"tokens {self.tokens}, trained {self.trained_tokens} ({share:.1%})")
+        if self.mixing_weights:
+            out.append("mixing: " + ", ".join(
+                f"{src} w={self.mixing_weights[src]:.3f} {self.rows_per_source_before_mixing.get(src, 0)}"
+                f"->{self.rows_per_source_after_mixing.get(src, 0)} rows" for src in self.mixing_weights))
+        if self.text_blocks_added:
+            out.append(f"long texts cut into blocks: {self.text_blocks_added} extra blocks")
         if self.rows_turns_dropped or self.rows_reasoning_trimmed or self.rows_token_fallback:
             out.append(f"truncation: turns dropped in {self.rows_turns_dropped} rows, reasoning trimmed in "
                        f"{self.rows_reasoning_trimmed}, token-level cut in {sum(self.rows_token_fallback.values())}")
         return out
 
 
+def _domain(row, key: str | None) -> str:
+    value = row.get(key) if key and isinstance(row, dict) else None
+    return "" if value is None else str(value)
+
+
 def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig) -> dict:
-    """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source."""
+    """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source, location, domain."""
     ok = [i for i, err in enumerate(batch["load_error"]) if not err]
-    good = process_rows([json.loads(batch["row"][i]) for i in ok], tokenizer, cfg,
-                        locations=[batch["location"][i] for i in ok])
+    rows = [json.loads(batch["row"][i]) for i in ok]
+    good = process_rows(rows, tokenizer, cfg, locations=[batch["location"][i] for i in ok])
+    domains = dict(zip(ok, (_domain(r, cfg.domain_key) for r in rows)))
     out = {col: [] for col in OUTPUT_COLUMNS}
     j = 0
     for i, err in enumerate(batch["load_error"]):
@@ -76,6 +107,8 @@ def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig) -> dict:
         for col in OUTPUT_COLUMNS:
             out[col].append(row[col])
     out["source"] = list(batch["source"])
+    out["location"] = list(batch["location"])
+    out["domain"] = [domains.get(i, "") for i in range(len(batch["load_error"]))]
     if cfg.on_bad_row == "error":
         stop_at_first_bad_row(out["drop_reason"], out["drop_detail"])
     return out
@@ -128,28 +161,159 @@ def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datase
     )
 
 
+def load_and_process_sources(sources: list[DatasetSource], cfg: DataConfig, tokenizer,
+                             ) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Sources -> (raw rows, processed rows), aligned row for row; each source with its own format options."""
+    if not sources:
+        raise SourceError("data.datasets is empty: name at least one data source")
+    import_handler_modules(cfg.handler_modules)
+    raws, processed = [], []
+    for i, src in enumerate(sources):
+        raw = load_labelled_source(i, src, cache_dir=cfg.cache_dir)
+        raws.append(raw)
+        processed.append(process_dataset(raw, tokenizer, cfg.for_source(src)))
+    if len(raws) == 1:
+        return raws[0], processed[0]
+    return datasets.concatenate_datasets(raws), datasets.concatenate_datasets(processed)
+
+
 def load_and_process(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Config -> (raw rows, processed rows), aligned row for row (the map keeps order)."""
-    raw = load_sources(cfg.datasets, cache_dir=cfg.cache_dir)
-    return raw, process_dataset(raw, tokenizer, cfg)
+    """Config -> (raw rows, processed rows) of ``data.datasets``, aligned row for row (maps keep order).
+
+    Every drop is decided here (duplicates too, with ``data.dedup``), so training and
+    the diagnostics see the same rows.
+    """
+    raw, processed = load_and_process_sources(cfg.datasets, cfg, tokenizer)
+    if cfg.dedup:
+        processed, _ = mark_duplicates(processed)
+    return raw, processed
+
+
+def _mark(batch: dict, indices: list[int], duplicates: dict[int, str]) -> dict:
+    reasons, details = list(batch["drop_reason"]), list(batch["drop_detail"])
+    for j, i in enumerate(indices):
+        if i in duplicates:
+            reasons[j] = DropReason.DUPLICATE
+            details[j] = f"{batch['location'][j]}: same content as {duplicates[i]}"
+    return {"drop_reason": reasons, "drop_detail": details}
+
+
+def mark_duplicates(processed: datasets.Dataset) -> tuple[datasets.Dataset, int]:
+    """Kept rows whose ``content_hash`` was seen on an earlier kept row -> dropped as ``duplicate``."""
+    cols = processed.select_columns(["drop_reason", "content_hash", "location"]).to_dict()
+    first: dict[str, str] = {}
+    duplicates: dict[int, str] = {}
+    for i, (reason, h, loc) in enumerate(zip(cols["drop_reason"], cols["content_hash"], cols["location"])):
+        if reason or not h:
+            continue
+        if h in first:
+            duplicates[i] = first[h]
+        else:
+            first[h] = loc
+    if not duplicates:
+        return processed, 0
+    marked = processed.map(_mark, batched=True, with_indices=True, fn_kwargs={"duplicates": duplicates},
+                           desc="marking duplicates")
+    return marked, len(duplicates)
+
+
+def _blocks(batch: dict, max_length: int) -> dict:
+    out = {k: [] for k in batch}
+    for j in range(len(batch["input_ids"])):
+        model = {k: batch[k][j] for k in MODEL_COLUMNS}
+        for block in split_into_blocks(model, max_length):
+            for k in batch:
+                out[k].append(block[k] if k in block else batch[k][j])
+    return out
+
+
+def split_long_texts(kept: datasets.Dataset, max_length: int) -> tuple[datasets.Dataset, int]:
+    """Rows longer than ``max_length`` (plain texts; chat rows are already truncated) -> blocks."""
+    long_rows = sum(1 for n in kept["num_tokens"] if n > max_length)
+    if not long_rows:
+        return kept, 0
+    n_before = len(kept)
+    out = kept.map(_blocks, batched=True, fn_kwargs={"max_length": max_length}, desc="cutting texts into blocks")
+    return out, len(out) - n_before
+
+
+def _normalised_weights(sources: list[DatasetSource]) -> dict[str, float]:
+    total = sum(s.weight for s in sources)
+    return {source_label(i, s): s.weight / total for i, s in enumerate(sources)}
+
+
+def mix_sources(train: datasets.Dataset, cfg: DataConfig, report: DatasetReport) -> datasets.Dataset:
+    """Weighted sources -> interleaved by probability (``data.mixing``); unweighted -> as concatenated."""
+    report.rows_per_source_before_mixing = dict(Counter(train["source"]))
+    weighted = len(cfg.datasets) > 1 and all(s.weight is not None for s in cfg.datasets)
+    if weighted:
+        weights = _normalised_weights(cfg.datasets)
+        empty = [label for label in weights if not report.rows_per_source_before_mixing.get(label)]
+        for label in empty:
+            log.warning("mixing: source %s has no training rows left; its weight is left out", label)
+        weights = {k: w / sum(w for k2, w in weights.items() if k2 not in empty)
+                   for k, w in weights.items() if k not in empty}
+        report.mixing_weights = weights
+        log.info("mixing weights normalised to sum 1: %s (stopping strategy %s, seed %d)",
+                 ", ".join(f"{k}={w:.3f}" for k, w in weights.items()), cfg.mixing.stopping_strategy, cfg.mixing.seed)
+        parts = [train.filter(lambda s, label=label: [x == label for x in s], input_columns=["source"],
+                              batched=True, desc=f"selecting {label}") for label in weights]
+        if len(parts) > 1:
+            train = datasets.interleave_datasets(parts, probabilities=list(weights.values()), seed=cfg.mixing.seed,
+                                                 stopping_strategy=cfg.mixing.stopping_strategy)
+    report.rows_per_source_after_mixing = dict(Counter(train["source"]))
+    return train
+
+
+def _domain_stats(kept: datasets.Dataset) -> dict[str, dict[str, int]]:
+    cols = kept.select_columns(["domain", "num_tokens", "num_trained_tokens"]).to_dict()
+    out: dict[str, dict[str, int]] = {}
+    for d, n, t in zip(cols["domain"], cols["num_tokens"], cols["num_trained_tokens"]):
+        stats = out.setdefault(d, {"rows": 0, "tokens": 0, "trained_tokens": 0})
+        stats["rows"] += 1
+        stats["tokens"] += n
+        stats["trained_tokens"] += t
+    return out
+
+
+def _kept_rows(processed: datasets.Dataset) -> datasets.Dataset:
+    return processed.filter(lambda r: [not x for x in r], input_columns=["drop_reason"], batched=True,
+                            desc="dropping refused rows")
 
 
 def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset | None, DatasetReport]:
     """Config -> (train, eval or None, report). Raises ``EmptyDatasetError`` if no row survives."""
     _, processed = load_and_process(cfg, tokenizer)
     report = summarize(processed)
+    report.duplicates = report.dropped.get(DropReason.DUPLICATE, 0)
     if report.rows_kept == 0:
         reasons = ", ".join(f"{r}: {n}" for r, n in report.dropped.items())
         raise EmptyDatasetError(f"all {report.rows_in} rows were dropped ({reasons}); first: "
                                 + "; ".join(report.first_dropped.values()))
-    kept = processed.filter(lambda r: [not x for x in r], input_columns=["drop_reason"], batched=True,
-                            desc="dropping refused rows")
-    kept = kept.select_columns(list(MODEL_COLUMNS))
+    carry = [*MODEL_COLUMNS, "source", "domain", "num_tokens"]
+    kept = _kept_rows(processed).select_columns(carry)
+    if cfg.domain_key:
+        report.domains = _domain_stats(_kept_rows(processed))
     eval_ds = None
-    if cfg.eval_fraction > 0 and len(kept) >= 2:
+    if cfg.eval_datasets:
+        _, eval_processed = load_and_process_sources(cfg.eval_datasets, cfg, tokenizer)
+        report.eval_dropped = summarize(eval_processed).dropped
+        eval_ds = _kept_rows(eval_processed).select_columns(carry)
+    elif cfg.eval_fraction > 0 and len(kept) >= 2:
         split = kept.train_test_split(test_size=cfg.eval_fraction, seed=cfg.shuffle_seed)
         kept, eval_ds = split["train"], split["test"]
-    report.train_rows, report.eval_rows = len(kept), len(eval_ds) if eval_ds is not None else 0
+    # blocks after the split, so that one long text never lands on both sides
+    kept, report.text_blocks_added = split_long_texts(kept, cfg.max_length)
+    if eval_ds is not None:
+        eval_ds, _ = split_long_texts(eval_ds, cfg.max_length)
+    train = mix_sources(kept, cfg, report)
+    if cfg.shuffle:
+        train = train.shuffle(seed=cfg.shuffle_seed)
+    if cfg.max_samples is not None and len(train) > cfg.max_samples:
+        train = train.select(range(cfg.max_samples))
+    train = train.select_columns(list(MODEL_COLUMNS))
+    eval_ds = eval_ds.select_columns(list(MODEL_COLUMNS)) if eval_ds is not None else None
+    report.train_rows, report.eval_rows = len(train), len(eval_ds) if eval_ds is not None else 0
     for reason, n in report.dropped.items():
         log.warning("dropped %d rows: %s (first: %s)", n, reason, report.first_dropped[reason])
-    return kept, eval_ds, report
+    return train, eval_ds, report

@@ -7,6 +7,8 @@ A message is a plain dict (what ``apply_chat_template`` takes)::
 
 ``role`` and ``content`` (a str) are always present; ``reasoning_content``,
 ``tool_calls``, ``name`` and ``tool_call_id`` only when the row has them.
+``train`` (a bool) is set only where the row or the mask rules decide
+differently from ``role in assistant_roles``; the render follows it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Message(TypedDict):
     tool_calls: NotRequired[list[dict[str, Any]]]
     name: NotRequired[str]
     tool_call_id: NotRequired[str]
+    train: NotRequired[bool]
 
 
 class DropReason:
@@ -39,12 +42,16 @@ class DropReason:
     TEMPLATE_ERROR = "template_error"
     MASK_UNVERIFIED = "mask_unverified"
     NO_TRAINED_TOKEN = "no_trained_token_after_truncation"
+    BAD_PRETOKENIZED = "bad_pretokenized"
+    FILTERED_BY_LENGTH = "filtered_by_length"
+    DUPLICATE = "duplicate"
     INVALID_UNICODE = "invalid_unicode"
     TOO_LONG = "too_long"
 
 
-# Drops the user asked for (``data.on_too_long: drop``); ``data.on_bad_row: error`` does not stop on them.
-CONFIGURED_DROPS = frozenset({DropReason.TOO_LONG})
+# Drops the user asked for (``on_too_long: drop``, ``dedup``, ``min_chars``/``max_chars``):
+# ``data.on_bad_row: error`` does not stop on them.
+CONFIGURED_DROPS = frozenset({DropReason.TOO_LONG, DropReason.DUPLICATE, DropReason.FILTERED_BY_LENGTH})
 KNOWN_DROP_REASONS = frozenset(v for k, v in vars(DropReason).items() if k.isupper())
 
 

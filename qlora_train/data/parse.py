@@ -29,6 +29,11 @@ SHAREGPT_ROLES = {
 }
 PROMPT_KEYS = ("prompt", "question", "instruction")
 RESPONSE_KEYS = ("response", "completion", "answer", "output", "chosen")
+MESSAGE_KEYS = ("messages", "conversations", "conversation")
+CHAT_SCHEMAS = ("messages", "sharegpt", "prompt_response", "alpaca")
+TEMPLATE_FREE_SCHEMAS = ("segments", "pretokenized", "text")
+DEFAULT_PROPERTIES = {"messages": {"role": "role", "content": "content"},
+                      "sharegpt": {"role": "from", "content": "value"}}
 _warned_roles: set[str] = set()
 
 
@@ -82,16 +87,50 @@ class CanonicalRow:
     report: ParseReport
 
 
-def detect_schema(row: dict, cfg: DataConfig) -> str:
-    """Which schema a row follows: messages / sharegpt / prompt_response / unknown."""
-    for key in (cfg.messages_field, "messages", "conversations", "conversation"):
+def map_fields(row: dict, mappings: dict[str, str]) -> dict:
+    """``{canonical field: column}`` -> a new row that also has each column's value under its canonical name.
+
+    >>> map_fields({"question": "q", "answer": "a"}, {"prompt": "question", "response": "answer"})
+    {'question': 'q', 'answer': 'a', 'prompt': 'q', 'response': 'a'}
+    """
+    if not mappings:
+        return row
+    return {**row, **{canon: row[col] for canon, col in mappings.items() if col in row}}
+
+
+def detect_schema(row: dict | list, cfg: DataConfig) -> str:
+    """Which schema a row follows: one of ``CHAT_SCHEMAS`` / ``TEMPLATE_FREE_SCHEMAS`` or ``unknown``.
+
+    A bare list is a list of messages; then, in order: a non-empty message list
+    (ShareGPT when its items have from/value), ``segments``, ``input_ids``
+    (pretokenized), instruction + output (alpaca), prompt + response keys, a
+    ``text`` string.
+    """
+    if isinstance(row, list):
+        return "messages"
+    for key in (cfg.messages_field, *MESSAGE_KEYS):
         value = row.get(key)
         if isinstance(value, list) and value:
             first = value[0] if isinstance(value[0], dict) else {}
             return "sharegpt" if ("from" in first and "value" in first) else "messages"
+    if isinstance(row.get("segments"), list):
+        return "segments"
+    if isinstance(row.get("input_ids"), list):
+        return "pretokenized"
+    if "instruction" in row and "output" in row:
+        return "alpaca"
     if any(k in row for k in PROMPT_KEYS) and any(k in row for k in RESPONSE_KEYS):
         return "prompt_response"
+    if isinstance(row.get("text"), str):
+        return "text"
     return "unknown"
+
+
+def resolve_schema(row: dict | list, cfg: DataConfig) -> str:
+    """``cfg.dataset_schema`` (``completion`` is ``text``), or the detected schema under ``auto``."""
+    if cfg.dataset_schema == "auto":
+        return detect_schema(row if isinstance(row, list) else map_fields(row, cfg.field_mappings), cfg)
+    return "text" if cfg.dataset_schema == "completion" else cfg.dataset_schema
 
 
 def _text(value: Any, where: str) -> str:
@@ -150,37 +189,86 @@ def _split_inline_think(content: str) -> tuple[str | None, str, bool]:
     return head.strip("\n"), answer.lstrip("\n"), True
 
 
+def _fill(fmt: str, instruction: str, inp: str) -> str:
+    return fmt.replace("{instruction}", instruction).replace("{input}", inp)
+
+
+def _alpaca_prompt(row: dict, cfg: DataConfig) -> str:
+    """instruction + optional input -> the user turn text (``format`` / ``no_input_format``)."""
+    instruction = _text(row.get("instruction"), "field 'instruction'")
+    inp = _text(row.get("input"), "field 'input'")
+    if inp.strip():
+        return _fill(cfg.format, instruction, inp) if cfg.format else f"{instruction}\n\n{inp}"
+    fmt = cfg.no_input_format or cfg.format
+    return _fill(fmt, instruction, "") if fmt else instruction
+
+
 def _raw_messages(row: dict, schema: str, cfg: DataConfig) -> list[dict]:
     if schema in ("messages", "sharegpt"):
-        for key in (cfg.messages_field, "messages", "conversations", "conversation"):
+        for key in (cfg.messages_field, *MESSAGE_KEYS):
             if isinstance(row.get(key), list) and row[key]:
                 return row[key]
         raise RowRejected(DropReason.NO_MESSAGES, f"no non-empty list under '{cfg.messages_field}'")
-    prompt_key = next(k for k in PROMPT_KEYS if k in row)
-    response_key = next(k for k in RESPONSE_KEYS if k in row)
+    if schema == "alpaca":
+        if "instruction" not in row or "output" not in row:
+            raise RowRejected(DropReason.UNKNOWN_SCHEMA,
+                              f"alpaca needs 'instruction' and 'output', got {sorted(row)[:8]}")
+        prompt, response = _alpaca_prompt(row, cfg), row["output"]
+    else:
+        prompt_key = next((k for k in PROMPT_KEYS if k in row), None)
+        response_key = next((k for k in RESPONSE_KEYS if k in row), None)
+        if prompt_key is None or response_key is None:
+            raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"prompt_response needs one of {PROMPT_KEYS} and one of "
+                              f"{RESPONSE_KEYS}, got {sorted(row)[:8]}")
+        prompt, response = row[prompt_key], row[response_key]
     msgs = []
     if isinstance(row.get("system"), str) and row["system"]:
         msgs.append({"role": "system", "content": row["system"]})
-    msgs.append({"role": "user", "content": row[prompt_key]})
-    answer = {"role": "assistant", "content": row[response_key]}
+    msgs.append({"role": "user", "content": prompt})
+    answer = {"role": "assistant", "content": response}
     answer.update({k: row[k] for k in cfg.reasoning_keys if k in row})  # row-level reasoning belongs to the answer
     msgs.append(answer)
     return msgs
 
 
-def _message(raw: Any, i: int, schema: str, cfg: DataConfig, report: ParseReport) -> Message:
+def _role_aliases(schema: str, cfg: DataConfig) -> dict[str, str]:
+    """Name in the data -> canonical role: ShareGPT's defaults (for sharegpt), then ``cfg.roles``."""
+    aliases = dict(SHAREGPT_ROLES) if schema == "sharegpt" else {}
+    for canonical, names in cfg.roles.items():
+        aliases.update({name.lower(): canonical for name in names})
+    return aliases
+
+
+def _message_override(raw: dict, where: str) -> bool | None:
+    """A message's own ``training`` (bool) or ``weight`` (0/1) -> trained or not; None when absent."""
+    for key in ("training", "weight"):
+        value = raw.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or value in (0, 1):
+            return bool(value)
+        raise RowRejected(DropReason.BAD_ROW, f"{where}.{key}: expected true/false or 0/1, got {value!r}")
+    return None
+
+
+def _message(raw: Any, i: int, schema: str, cfg: DataConfig, report: ParseReport,
+             aliases: dict[str, str]) -> Message:
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
         raise RowRejected(DropReason.BAD_ROW, f"{where}: expected a mapping, got {type(raw).__name__}")
-    if schema == "sharegpt" or ("role" not in raw and "from" in raw):
-        src = raw.get("from")
-        role = SHAREGPT_ROLES.get(src.lower(), src) if isinstance(src, str) else src
-        content = raw.get("value", raw.get("content"))
-    else:
-        role, content = raw.get("role"), raw.get("content")
+    style = schema if schema == "sharegpt" or "role" in raw or "from" not in raw else "sharegpt"
+    props = {**DEFAULT_PROPERTIES.get(style, DEFAULT_PROPERTIES["messages"]), **cfg.message_property_mappings}
+    raw = {**raw, **{canon: raw[key] for canon, key in props.items() if key in raw}}
+    role, content = raw.get("role"), raw.get("content")
+    if style == "sharegpt" and "content" not in raw and "value" in raw:
+        content = raw["value"]
     if not isinstance(role, str) or not role:
-        raise RowRejected(DropReason.BAD_ROW, f"{where}: missing role")
+        raise RowRejected(DropReason.BAD_ROW, f"{where}: missing role (key '{props['role']}')")
+    role = aliases.get(role.lower(), role)
     msg: Message = {"role": role, "content": _text(content, where)}
+    override = _message_override(raw, where)
+    if override is not None:
+        msg["train"] = override
     if role not in KNOWN_ROLES:
         report.unknown_roles[role] += 1
         if role not in _warned_roles:
@@ -236,23 +324,48 @@ def _cap_reasoning(text: str, max_tokens: int, tokenizer) -> str:
     return text[: enc["offset_mapping"][max_tokens - 1][1]]
 
 
-def canonicalize_row(row: dict, cfg: DataConfig | None = None, *, tokenizer=None) -> CanonicalRow:
+def training_flags(messages: list[Message], cfg: DataConfig) -> list[bool]:
+    """Which messages are trained: the role rules, then a message's own override, then ``last_turn_only``.
+
+    >>> training_flags([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+    ...                 {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}],
+    ...                DataConfig(last_turn_only=True))
+    [False, False, False, True]
+    """
+    flags = [m.get("train", cfg.trains_role(m["role"])) for m in messages]
+    if cfg.last_turn_only and any(flags):
+        last = max(i for i, f in enumerate(flags) if f)
+        flags = [i == last for i in range(len(flags))]
+    return flags
+
+
+def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokenizer=None) -> CanonicalRow:
     """Raw row -> ``CanonicalRow(messages, tools, report)``.
 
-    Detects the schema (or uses ``cfg.dataset_schema``), maps roles, moves
-    reasoning fields into ``reasoning_content``, extracts inline think blocks,
-    applies ``think_mode`` / ``think_max_tokens`` (needs ``tokenizer``) and
-    finds tools in the first matching tools column.
+    Applies ``field_mappings``, detects the schema (or uses
+    ``cfg.dataset_schema``), maps message keys and roles, moves reasoning
+    fields into ``reasoning_content``, extracts inline think blocks, applies
+    ``think_mode`` / ``think_max_tokens`` (needs ``tokenizer``), finds tools in
+    the first matching tools column, and decides which messages are trained
+    (``training_flags``): a message whose decision differs from
+    ``role in assistant_roles`` carries it as ``train``. A bare list is a list
+    of messages.
     """
     cfg = cfg or DataConfig()
+    if isinstance(row, list):
+        row = {cfg.messages_field: row}
     if not isinstance(row, dict):
         raise RowRejected(DropReason.BAD_ROW, f"row is a {type(row).__name__}, not a mapping")
-    schema = cfg.dataset_schema if cfg.dataset_schema != "auto" else detect_schema(row, cfg)
+    row = map_fields(row, cfg.field_mappings)
+    schema = resolve_schema(row, cfg)
     report = ParseReport(schema=schema, schemas=Counter({schema: 1}), rows=1)
     if schema == "unknown":
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"no known schema among keys {sorted(row)[:8]}")
+    if schema not in CHAT_SCHEMAS:
+        raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"schema {schema!r} is template-free: it has no messages")
     raw = _raw_messages(row, schema, cfg)
-    messages = [_message(m, i, schema, cfg, report) for i, m in enumerate(raw)]
+    aliases = _role_aliases(schema, cfg)
+    messages = [_message(m, i, schema, cfg, report, aliases) for i, m in enumerate(raw)]
     if cfg.think_mode == "drop":
         for m in messages:
             if m.pop("reasoning_content", None) is not None:
@@ -266,9 +379,15 @@ def canonicalize_row(row: dict, cfg: DataConfig | None = None, *, tokenizer=None
                 if capped != m["reasoning_content"]:
                     m["reasoning_content"] = capped
                     report.think_capped_messages += 1
-    trained = [i for i, m in enumerate(messages) if m["role"] in cfg.assistant_roles]
+    flags = training_flags(messages, cfg)
+    for m, flag in zip(messages, flags):
+        m.pop("train", None)
+        if flag != (m["role"] in cfg.assistant_roles):
+            m["train"] = flag
+    trained = [i for i, f in enumerate(flags) if f]
     if not trained:
-        raise RowRejected(DropReason.NO_ASSISTANT_TURN, f"no message with a role in {list(cfg.assistant_roles)}")
+        rule = f"mask rules {cfg.mask}" if cfg.mask is not None else f"a role in {list(cfg.assistant_roles)}"
+        raise RowRejected(DropReason.NO_ASSISTANT_TURN, f"no trained message ({rule})")
     for i in trained:
         m = messages[i]
         if not m["content"].strip() and not m.get("tool_calls") and not m.get("reasoning_content"):

@@ -8,28 +8,41 @@ Works on a batch (a dict of columns as ``datasets.map(batched=True)`` hands it,
 or a list of row dicts) so the tokenizer is called once per batch. Every row
 comes out: kept rows have tokens, dropped rows have ``drop_reason`` set and
 empty token lists, to be counted and then filtered.
+
+Chat schemas go parse -> render -> tokenize -> truncate -> ``make_labels``;
+``segments`` and ``text`` rows skip the template (``formats``) and join at
+tokenize; ``pretokenized`` rows join at ``make_labels``. Plain ``text`` rows
+keep all their tokens here (``formats.split_into_blocks`` cuts them later).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import re
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
 from qlora_train.config import DataConfig
+from qlora_train.data.formats import (
+    plain_text_and_mask,
+    pretokenized_ids_and_mask,
+    segments_text_and_mask,
+    token_offsets,
+)
 from qlora_train.data.messages import DropReason, RowRejected
-from qlora_train.data.parse import canonicalize_row
-from qlora_train.data.render import RenderedConversation, render_conversation, template_layout
+from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
+from qlora_train.data.render import render_conversation, template_layout
 from qlora_train.data.tokenize import IGNORE_INDEX, count_straddling, encode_batch, make_labels
 from qlora_train.data.truncate import Measured, structured_truncate_messages
 
 OUTPUT_COLUMNS = (
     "input_ids", "attention_mask", "labels", "drop_reason", "drop_detail", "num_tokens_before",
     "num_tokens", "num_trained_tokens", "dropped_turns", "reasoning_trimmed_tokens", "token_fallback",
-    "straddling_tokens", "parse_report",
+    "straddling_tokens", "parse_report", "content_hash",
 )
 
 
@@ -46,6 +59,7 @@ def empty_output() -> dict[str, Any]:
         "input_ids": [], "attention_mask": [], "labels": [], "drop_reason": "", "drop_detail": "",
         "num_tokens_before": 0, "num_tokens": 0, "num_trained_tokens": 0, "dropped_turns": 0,
         "reasoning_trimmed_tokens": 0, "token_fallback": "", "straddling_tokens": 0, "parse_report": "{}",
+        "content_hash": "",
     }
 
 
@@ -71,13 +85,19 @@ def guarded(stage, *args, **kwargs):
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def check_unicode(rendered: RenderedConversation) -> None:
-    """Refuse a render holding a lone surrogate (a broken escape or undecodable bytes): no tokenizer can encode it."""
-    m = _SURROGATE.search(rendered.text)
+def check_unicode(text: str, message_ends: list[int] | None = None) -> None:
+    """Refuse text holding a lone surrogate (a broken escape or undecodable bytes): no tokenizer can encode it.
+
+    ``message_ends`` (a render's) name the message it is in.
+    """
+    m = _SURROGATE.search(text)
     if m is None:
         return
-    k = bisect.bisect_left(rendered.message_ends, m.start() + 1)  # first message whose part ends after it
-    part = f"messages[{k}]" if k < len(rendered.message_ends) else "tools or template text"
+    if message_ends is None:
+        part = "text"
+    else:
+        k = bisect.bisect_left(message_ends, m.start() + 1)  # first message whose part ends after it
+        part = f"messages[{k}]" if k < len(message_ends) else "tools or template text"
     raise RowRejected(DropReason.INVALID_UNICODE,
                       f"{part}: lone surrogate {m.group()!a} at character {m.start()} of the render")
 
@@ -96,15 +116,18 @@ def _encode_each(texts: list[str], tokenizer) -> list[tuple[list[int], np.ndarra
         return out
 
 
+def _too_long(n: int, cfg: DataConfig) -> RowRejected:
+    return RowRejected(DropReason.TOO_LONG, f"{n} tokens > max_length={cfg.max_length} (data.on_too_long: drop)")
+
+
 def _example(canon, rendered, ids, offsets, tokenizer, cfg: DataConfig, out: dict) -> None:
-    """One rendered + tokenized row -> ``out`` filled with its example (truncated as configured)."""
-    kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss)
+    """One rendered + tokenized chat row -> ``out`` filled with its example (truncated as configured)."""
+    kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss, train_on_eos=cfg.train_on_eos)
     out["num_tokens_before"] = len(ids)
     char_mask = rendered.char_mask
     if len(ids) > cfg.max_length:
         if cfg.on_too_long == "drop":
-            raise RowRejected(DropReason.TOO_LONG, f"{len(ids)} tokens > max_length={cfg.max_length} "
-                                                   "(data.on_too_long: drop)")
+            raise _too_long(len(ids), cfg)
         tr = structured_truncate_messages(
             canon.messages, tokenizer, max_length=cfg.max_length, tools=canon.tools,
             measured=Measured(rendered, ids, offsets), **kw,
@@ -114,12 +137,55 @@ def _example(canon, rendered, ids, offsets, tokenizer, cfg: DataConfig, out: dic
         out["reasoning_trimmed_tokens"] = tr.reasoning_trimmed_tokens
         if tr.needs_token_fallback:
             out["token_fallback"] = cfg.truncate_side
-    example = make_labels(ids, offsets, char_mask, max_length=cfg.max_length, truncate_side=cfg.truncate_side)
+    _labels(out, ids, offsets, char_mask, cfg, max_length=cfg.max_length)
+
+
+def _template_free_example(out: dict, ids, offsets, mask, cfg: DataConfig, *, max_length: int | None) -> None:
+    """A segments / text / pretokenized row's ids -> ``out`` filled (token-level cut only: no messages)."""
+    out["num_tokens_before"] = len(ids)
+    if max_length is not None and len(ids) > max_length:
+        if cfg.on_too_long == "drop":
+            raise _too_long(len(ids), cfg)
+        out["token_fallback"] = cfg.truncate_side
+    _labels(out, ids, offsets, mask, cfg, max_length=max_length)
+
+
+def _labels(out: dict, ids, offsets, char_mask, cfg: DataConfig, *, max_length: int | None) -> None:
+    example = make_labels(ids, offsets, char_mask, max_length=max_length, truncate_side=cfg.truncate_side)
     n_trained = int(np.count_nonzero(np.asarray(example["labels"]) != IGNORE_INDEX))
     out["straddling_tokens"] = count_straddling(offsets, char_mask)
     if n_trained == 0:
-        raise RowRejected(DropReason.NO_TRAINED_TOKEN, f"no trained token left within max_length={cfg.max_length}")
+        raise RowRejected(DropReason.NO_TRAINED_TOKEN, f"no trained token left within max_length={max_length}")
     out.update(example, num_tokens=len(example["input_ids"]), num_trained_tokens=n_trained)
+
+
+def _hash(obj: Any) -> str:
+    """Stable hash of a row's canonical content (``content_hash``, computed only with ``dedup``)."""
+    return hashlib.blake2b(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).hexdigest()
+
+
+def content_chars(messages: list[dict]) -> int:
+    """Characters of content and reasoning over all messages (what ``min_chars``/``max_chars`` measure)."""
+    return sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in messages)
+
+
+def _check_length(n_chars: int, cfg: DataConfig) -> None:
+    if n_chars < cfg.min_chars or (cfg.max_chars is not None and n_chars > cfg.max_chars):
+        raise RowRejected(DropReason.FILTERED_BY_LENGTH,
+                          f"{n_chars} characters, outside [{cfg.min_chars}, {cfg.max_chars or 'inf'}]")
+
+
+def _template_free(row: Any, schema: str, tokenizer, cfg: DataConfig) -> tuple[str | list[int], np.ndarray]:
+    """A segments/text row -> (text, char mask); a pretokenized row -> (ids, token mask)."""
+    if not isinstance(row, dict):
+        raise RowRejected(DropReason.BAD_ROW, f"schema {schema} needs a mapping, got {type(row).__name__}")
+    row = map_fields(row, cfg.field_mappings)
+    if schema == "pretokenized":
+        return pretokenized_ids_and_mask(row, vocab_size=len(tokenizer))
+    text, mask = segments_text_and_mask(row) if schema == "segments" else plain_text_and_mask(
+        row, eos_token=tokenizer.eos_token)
+    _check_length(len(text) - (len(tokenizer.eos_token) if schema == "text" else 0), cfg)
+    return text, mask
 
 
 def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | None = None) -> dict[str, list]:
@@ -133,24 +199,48 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     rows = _rows(batch)
     where = locations or [f"row {i}" for i in range(len(rows))]
     outs = [empty_output() for _ in rows]
-    kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss)
+    kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss, train_on_eos=cfg.train_on_eos)
     template_layout(tokenizer)  # a template that cannot be probed is a setup error, not a row's
     staged: list[tuple[int, Any, Any]] = []  # (row index, canonical row, rendered)
+    plain: list[tuple[int, str, np.ndarray, int | None]] = []  # (row index, text, char mask, max length)
     for i, row in enumerate(rows):
         try:
-            canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer)
-            outs[i]["parse_report"] = json.dumps(canon.report.to_dict())
-            rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, **kw)
-            check_unicode(rendered)
-            staged.append((i, canon, rendered))
+            schema = guarded(resolve_schema, row, cfg) if isinstance(row, (dict, list)) else "unknown"
+            if schema in CHAT_SCHEMAS or schema == "unknown":
+                canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer)
+                outs[i]["parse_report"] = json.dumps(canon.report.to_dict())
+                _check_length(content_chars(canon.messages), cfg)
+                if cfg.dedup:
+                    outs[i]["content_hash"] = guarded(_hash, [canon.messages, canon.tools])
+                rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, **kw)
+                check_unicode(rendered.text, rendered.message_ends)
+                staged.append((i, canon, rendered))
+                continue
+            outs[i]["parse_report"] = json.dumps(ParseReport(schema, Counter({schema: 1}), rows=1).to_dict())
+            text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
+            if cfg.dedup:
+                outs[i]["content_hash"] = guarded(_hash, [schema, text, mask.tolist()])
+            if schema == "pretokenized":
+                guarded(_template_free_example, outs[i], text, token_offsets(len(text)), mask, cfg,
+                        max_length=cfg.max_length)
+            else:  # text rows keep every token: they are cut into blocks, not truncated
+                check_unicode(text)
+                plain.append((i, text, mask, None if schema == "text" else cfg.max_length))
         except RowRejected as rej:
             outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
-    encoded = _encode_each([r.text for _, _, r in staged], tokenizer)
-    for (i, canon, rendered), enc in zip(staged, encoded):
+    encoded = _encode_each([r.text for _, _, r in staged] + [t for _, t, _, _ in plain], tokenizer)
+    for k, enc in enumerate(encoded):  # staged chat rows first, then plain texts
+        i = staged[k][0] if k < len(staged) else plain[k - len(staged)][0]
         try:
             if isinstance(enc, RowRejected):
                 raise enc
-            guarded(_example, canon, rendered, *enc, tokenizer, cfg, outs[i])
+            if k < len(staged):
+                _, canon, rendered = staged[k]
+                guarded(_example, canon, rendered, *enc, tokenizer, cfg, outs[i])
+            else:
+                _, _, mask, max_length = plain[k - len(staged)]
+                guarded(_template_free_example, outs[i], *enc, mask, cfg, max_length=max_length)
         except RowRejected as rej:
             outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
     return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
+

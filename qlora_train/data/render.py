@@ -62,6 +62,7 @@ class TurnSpan:
     end: int  # one past the end-of-turn marker
     body_start: int  # first character after the think block (== start without one)
     reasoning: tuple[int, int] | None  # rendered reasoning text, when rendered
+    eot_start: int | None = None  # where the end-of-turn marker starts (None: the template writes none)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateL
     if not eot:
         if calls:
             raise _unverified(i, "tool calls cannot be bounded: the template writes no end-of-turn marker")
-        return TurnSpan(i, start, pos, body_start, reasoning)
+        return TurnSpan(i, start, pos, body_start, reasoning, None)
     for call in calls:
         args = call["function"].get("arguments")
         if eot in (args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)):
@@ -174,16 +175,35 @@ def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateL
                 raise _unverified(i, f"tool call {call['function']['name']!r} not rendered")
     elif between.strip(_WS):
         raise _unverified(i, "unexpected text between content and end-of-turn marker")
-    return TurnSpan(i, start, e + len(eot), body_start, reasoning)
+    return TurnSpan(i, start, e + len(eot), body_start, reasoning, e)
 
 
-def _trained_spans(turn: TurnSpan, think_loss: str) -> list[tuple[int, int]]:
+def _trained_spans(turn: TurnSpan, think_loss: str, *, with_eot: bool = True) -> list[tuple[int, int]]:
     if think_loss == "all" or turn.body_start == turn.start:
-        return [(turn.start, turn.end)]
-    if think_loss == "answer_only":
-        return [(turn.body_start, turn.end)]
-    # answer_plus_think: reasoning text, then the answer; the tags stay masked
-    return ([turn.reasoning] if turn.reasoning else []) + [(turn.body_start, turn.end)]
+        spans = [(turn.start, turn.end)]
+    elif think_loss == "answer_only":
+        spans = [(turn.body_start, turn.end)]
+    else:  # answer_plus_think: reasoning text, then the answer; the tags stay masked
+        spans = ([turn.reasoning] if turn.reasoning else []) + [(turn.body_start, turn.end)]
+    if not with_eot and turn.eot_start is not None:
+        a, _ = spans[-1]
+        spans = spans[:-1] + ([(a, turn.eot_start)] if turn.eot_start > a else [])
+    return spans
+
+
+def _eot_after(text: str, cursor: int, nxt: Message | None, layout: TemplateLayout) -> tuple[int, int] | None:
+    """The end-of-turn marker closing a message whose content ends at ``cursor``, if the template wrote one
+    before the next message (``train_on_eos: all``)."""
+    if not layout.end_of_turn:
+        return None
+    e = text.find(layout.end_of_turn, cursor)
+    if e < 0:
+        return None
+    between = text[cursor:e]
+    if layout.assistant_header in between or (nxt is not None and nxt["content"].strip()
+                                              and nxt["content"].strip() in between):
+        return None  # the marker belongs to a later message (e.g. a system prompt folded into a user turn)
+    return e, e + len(layout.end_of_turn)
 
 
 def _check_partition(text: str, spans: list[tuple[int, int]]) -> None:
@@ -198,6 +218,11 @@ def _check_partition(text: str, spans: list[tuple[int, int]]) -> None:
         raise RowRejected(DropReason.MASK_UNVERIFIED, "spans do not rebuild the rendered text")
 
 
+def is_trained(msg: Message, assistant_roles) -> bool:
+    """A message is trained when it says so (``train``), else when its role is in ``assistant_roles``."""
+    return msg.get("train", msg["role"] in assistant_roles)
+
+
 def render_conversation(
     messages: list[Message],
     tokenizer,
@@ -205,8 +230,14 @@ def render_conversation(
     tools: list[dict] | None = None,
     assistant_roles=("assistant",),
     think_loss: str = "all",
+    train_on_eos: str = "turn",
 ) -> RenderedConversation:
-    """Messages -> one render with a verified per-character training mask."""
+    """Messages -> one render with a verified per-character training mask.
+
+    ``train_on_eos``: which end-of-turn markers are trained: those of trained
+    turns (``turn``), also those closing every other message (``all``), only
+    the last trained turn's (``last``), or none (``none``).
+    """
     layout = template_layout(tokenizer)
     try:
         text = render_text(messages, tokenizer, tools=tools)
@@ -214,21 +245,38 @@ def render_conversation(
         raise RowRejected(DropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
     mask = np.zeros(len(text), dtype=np.uint8)
     ends, turns, spans, cursor = [], [], [], 0
+    last_trained = max((i for i, m in enumerate(messages) if is_trained(m, assistant_roles)), default=-1)
     for i, msg in enumerate(messages):
-        if msg["role"] in assistant_roles:
+        if is_trained(msg, assistant_roles):
             turn = _locate_turn(text, cursor, msg, i, layout)
             turns.append(turn)
-            spans += _trained_spans(turn, think_loss)
+            with_eot = train_on_eos in ("turn", "all") or (train_on_eos == "last" and i == last_trained)
+            spans += _trained_spans(turn, think_loss, with_eot=with_eot)
             cursor = turn.end
         else:
             if layout.assistant_header in msg["content"]:
                 raise _unverified(i, f"{msg['role']} content contains the assistant header text")
+            located = None
+            if msg["role"] == "assistant":  # an untrained assistant turn: walk past its header and tool calls too
+                try:
+                    located = _locate_turn(text, cursor, msg, i, layout)
+                except RowRejected:
+                    located = None
             content = msg["content"].strip()
-            if content:
+            if located is not None:
+                cursor = located.end
+                if train_on_eos == "all" and located.eot_start is not None:
+                    spans.append((located.eot_start, located.end))
+            elif content:
                 p = text.find(content, cursor)
                 if p < 0:
                     raise _unverified(i, f"{msg['role']} content not found in the render")
                 cursor = p + len(content)
+                if train_on_eos == "all":
+                    eot = _eot_after(text, cursor, messages[i + 1] if i + 1 < len(messages) else None, layout)
+                    if eot is not None:
+                        spans.append(eot)
+                        cursor = eot[1]
         ends.append(cursor)
     _check_partition(text, spans)
     for a, b in spans:
@@ -243,13 +291,16 @@ def build_text_and_masks(
     tools: list[dict] | None = None,
     assistant_roles=("assistant",),
     think_loss: str = "all",
+    train_on_eos: str = "turn",
 ) -> tuple[str, np.ndarray]:
     """Messages -> ``(text, char_mask)``: the template's render and a 0/1 entry per character.
 
-    Trained (1): for each message whose role is in ``assistant_roles``, its
-    reasoning block (per ``think_loss``), content, tool calls and the
-    end-of-turn marker. Everything else is 0. Raises ``RowRejected`` when the
+    Trained (1): for each trained message (``is_trained``: its ``train`` flag,
+    else its role in ``assistant_roles``), its reasoning block (per
+    ``think_loss``), content, tool calls and end-of-turn marker (per
+    ``train_on_eos``). Everything else is 0. Raises ``RowRejected`` when the
     template fails or the spans cannot be verified.
     """
-    r = render_conversation(messages, tokenizer, tools=tools, assistant_roles=assistant_roles, think_loss=think_loss)
+    r = render_conversation(messages, tokenizer, tools=tools, assistant_roles=assistant_roles,
+                            think_loss=think_loss, train_on_eos=train_on_eos)
     return r.text, r.char_mask

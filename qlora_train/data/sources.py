@@ -1,6 +1,6 @@
 """Load the configured data sources into one ``datasets.Dataset`` of raw rows.
 
-Every source becomes the same three columns::
+Every source becomes the same four columns::
 
     row        the raw row as JSON text ("" when it could not be read)
     location   "file:line" (JSON lines), "file[i]" (others), for messages naming the row
@@ -12,8 +12,11 @@ nested shapes of rows (tool arguments, optional message keys) into one struct
 and fill every missing key with null, changing what the template renders.
 JSON and JSON lines are read by a generator (so a broken line is counted with
 its file and line number instead of failing the load); Parquet, CSV and Arrow
-by the datasets builders. Both are cached by datasets (Arrow, fingerprinted
-on the file's path, size and modification time).
+by the datasets builders, directories written by ``save_to_disk`` by
+``load_from_disk``, and anything else that is not on disk but looks like a hub
+id by ``load_dataset(path, name, split=, data_files=)``. All are cached by
+datasets (Arrow, fingerprinted on the file's path, size and modification time).
+A row may be a mapping or, in JSON files, a bare list (of messages).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from __future__ import annotations
 import glob as globlib
 import json
 import os
+import re
 from pathlib import Path
 
 import datasets
 
 from qlora_train.config import DatasetSource
+from qlora_train.data.handlers import apply_row_handlers
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 FEATURES = datasets.Features(
@@ -37,18 +42,47 @@ class SourceError(Exception):
     """A data source cannot be read at all (missing file, unknown format)."""
 
 
-def _files(src: DatasetSource) -> list[Path]:
-    path = Path(src.path)
-    if any(ch in src.path for ch in "*?["):
-        files = sorted(Path(p) for p in globlib.glob(src.path, recursive=True))
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDERS)
-    elif path.is_file():
-        files = [path]
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def _is_hub_id(path: str) -> bool:
+    """Not on disk, no glob, and shaped like ``owner/name`` or ``name`` without a data-file extension."""
+    return bool(_HUB_ID.match(path)) and Path(path).suffix.lower() not in BUILDERS and not Path(path).exists()
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """A directory written by ``Dataset.save_to_disk``."""
+    return path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def _data_file_patterns(src: DatasetSource) -> list[str]:
+    files = src.data_files
+    if isinstance(files, dict):
+        if src.split not in files:
+            raise SourceError(f"data_files has no entry for split {src.split!r} (keys: {sorted(files)})")
+        files = files[src.split]
+    return [files] if isinstance(files, str) else list(files or [])
+
+
+def _files(path: str, src: DatasetSource) -> list[Path]:
+    """One local path (file, directory, glob) -> its data files, sorted."""
+    p = Path(path)
+    if any(ch in path for ch in "*?["):
+        files = sorted(Path(f) for f in globlib.glob(path, recursive=True) if Path(f).is_file())
+    elif p.is_dir():
+        patterns = _data_file_patterns(src)
+        if patterns:
+            files = sorted({Path(f) for pat in patterns for f in globlib.glob(str(p / pat), recursive=True)})
+        else:
+            files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")
+                           and (src.builder or f.suffix.lower() in BUILDERS)
+                           and not (f.suffix == ".json" and _is_saved_dataset(f.parent)))  # its metadata
+    elif p.is_file():
+        files = [p]
     else:
-        raise SourceError(f"data.datasets path not found: {src.path}")
+        raise SourceError(f"data.datasets path not found: {path}")
     if not files:
-        raise SourceError(f"data.datasets path {src.path}: no data files found")
+        raise SourceError(f"data.datasets path {path}: no data files found")
     return files
 
 
@@ -76,41 +110,69 @@ def _json_rows(files: list[str], stamps: list[str]):
         with open(file, encoding="utf-8", errors="surrogateescape") as fh:  # bad bytes -> counted, not replaced
             head = fh.read(4096).lstrip()
             fh.seek(0)
-            if head.startswith("["):
+            if head.startswith("[") and not file.endswith(".jsonl"):  # a .jsonl file is lines even of lists
                 try:
                     items = json.load(fh)
                 except json.JSONDecodeError as exc:
+                    if "\n" in head and head.split("\n", 1)[0].rstrip().endswith("]"):
+                        fh.seek(0)  # JSON lines whose rows are bare lists of messages
+                        yield from _json_lines(fh, file)
+                        continue
                     yield {"row": "", "location": f"{file}:{exc.lineno}", "load_error": f"invalid JSON: {exc.msg}"}
                     continue
                 for i, item in enumerate(items):
                     yield {"row": _dump(item), "location": f"{file}[{i}]", "load_error": ""}
                 continue
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield {"row": "", "location": f"{file}:{lineno}", "load_error": f"unparseable JSON line: {exc.msg}"}
-                    continue
-                yield {"row": _dump(item), "location": f"{file}:{lineno}", "load_error": ""}
+            yield from _json_lines(fh, file)
 
 
-def _to_rows(batch: dict, indices: list[int], file: str) -> dict:
+def _json_lines(fh, file: str):
+    for lineno, line in enumerate(fh, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield {"row": "", "location": f"{file}:{lineno}", "load_error": f"unparseable JSON line: {exc.msg}"}
+            continue
+        yield {"row": _dump(item), "location": f"{file}:{lineno}", "load_error": ""}
+
+
+def _to_rows(batch: dict, indices: list[int], name: str) -> dict:
     keys = list(batch)
     rows = [{k: batch[k][j] for k in keys} for j in range(len(indices))]
     return {
         "row": [_dump(r) for r in rows],
-        "location": [f"{file}[{i}]" for i in indices],
+        "location": [f"{name}[{i}]" for i in indices],
         "load_error": [""] * len(indices),
     }
 
 
-def load_source(src: DatasetSource, *, cache_dir: str | None = None) -> datasets.Dataset:
-    """One ``data.datasets`` entry -> Dataset(row, location, load_error)."""
-    files = _files(src)
+def _as_raw(ds: datasets.Dataset, name: str) -> datasets.Dataset:
+    """A datasets table -> Dataset(row, location, load_error), one JSON row per table row."""
+    return ds.map(_to_rows, batched=True, with_indices=True, fn_kwargs={"name": name},
+                  remove_columns=ds.column_names, features=FEATURES, desc=f"reading {name}")
+
+
+def _load_hub(path: str, src: DatasetSource, cache_dir: str | None) -> datasets.Dataset:
+    try:
+        ds = datasets.load_dataset(path, src.name, split=src.split, data_files=src.data_files, cache_dir=cache_dir)
+    except Exception as exc:  # offline, unknown id, missing config: one clear line naming the source
+        raise SourceError(f"data.datasets path {path}: not a local file, directory or glob, and loading it as a "
+                          f"hub dataset failed: {type(exc).__name__}: {exc}") from None
+    return _as_raw(ds, path)
+
+
+def _load_path(path: str, src: DatasetSource, cache_dir: str | None) -> list[datasets.Dataset]:
+    """One path of a source -> raw-row datasets (JSON files read together, others one per file)."""
+    if _is_hub_id(path):
+        return [_load_hub(path, src, cache_dir)]
+    if _is_saved_dataset(Path(path)):
+        return [_as_raw(datasets.load_from_disk(path), path)]
+    files = _files(path, src)
+    builders = {f: _builder(f, src) for f in files}
     parts = []
-    json_files = [f for f in files if _builder(f, src) == "json"]
+    json_files = [f for f in files if builders[f] == "json"]
     if json_files:
         stamps = [f"{f}:{os.path.getsize(f)}:{os.path.getmtime(f)}" for f in json_files]
         parts.append(datasets.Dataset.from_generator(
@@ -118,13 +180,22 @@ def load_source(src: DatasetSource, *, cache_dir: str | None = None) -> datasets
             features=FEATURES, cache_dir=cache_dir,
         ))
     for file in files:
-        builder = _builder(file, src)
-        if builder == "json":
+        if builders[file] == "json":
             continue
-        ds = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=cache_dir)
-        parts.append(ds.map(_to_rows, batched=True, with_indices=True, fn_kwargs={"file": str(file)},
-                            remove_columns=ds.column_names, features=FEATURES))
+        ds = datasets.load_dataset(builders[file], data_files=str(file), split="train", cache_dir=cache_dir)
+        parts.append(_as_raw(ds, str(file)))
+    return parts
+
+
+def load_source(src: DatasetSource, *, cache_dir: str | None = None) -> datasets.Dataset:
+    """One ``data.datasets`` entry -> Dataset(row, location, load_error).
+
+    Every path of the entry is read and concatenated, then the entry's row
+    handlers run, then ``max_samples`` keeps the first rows.
+    """
+    parts = [part for path in src.paths for part in _load_path(path, src, cache_dir)]
     out = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    out = apply_row_handlers(out, src.handlers)
     if src.max_samples is not None and len(out) > src.max_samples:
         out = out.select(range(src.max_samples))
     return out
@@ -132,20 +203,22 @@ def load_source(src: DatasetSource, *, cache_dir: str | None = None) -> datasets
 
 def source_label(index: int, src: DatasetSource) -> str:
     """``data.datasets[i]`` entry -> the name reports use for it, e.g. ``"0:data/chat.jsonl"``."""
-    return f"{index}:{src.path}"
+    return f"{index}:{src.path if isinstance(src.path, str) else '+'.join(src.path)}"
 
 
 def _label_rows(batch: dict, label: str) -> dict:
     return {"source": [label] * len(batch["row"])}
 
 
+def load_labelled_source(index: int, src: DatasetSource, *, cache_dir: str | None = None) -> datasets.Dataset:
+    """The ``index``-th entry -> its raw rows, each tagged with ``source = source_label(index, src)``."""
+    return load_source(src, cache_dir=cache_dir).map(
+        _label_rows, batched=True, fn_kwargs={"label": source_label(index, src)}, desc="labelling rows")
+
+
 def load_sources(sources: list[DatasetSource], *, cache_dir: str | None = None) -> datasets.Dataset:
     """All sources, concatenated in order, each row tagged with its ``source`` label."""
     if not sources:
         raise SourceError("data.datasets is empty: name at least one data source")
-    parts = [
-        load_source(s, cache_dir=cache_dir).map(_label_rows, batched=True, fn_kwargs={"label": source_label(i, s)},
-                                                 desc="labelling rows")
-        for i, s in enumerate(sources)
-    ]
+    parts = [load_labelled_source(i, s, cache_dir=cache_dir) for i, s in enumerate(sources)]
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]

@@ -60,9 +60,11 @@ class TruncationResult:
     final: Measured | None = field(default=None, repr=False)  # the render of ``messages``
 
 
-def measure(messages, tokenizer, *, tools=None, assistant_roles=("assistant",), think_loss="all") -> Measured:
+def measure(messages, tokenizer, *, tools=None, assistant_roles=("assistant",), think_loss="all",
+            train_on_eos="turn") -> Measured:
     rendered = render_conversation(
-        messages, tokenizer, tools=tools, assistant_roles=assistant_roles, think_loss=think_loss
+        messages, tokenizer, tools=tools, assistant_roles=assistant_roles, think_loss=think_loss,
+        train_on_eos=train_on_eos,
     )
     (ids, offsets), = encode_batch([rendered.text], tokenizer)
     return Measured(rendered, ids, offsets)
@@ -98,6 +100,7 @@ def structured_truncate_messages(
     tools: list[dict] | None = None,
     assistant_roles=("assistant",),
     think_loss: str = "all",
+    train_on_eos: str = "turn",
     measured: Measured | None = None,
 ) -> TruncationResult:
     """Messages -> ``TruncationResult`` whose messages render to <= ``max_length`` tokens when possible.
@@ -106,7 +109,7 @@ def structured_truncate_messages(
     made by the caller, so the common no-truncation case costs nothing extra.
     The input list and its messages are never mutated.
     """
-    kw = dict(tools=tools, assistant_roles=assistant_roles, think_loss=think_loss)
+    kw = dict(tools=tools, assistant_roles=assistant_roles, think_loss=think_loss, train_on_eos=train_on_eos)
     current = measured or measure(messages, tokenizer, **kw)
     before = current.num_tokens
     result = TruncationResult(list(messages), before, before, final=current)

@@ -184,7 +184,8 @@ def train(cfg: Config, *, callbacks: list | None = None):
     main = is_main_process()
     runtime = resolve_runtime(cfg)
     log.info(runtime.note)
-    args = training_arguments(cfg, runtime, has_eval=cfg.data.eval_fraction > 0)  # config errors before loading
+    has_eval = cfg.data.eval_fraction > 0 or bool(cfg.data.eval_datasets)
+    args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
     tokenizer = load_tokenizer(cfg.model)
 
     with args.main_process_first(desc="preprocessing"):

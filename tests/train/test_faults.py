@@ -121,7 +121,7 @@ def test_all_rows_dropped_stops_before_the_model_loads(tmp_path, qwen_tokenizer_
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert error == [f"error: all 3 rows were dropped (unknown_schema: 2, no_assistant_turn: 1); first: "
                      f"{tmp_path / 'd.jsonl'}:1: no known schema among keys ['foo']; "
-                     f"{tmp_path / 'd.jsonl'}:2: no message with a role in ['assistant']"]
+                     f"{tmp_path / 'd.jsonl'}:2: no trained message (a role in ['assistant'])"]
     assert not (tmp_path / "out").exists()
 
 
