@@ -34,6 +34,8 @@ BAD = [
     ("model: {name_or_path: x}\ndata: {think_mode: drop, think_loss: answer_plus_think}", "data: think_mode: drop"),
     ("model: {name_or_path: x}\ntrain: {learning_rate: fast}", "train.learning_rate: Input should be a valid number"),
     ("lora: {r: 8}", "model: Field required"),
+    ("model: {name_or_path: x}\ntrain: {packing: true, group_by_length: true}", "train: packing and group_by_length"),
+    ("model: {name_or_path: x}\ntrain: {split_long: true}", "train: split_long and packing_length need packing"),
 ]
 
 

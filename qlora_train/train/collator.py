@@ -41,10 +41,12 @@ class PackedCollator:
     attention never crosses examples.
 
     ``attention="mask"`` (eager / SDPA, CPU or CUDA): rows are right-padded
-    and ``attention_mask`` is a 4D additive mask ``[batch, 1, width, width]``
-    in ``mask_dtype``: 0 where query i may see key j (same segment, j <= i),
-    the dtype's minimum elsewhere. transformers passes a 4D mask to the
-    attention unchanged. Padding forms its own segment (its labels are -100).
+    and ``attention_mask`` is a 4D mask ``[batch, 1, width, width]``: query i
+    may see key j when both are in the same segment and j <= i. With
+    ``mask_dtype=torch.bool`` (for SDPA) that is True; with a float dtype (for
+    eager, which adds the mask to the scores) 0, and the dtype's minimum where
+    it may not. transformers hands a 4D mask to the attention unchanged.
+    Padding forms its own segment (its labels are -100).
 
     ``attention="position_ids"`` (flash-attention on CUDA): the whole micro-batch
     is flattened into one row without padding or mask; the restarting
@@ -89,6 +91,9 @@ class PackedCollator:
                                                        torch.as_tensor(f["seq_lens"]))
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         allowed = (segment[:, :, None] == segment[:, None, :]) & causal
-        mask = torch.zeros((n_rows, 1, width, width), dtype=self.mask_dtype)
-        mask.masked_fill_(~allowed[:, None], torch.finfo(self.mask_dtype).min)
+        if self.mask_dtype is torch.bool:  # SDPA reads True as "may attend"
+            mask = allowed[:, None]
+        else:  # eager adds the mask to the attention scores
+            mask = torch.zeros((n_rows, 1, width, width), dtype=self.mask_dtype)
+            mask.masked_fill_(~allowed[:, None], torch.finfo(self.mask_dtype).min)
         return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}

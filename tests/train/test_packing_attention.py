@@ -46,14 +46,14 @@ def one_by_one(model, examples):
     return logits, loss_sum / n_items
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_packed_batch_equals_examples_one_by_one(tiny_model_dir, examples, attn):
+@pytest.mark.parametrize("attn, mask_dtype", [("eager", torch.float32), ("sdpa", torch.bool), ("sdpa", torch.float32)])
+def test_packed_batch_equals_examples_one_by_one(tiny_model_dir, examples, attn, mask_dtype):
     model = load_float_model(tiny_model_dir, attn)
     lengths = [len(ex["input_ids"]) for ex in examples]
     bins = best_fit_decreasing(lengths, capacity=200)
     assert len(bins) >= 2 and max(len(b) for b in bins) >= 2  # really packed, and a padded row in the batch
     packed = [pack_examples(examples, b) for b in bins]
-    batch = PackedCollator(pad_token_id=0, attention="mask")(packed)
+    batch = PackedCollator(pad_token_id=0, mask_dtype=mask_dtype)(packed)
     with torch.no_grad():
         out = model(**batch)
         ref_logits, ref_loss = one_by_one(model, examples)
