@@ -15,11 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
-
 from qlora_train.config import DataConfig
 from qlora_train.data.messages import DropReason, RowRejected
-from qlora_train.data.parse import canonicalize_row
+from qlora_train.data.parse import ParseReport, canonicalize_row
 from qlora_train.data.render import render_conversation
 from qlora_train.data.tokenize import IGNORE_INDEX, count_straddling, encode_batch, make_labels
 from qlora_train.data.truncate import Measured, structured_truncate_messages
@@ -37,6 +35,15 @@ def _rows(batch: dict[str, list] | list[dict]) -> list[dict]:
     keys = list(batch)
     n = len(batch[keys[0]]) if keys else 0
     return [{k: batch[k][i] for k in keys} for i in range(n)]
+
+
+_REPORT_DEFAULTS = vars(ParseReport())
+
+
+def _report_json(report: ParseReport) -> str:
+    """A row's ParseReport as JSON, only the fields that differ from the defaults (``ParseReport.from_dict``
+    restores the rest): most rows touch two or three fields, so this is a fraction of ``to_dict()``."""
+    return json.dumps({k: v for k, v in vars(report).items() if v != _REPORT_DEFAULTS[k]})
 
 
 def empty_output() -> dict[str, Any]:
@@ -60,7 +67,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     for i, row in enumerate(rows):
         try:
             canon = canonicalize_row(row, cfg, tokenizer=tokenizer)
-            outs[i]["parse_report"] = json.dumps(canon.report.to_dict())
+            outs[i]["parse_report"] = _report_json(canon.report)
             rendered = render_conversation(canon.messages, tokenizer, tools=canon.tools, **kw)
             staged.append((i, canon, rendered))
         except RowRejected as rej:
@@ -85,7 +92,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
             out["drop_reason"], out["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
             continue
         example = make_labels(ids, offsets, char_mask, max_length=cfg.max_length, truncate_side=cfg.truncate_side)
-        n_trained = int(np.count_nonzero(np.asarray(example["labels"]) != IGNORE_INDEX))
+        n_trained = len(example["labels"]) - example["labels"].count(IGNORE_INDEX)
         out["straddling_tokens"] = count_straddling(offsets, char_mask)
         if n_trained == 0:
             out["drop_reason"] = DropReason.NO_TRAINED_TOKEN
