@@ -96,7 +96,11 @@ def make_labels(
     (``left`` keeps the last ``max_length`` tokens, ``right`` the first).
     """
     ids = list(input_ids)
-    labels = np.where(trained_token_mask(offsets, char_mask), np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
+    # trained tokens come in a few runs (one or two per trained turn): copy those slices of the ids
+    edges = np.flatnonzero(np.diff(trained_token_mask(offsets, char_mask).view(np.int8), prepend=0, append=0))
+    labels = [IGNORE_INDEX] * len(ids)
+    for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
+        labels[a:b] = ids[a:b]
     if max_length is not None and len(ids) > max_length:
         cut = slice(len(ids) - max_length, None) if truncate_side == "left" else slice(0, max_length)
         ids, labels = ids[cut], labels[cut]
