@@ -82,6 +82,18 @@ def count_straddling(offsets: np.ndarray, char_mask: np.ndarray) -> int:
     return int(np.count_nonzero(inside > 0))
 
 
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """bool[n] -> [(start, stop), ...] of its runs of True."""
+    if len(mask) == 0:
+        return []
+    edges = (np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist()
+    if mask[0]:
+        edges.insert(0, 0)
+    if mask[-1]:
+        edges.append(len(mask))
+    return list(zip(edges[::2], edges[1::2]))
+
+
 def make_labels(
     input_ids: list[int],
     offsets: np.ndarray,
@@ -95,11 +107,9 @@ def make_labels(
     When ``max_length`` is exceeded, tokens are cut on ``truncate_side``
     (``left`` keeps the last ``max_length`` tokens, ``right`` the first).
     """
-    ids = list(input_ids)
-    # trained tokens come in a few runs (one or two per trained turn): copy those slices of the ids
-    edges = np.flatnonzero(np.diff(trained_token_mask(offsets, char_mask).view(np.int8), prepend=0, append=0))
+    ids = input_ids if isinstance(input_ids, list) else list(input_ids)
     labels = [IGNORE_INDEX] * len(ids)
-    for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
+    for a, b in _runs(trained_token_mask(offsets, char_mask)):  # a few runs: one or two per trained turn
         labels[a:b] = ids[a:b]
     if max_length is not None and len(ids) > max_length:
         cut = slice(len(ids) - max_length, None) if truncate_side == "left" else slice(0, max_length)

@@ -66,3 +66,15 @@ def test_count_straddling_equals_the_per_character_definition(mask, data):
     char_mask = np.array(mask, dtype=np.uint8)
     brute = sum(0 < int(char_mask[a:b].sum()) < b - a for a, b in offsets)
     assert count_straddling(offsets, char_mask) == brute
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), max_size=30))
+def test_runs_rebuild_the_mask(mask):
+    from qlora_train.data.tokenize import _runs
+
+    rebuilt = [False] * len(mask)
+    for a, b in _runs(np.array(mask, dtype=bool)):
+        assert a < b and all(mask[a:b])
+        rebuilt[a:b] = [True] * (b - a)
+    assert rebuilt == mask
