@@ -84,11 +84,28 @@ def pack_or_group(cfg: Config, train_ds, eval_ds):
     return train_ds, eval_ds, None
 
 
+def check_packing_support(model_config, packing_length: int) -> None:
+    """Refuse packing where a block-diagonal mask would not keep examples apart: recurrent / linear-attention
+    layers (their state flows along the row) and sliding windows shorter than a packed sequence (one 4D mask
+    serves every layer, so it would widen the window)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    kinds = set(getattr(text, "layer_types", None) or ())
+    other = sorted(kinds - {"full_attention", "sliding_attention"})
+    if other:
+        raise ValueError(f"train.packing: the model has {', '.join(other)} layers, whose state would flow from one "
+                         "packed example into the next; train without packing")
+    window = getattr(text, "sliding_window", None)
+    if "sliding_attention" in kinds and window and window < packing_length:
+        raise ValueError(f"train.packing: sliding-window layers ({window} tokens) would see a full block mask; "
+                         f"set train.packing_length <= {window}")
+
+
 def make_collator(cfg: Config, tokenizer, model, runtime):
     """Pad-only collator, or with packing the one whose attention fits the model's implementation:
     flash-attention (CUDA) reads restarting position ids, SDPA a boolean 4D mask, eager an additive one."""
     if not cfg.train.packing:
         return PadCollator(tokenizer.pad_token_id)
+    check_packing_support(model.config, cfg.train.packing_length or cfg.data.max_length)
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if "flash" in attn and runtime.device == "cuda":
         return PackedCollator(tokenizer.pad_token_id, attention="position_ids")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datasets
+import pytest
 import torch
 
 from qlora_train.config import Config
@@ -39,8 +40,24 @@ def test_packing_packs_both_splits_into_max_length_by_default():
 
 
 class FakeModel:
-    def __init__(self, attn):
-        self.config = type("C", (), {"_attn_implementation": attn})()
+    def __init__(self, attn, **config):
+        self.config = type("C", (), {"_attn_implementation": attn, **config})()
+
+
+def test_packing_refuses_models_whose_layers_would_mix_examples():
+    from transformers import Qwen3Config
+
+    from qlora_train.train.run import check_packing_support
+
+    check_packing_support(Qwen3Config(num_hidden_layers=2), 4096)  # full attention only: fine
+    with pytest.raises(ValueError, match="linear_attention layers"):
+        check_packing_support(Qwen3Config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+                              4096)
+    sliding = Qwen3Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=1024, max_window_layers=1)
+    assert "sliding_attention" in sliding.layer_types
+    check_packing_support(sliding, 1024)
+    with pytest.raises(ValueError, match="packing_length <= 1024"):
+        check_packing_support(sliding, 2048)
 
 
 def test_collator_follows_the_attention_implementation():
