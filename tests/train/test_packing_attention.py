@@ -46,7 +46,8 @@ def one_by_one(model, examples):
     return logits, loss_sum / n_items
 
 
-@pytest.mark.parametrize("attn, mask_dtype", [("eager", torch.float32), ("sdpa", torch.bool), ("sdpa", torch.float32)])
+@pytest.mark.parametrize("attn, mask_dtype", [("eager", torch.float32), ("sdpa", torch.bool), ("sdpa", torch.float32)],
+                         ids=["eager-additive", "sdpa-bool", "sdpa-additive"])
 def test_packed_batch_equals_examples_one_by_one(tiny_model_dir, examples, attn, mask_dtype):
     model = load_float_model(tiny_model_dir, attn)
     lengths = [len(ex["input_ids"]) for ex in examples]
