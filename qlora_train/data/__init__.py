@@ -7,6 +7,7 @@ Pipeline, one stage per module::
     render.build_text_and_masks       one chat-template render + verified char mask
     tokenize.tokenize_with_char_mask  offsets project the char mask -> labels
     pipeline.process_rows             all of the above for a batch of rows
+    packing.pack_dataset              optional: whole examples into max_length sequences (best fit decreasing)
 """
 
 from qlora_train.config import DataConfig
