@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast lint bench demo docs
+.PHONY: install browser test test-fast lint bench bench-scale demo docs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -31,6 +31,10 @@ lint:
 
 bench:
 	$(PYTHON) benchmarks/bench_preprocess.py
+
+# per-row cost and memory by dataset size through datasets.map (add 100000 for the full check: ~8 min on 2 cores)
+bench-scale:
+	$(PYTHON) benchmarks/bench_preprocess.py --scale 1000,20000
 
 $(TINY)/config.json:
 	$(PYTHON) -m qlora_train.tiny --out $(TINY)

@@ -1,22 +1,45 @@
-"""Preprocessing throughput: the whole row pipeline next to its floor, measured side by side.
+"""Preprocessing throughput and packing efficiency, measured side by side on the same rows.
 
     python benchmarks/bench_preprocess.py [--rows 2000] [--batch-size 256] [--repeats 3]
+    python benchmarks/bench_preprocess.py --scale 1000,20000     # per-row cost and peak RSS by size
 
-floor    = one ``apply_chat_template`` render per row + one batched fast-tokenizer
-           call with offsets per batch (the least any exact-mask pipeline must do)
-pipeline = ``process_rows``: canonicalize, render, char mask + verification,
-           batched tokenize, projection to labels, truncation when needed
-Rows are generated deterministically (multi-turn, reasoning, tool calls,
-unicode, code); nothing is downloaded. Best of ``--repeats`` interleaved runs.
+Table 1, the pipeline against its floor (qwen3 template), with the tokenizer on one thread (1a: the
+single-process ratio) and on its thread pool (1b; ``--tokenizer-threads`` picks):
+  floor (HF call)  one ``apply_chat_template`` render per row + one batched fast-tokenizer call with offsets
+                   per batch (``tokenizer(texts, return_offsets_mapping=True)``): the floor the issue names
+  floor (Rust)     the same render + the Rust backend's ``encode_batch`` and its ids and offsets lists: the
+                   least any exact-mask pipeline must do in Python
+  pipeline         ``process_rows``: canonicalize, render, char mask + verification, batched tokenize,
+                   projection to labels, truncation when needed
+Table 2, reference points on the same rows with a generation-tagged ChatML template (benchmarks/
+chatml_generation.jinja), each producing per-token assistant masks:
+  pipeline         ``process_rows`` with that template
+  HF assistant mask  ``apply_chat_template(..., return_assistant_tokens_mask=True, return_dict=True)``,
+                   batched per batch (rows grouped by their tools)
+  prefix re-render mask spans found by rendering every prefix (2 renders per assistant turn), then one
+                   batched tokenization and the same projection
+Table 3, packing efficiency (real tokens / tokens processed) of the pipeline's examples: best-fit-decreasing
+packing into ``--pack-length`` vs padding to the longest of each batch (random order).
+
+Rows are generated deterministically (multi-turn, reasoning, tool calls, unicode, code); nothing is
+downloaded. Timed runs are interleaved, best of ``--repeats``.
+
+``--scale N1,N2,...`` runs each size in a fresh process through the real path (JSON lines file ->
+``load_sources`` -> ``process_dataset``, a batched ``datasets.map`` writing the Arrow cache) and prints the
+per-row cost and the peak RSS added by the map. Sizes are run ``--scale-repeats`` times, interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
+import resource
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,10 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qlora_train.config import DataConfig  # noqa: E402
 from qlora_train.data import canonicalize_row, process_rows  # noqa: E402
+from qlora_train.data.packing import best_fit_decreasing, packing_efficiency, padded_efficiency  # noqa: E402
 from qlora_train.data.render import render_text  # noqa: E402
-from qlora_train.data.tokenize import encode_batch  # noqa: E402
+from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, trained_token_mask  # noqa: E402
 from qlora_train.tiny import build_qwen_tokenizer  # noqa: E402
 
+GENERATION_TEMPLATE = Path(__file__).with_name("chatml_generation.jinja")
 WORDS = ("the model reads each token and predicts the next one while the loss mask decides which "
          "positions count naïve café 東京 données 🙂 größe").split()
 CODE = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5\n"
@@ -39,9 +64,9 @@ def sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
 
 
-def make_rows(n: int, seed: int = 0) -> list[dict]:
+def iter_rows(n: int, seed: int = 0):
+    """``n`` deterministic rows, one at a time."""
     rng = random.Random(seed)
-    rows = []
     for i in range(n):
         msgs = [{"role": "system", "content": sentence(rng, rng.randint(5, 30))}]
         for _ in range(rng.randint(1, 4)):
@@ -59,24 +84,260 @@ def make_rows(n: int, seed: int = 0) -> list[dict]:
         row = {"messages": msgs}
         if i % 4 == 0:
             row["tools"] = TOOLS
-        rows.append(row)
-    return rows
+        yield row
 
 
-def run_floor(canon, tok, batch_size: int) -> float:
-    t = time.perf_counter()
-    for s in range(0, len(canon), batch_size):
-        texts = [render_text(c.messages, tok, tools=c.tools) for c in canon[s:s + batch_size]]
-        encode_batch(texts, tok)
-    return time.perf_counter() - t
+def make_rows(n: int, seed: int = 0) -> list[dict]:
+    return list(iter_rows(n, seed))
 
 
-def run_pipeline(rows, tok, cfg: DataConfig) -> float:
-    t = time.perf_counter()
-    for s in range(0, len(rows), cfg.batch_size):
-        out = process_rows(rows[s:s + cfg.batch_size], tok, cfg)
-        assert not any(out["drop_reason"]), set(out["drop_reason"])
-    return time.perf_counter() - t
+def batches(items: list, size: int):
+    for s in range(0, len(items), size):
+        yield items[s:s + size]
+
+
+# --- the timed methods: each handles one batch and returns what it made ---
+
+
+def floor_hf(canon, tok) -> None:
+    texts = [render_text(c.messages, tok, tools=c.tools) for c in canon]
+    tok(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+
+
+def floor_rust(canon, tok) -> None:
+    texts = [render_text(c.messages, tok, tools=c.tools) for c in canon]
+    [(e.ids, e.offsets) for e in tok._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def pipeline(rows, tok, cfg: DataConfig) -> list[list[int]]:
+    out = process_rows(rows, tok, cfg)
+    assert not any(out["drop_reason"]), set(out["drop_reason"])
+    return out["labels"]
+
+
+def hf_assistant_mask(canon, tok) -> list[list[int]]:
+    """transformers' own masks; one batched call per distinct tools list in the batch."""
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(canon):
+        groups.setdefault(json.dumps(c.tools), []).append(i)
+    masks = [None] * len(canon)
+    for idx in groups.values():
+        out = tok.apply_chat_template([canon[i].messages for i in idx], tools=canon[idx[0]].tools,
+                                      tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        for i, m in zip(idx, out["assistant_masks"]):
+            masks[i] = m
+    return masks
+
+
+def prefix_spans(messages, tools, tok) -> tuple[str, list[tuple[int, int]]]:
+    """Trained spans by prefix renders: turn i spans len(render(:i) + header) .. len(render(:i+1)) - newline."""
+    text = render_text(messages, tok, tools=tools)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            a = len(render_text(messages[:i], tok, tools=tools, add_generation_prompt=True))
+            b = len(render_text(messages[:i + 1], tok, tools=tools).rstrip("\n"))
+            spans.append((a, b))
+    return text, spans
+
+
+def prefix_rerender(canon, tok) -> list[list[int]]:
+    import numpy as np
+
+    rendered = [prefix_spans(c.messages, c.tools, tok) for c in canon]
+    masks = []
+    for (text, spans), (_, offsets) in zip(rendered, encode_batch([t for t, _ in rendered], tok)):
+        char_mask = np.zeros(len(text), dtype=np.uint8)
+        for a, b in spans:
+            char_mask[a:b] = 1
+        masks.append(trained_token_mask(offsets, char_mask).astype(np.int64).tolist())
+    return masks
+
+
+def best_of(methods: dict, n_batches: int, repeats: int) -> tuple[dict, dict]:
+    """Interleave the methods batch by batch (rotating who goes first), ``repeats`` times; keep each
+    (method, batch)'s fastest time. -> (summed best seconds, outputs of the last repeat) per method.
+    Taking the minimum per batch filters out bursts of load from other processes on a shared machine."""
+    best = {name: [float("inf")] * n_batches for name in methods}
+    outputs = {name: [None] * n_batches for name in methods}
+    names = list(methods)
+    for r in range(repeats):
+        for k in range(n_batches):
+            for j in range(len(names)):
+                name = names[(j + k + r) % len(names)]
+                fn, batches_, extra = methods[name]
+                t = time.perf_counter()
+                outputs[name][k] = fn(batches_[k], *extra)
+                best[name][k] = min(best[name][k], time.perf_counter() - t)
+    return ({name: sum(v) for name, v in best.items()},
+            {name: [x for part in v for x in (part or [])] for name, v in outputs.items()})
+
+
+def agreement(pipeline_labels, masks) -> float:
+    """Share of tokens where a reference mask says the same as the pipeline's labels."""
+    same = total = 0
+    for labels, mask in zip(pipeline_labels, masks):
+        if len(labels) != len(mask):
+            total += max(len(labels), len(mask))
+            continue
+        same += sum((lab != IGNORE_INDEX) == bool(m) for lab, m in zip(labels, mask))
+        total += len(labels)
+    return same / total
+
+
+def print_table(title: str, n_rows: int, best: dict, ref: str) -> None:
+    print(f"\n{title}")
+    print(f"{'':<22} {'rows/s':>8} {'seconds':>8} {'time / ' + ref:>16}")
+    for name, seconds in best.items():
+        print(f"{name:<22} {n_rows / seconds:>8.0f} {seconds:>8.3f} {seconds / best[ref]:>16.3f}")
+
+
+def main_tables(args) -> None:
+    tok = build_qwen_tokenizer("qwen3")
+    cfg = DataConfig(max_length=args.max_length, batch_size=args.batch_size)
+    rows = make_rows(args.rows)
+    canon = [canonicalize_row(r, cfg) for r in rows]
+    process_rows(rows[:8], tok, cfg)  # warm caches (template compile, layout probe)
+    lengths = [len(ids) for ids, _ in encode_batch([render_text(c.messages, tok, tools=c.tools) for c in canon], tok)]
+    print(f"machine: {platform.machine()}, {args.cpus} CPU cores, python {platform.python_version()}; rows "
+          f"{args.rows}, mean tokens/row {sum(lengths) / len(lengths):.0f}, batch {args.batch_size}, "
+          f"best of {args.repeats} per batch, interleaved")
+
+    row_batches = list(batches(rows, args.batch_size))
+    canon_batches = list(batches(canon, args.batch_size))
+    modes = {"on": ["true"], "off": ["false"], "both": ["false", "true"]}[args.tokenizer_threads]
+    for mode in modes:
+        # tokenizers reads this on every batched call: "false" = one thread, the single-process ratio;
+        # "true" = its thread pool, which speeds up the floor's largest part as much as free cores allow
+        os.environ["TOKENIZERS_PARALLELISM"] = mode
+        best, results = best_of({
+            "floor (HF call)": (floor_hf, canon_batches, (tok,)),
+            "floor (Rust)": (floor_rust, canon_batches, (tok,)),
+            "pipeline": (pipeline, row_batches, (tok, cfg)),
+        }, len(row_batches), args.repeats)
+        threads = "one thread" if mode == "false" else "its thread pool"
+        print_table(f"1{'ab'[modes.index(mode)] if len(modes) > 1 else ''}. pipeline vs floor (qwen3 template, "
+                    f"tokenizer on {threads})", args.rows, best, "floor (HF call)")
+        print(f"ratio pipeline / floor (HF call): {best['pipeline'] / best['floor (HF call)']:.3f}   "
+              f"pipeline / floor (Rust): {best['pipeline'] / best['floor (Rust)']:.3f}")
+    example_lengths = [len(lab) for lab in results["pipeline"]]
+
+    gen = build_qwen_tokenizer("chatml")
+    gen.chat_template = GENERATION_TEMPLATE.read_text()
+    process_rows(rows[:8], gen, cfg)
+    best, results = best_of({
+        "pipeline": (pipeline, row_batches, (gen, cfg)),
+        "HF assistant mask": (hf_assistant_mask, canon_batches, (gen,)),
+        "prefix re-render": (prefix_rerender, canon_batches, (gen,)),
+    }, len(row_batches), args.repeats)
+    print_table("2. reference points (generation-tagged ChatML template, same rows)", args.rows, best, "pipeline")
+    for name in ("HF assistant mask", "prefix re-render"):
+        print(f"{name}: mask agrees with the pipeline's labels on "
+              f"{agreement(results['pipeline'], results[name]):.3%} of tokens")
+
+    order = list(range(len(example_lengths)))
+    random.Random(0).shuffle(order)
+    shuffled = [example_lengths[i] for i in order]
+    bins = best_fit_decreasing(example_lengths, args.pack_length)
+    print(f"\n3. packing efficiency (real tokens / tokens processed), {len(example_lengths)} examples, "
+          f"mean {sum(example_lengths) / len(example_lengths):.0f} tokens")
+    print(f"packing into {args.pack_length}: {packing_efficiency(example_lengths, bins, args.pack_length):.1%} "
+          f"({len(bins)} sequences)")
+    for b in (1, 4, 8, 16):
+        print(f"padding to the longest of batches of {b:>2} (random order): {padded_efficiency(shuffled, b):.1%}")
+
+
+# --- scale: each size in its own process, through datasets.map ---
+
+
+class PeakMemory:
+    """Samples this process's resident memory every 20 ms while active (Linux /proc): anonymous memory
+    (the Python heap, Arrow buffers) apart from file-backed pages (memory-mapped Arrow files, which the
+    kernel can drop at will)."""
+
+    def __init__(self):
+        import threading
+
+        self.anon = self.file = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def read() -> tuple[int, int]:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return int(fields["RssAnon"].split()[0]) // 1024, int(fields["RssFile"].split()[0]) // 1024
+
+    def _run(self):
+        while not self._stop.is_set():
+            anon, file = self.read()
+            self.anon, self.file = max(self.anon, anon), max(self.file, file)
+            self._stop.wait(0.02)
+
+    def __enter__(self):
+        self.anon_before, self.file_before = self.read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def scale_worker(n: int, batch_size: int) -> None:
+    from qlora_train.config import DatasetSource
+    from qlora_train.data.dataset import process_dataset
+    from qlora_train.data.sources import load_sources
+
+    tok = build_qwen_tokenizer("qwen3")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rows.jsonl"
+        with path.open("w") as fh:
+            for row in iter_rows(n):
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        cfg = DataConfig(datasets=[DatasetSource(path=str(path))], batch_size=batch_size, max_length=4096,
+                         cache_dir=str(Path(tmp) / "cache"))
+        raw = load_sources(cfg.datasets, cache_dir=cfg.cache_dir)
+        process_dataset(raw.select(range(8)), tok, cfg)  # warm up: imports, template compile, layout probe
+        t, c = time.perf_counter(), time.process_time()
+        process_dataset(raw.select(range(8, 24)), tok, cfg)  # the fixed cost of one map call (hashing, files)
+        fixed, fixed_cpu = time.perf_counter() - t, time.process_time() - c
+        with PeakMemory() as mem:
+            t, c = time.perf_counter(), time.process_time()
+            out = process_dataset(raw, tok, cfg)
+            seconds, cpu = time.perf_counter() - t, time.process_time() - c
+        assert len(out) == n
+    print(json.dumps({"rows": n, "seconds": seconds, "cpu": cpu, "fixed": fixed, "fixed_cpu": fixed_cpu,
+                      "anon_before_mb": mem.anon_before, "anon_peak_mb": mem.anon, "file_peak_mb": mem.file,
+                      "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def main_scale(args) -> None:
+    """CPU time of this process (all its threads) is the measure: on a shared machine wall time mostly
+    measures the neighbours. Wall time is printed beside it."""
+    sizes = [int(s) for s in args.scale.split(",")]
+    best: dict[int, dict] = {}
+    for _ in range(args.scale_repeats):
+        for n in sizes:
+            proc = subprocess.run([sys.executable, __file__, "--scale-worker", str(n), "--batch-size",
+                                   str(args.batch_size)], capture_output=True, text=True, check=True)
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            if n not in best or r["cpu"] < best[n]["cpu"]:
+                best[n] = r
+    print(f"machine: {platform.machine()}, {args.cpus} CPU cores, python {platform.python_version()}; "
+          f"JSON lines -> load_sources -> process_dataset (datasets.map, num_proc=None, batch "
+          f"{args.batch_size}), best of {args.scale_repeats} by CPU time, one process per run")
+    print("cpu us/row = (CPU seconds of the map - CPU seconds of one 16-row map, its fixed cost) / rows; "
+          "memory in MB, sampled during the map: anonymous (heap) before and at peak, file-backed (mmap) at peak")
+    print(f"{'rows':>8} {'wall s':>7} {'cpu s':>7} {'fixed cpu':>9} {'cpu us/row':>10} {'vs first':>9} "
+          f"{'anon before':>11} {'anon peak':>9} {'added':>6} {'file peak':>9}")
+    first = None
+    for n in sizes:
+        r = best[n]
+        per_row = (r["cpu"] - r["fixed_cpu"]) / n
+        first = first or per_row
+        print(f"{n:>8} {r['seconds']:>7.2f} {r['cpu']:>7.2f} {r['fixed_cpu']:>9.2f} {per_row * 1e6:>10.0f} "
+              f"{per_row / first:>9.3f} {r['anon_before_mb']:>11} {r['anon_peak_mb']:>9} "
+              f"{r['anon_peak_mb'] - r['anon_before_mb']:>6} {r['file_peak_mb']:>9}")
 
 
 def main() -> None:
@@ -85,26 +346,20 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--max-length", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pack-length", type=int, default=4096)
+    ap.add_argument("--tokenizer-threads", choices=["on", "off", "both"], default="both",
+                    help="table 1 with tokenizers' thread pool on, off (single thread), or both")
+    ap.add_argument("--scale", help="comma-separated row counts, e.g. 1000,20000 (or 1000,100000)")
+    ap.add_argument("--scale-repeats", type=int, default=3)
+    ap.add_argument("--scale-worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-
-    tok = build_qwen_tokenizer("qwen3")
-    cfg = DataConfig(max_length=args.max_length, batch_size=args.batch_size)
-    rows = make_rows(args.rows)
-    canon = [canonicalize_row(r, cfg) for r in rows]
-    process_rows(rows[:8], tok, cfg)  # warm caches (template compile, layout probe)
-    floor, pipe = [], []
-    for _ in range(args.repeats):
-        floor.append(run_floor(canon, tok, args.batch_size))
-        pipe.append(run_pipeline(rows, tok, cfg))
-    f, p = min(floor), min(pipe)
-    n_tokens = sum(len(ids) for ids, _ in encode_batch([render_text(c.messages, tok, tools=c.tools)
-                                                        for c in canon[:200]], tok)) / min(200, len(canon))
-    print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, "
-          f"rows {args.rows}, mean tokens/row {n_tokens:.0f}, batch {args.batch_size}, best of {args.repeats}")
-    print(f"{'':<10} {'rows/s':>10} {'seconds':>9}")
-    print(f"{'floor':<10} {args.rows / f:>10.0f} {f:>9.3f}")
-    print(f"{'pipeline':<10} {args.rows / p:>10.0f} {p:>9.3f}")
-    print(f"ratio pipeline/floor (time): {p / f:.3f}")
+    args.cpus = os.cpu_count()
+    if args.scale_worker:
+        scale_worker(args.scale_worker, args.batch_size)
+    elif args.scale:
+        main_scale(args)
+    else:
+        main_tables(args)
 
 
 if __name__ == "__main__":

@@ -290,11 +290,32 @@ class TrainConfig(_Section):
     resume_from_checkpoint: str | None = Field(None, description="A checkpoint path, or `auto` for the latest one.")
     report_to: list[str] | str = Field("tensorboard", description="Loggers: tensorboard, wandb, none, …")
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
+    packing: bool = Field(
+        False, description="Pack whole examples (best-fit-decreasing) into sequences of `packing_length` tokens; "
+        "attention never crosses examples. Each packed sequence counts as one example of a batch.",
+    )
+    packing_length: int | None = Field(
+        None, ge=1, description="Tokens per packed sequence (default: data.max_length)."
+    )
+    split_long: bool = Field(
+        False, description="With packing: cut examples longer than `packing_length` into pieces "
+        "instead of refusing to start.",
+    )
+    group_by_length: bool = Field(
+        False, description="Without packing: batch examples of similar length together (less padding)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.max_steps == 0 or self.max_steps < -1:
             raise ValueError("max_steps: must be -1 (train num_epochs) or at least 1")
+        if self.packing and self.group_by_length:
+            raise ValueError("group_by_length: cannot be used with packing: true (packed sequences are already "
+                             "of near-equal length)")
+        if not self.packing and self.split_long:
+            raise ValueError("split_long: needs packing: true")
+        if not self.packing and self.packing_length is not None:
+            raise ValueError("packing_length: needs packing: true")
         return self
 
 

@@ -53,6 +53,9 @@ BAD = [
     ("no-target-modules", GOOD + "lora: {target_modules: []}",
      "lora.target_modules: name at least one module, or use all-linear"),
     # conflicting options
+    ("packing-and-group-by-length", GOOD + "train: {packing: true, group_by_length: true}",
+     "train.group_by_length: cannot be used with packing: true"),
+    ("split-long-without-packing", GOOD + "train: {split_long: true}", "train.split_long: needs packing: true"),
     ("4bit-and-8bit", "model: {name_or_path: Qwen/Qwen3-0.6B, load_in_8bit: true}\n" + DATASETS,
      "model.load_in_8bit: cannot be true together with load_in_4bit (pick one)"),
     ("drop-think-but-train-it", MODEL + "data: {datasets: [{path: DATA}], think_mode: drop, "

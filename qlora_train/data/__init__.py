@@ -11,6 +11,7 @@ Pipeline, one stage per module::
     tokenize.tokenize_with_char_mask  offsets project the char mask -> labels
     pipeline.process_rows             all of the above for a batch of rows
     dataset.build_datasets            per-source processing, dedup, blocks, eval split, mixing, report
+    packing.pack_dataset              optional: whole examples into max_length sequences (best fit decreasing)
 """
 
 from qlora_train.config import DataConfig

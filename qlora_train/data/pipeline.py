@@ -54,6 +54,15 @@ def _rows(batch: dict[str, list] | list[dict]) -> list[dict]:
     return [{k: batch[k][i] for k in keys} for i in range(n)]
 
 
+_REPORT_DEFAULTS = vars(ParseReport())
+
+
+def _report_json(report: ParseReport) -> str:
+    """A row's ParseReport as JSON, only the fields that differ from the defaults (``ParseReport.from_dict``
+    restores the rest): most rows touch two or three fields, so this is a fraction of ``to_dict()``."""
+    return json.dumps({k: v for k, v in vars(report).items() if v != _REPORT_DEFAULTS[k]})
+
+
 def empty_output() -> dict[str, Any]:
     return {
         "input_ids": [], "attention_mask": [], "labels": [], "drop_reason": "", "drop_detail": "",
@@ -152,7 +161,7 @@ def _template_free_example(out: dict, ids, offsets, mask, cfg: DataConfig, *, ma
 
 def _labels(out: dict, ids, offsets, char_mask, cfg: DataConfig, *, max_length: int | None) -> None:
     example = make_labels(ids, offsets, char_mask, max_length=max_length, truncate_side=cfg.truncate_side)
-    n_trained = int(np.count_nonzero(np.asarray(example["labels"]) != IGNORE_INDEX))
+    n_trained = len(example["labels"]) - example["labels"].count(IGNORE_INDEX)
     out["straddling_tokens"] = count_straddling(offsets, char_mask)
     if n_trained == 0:
         raise RowRejected(DropReason.NO_TRAINED_TOKEN, f"no trained token left within max_length={max_length}")
@@ -208,7 +217,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
             schema = guarded(resolve_schema, row, cfg) if isinstance(row, (dict, list)) else "unknown"
             if schema in CHAT_SCHEMAS or schema == "unknown":
                 canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer)
-                outs[i]["parse_report"] = json.dumps(canon.report.to_dict())
+                outs[i]["parse_report"] = _report_json(canon.report)
                 _check_length(content_chars(canon.messages), cfg)
                 if cfg.dedup:
                     outs[i]["content_hash"] = guarded(_hash, [canon.messages, canon.tools])
@@ -216,7 +225,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                 check_unicode(rendered.text, rendered.message_ends)
                 staged.append((i, canon, rendered))
                 continue
-            outs[i]["parse_report"] = json.dumps(ParseReport(schema, Counter({schema: 1}), rows=1).to_dict())
+            outs[i]["parse_report"] = _report_json(ParseReport(schema, Counter({schema: 1}), rows=1))
             text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
             if cfg.dedup:
                 outs[i]["content_hash"] = guarded(_hash, [schema, text, mask.tolist()])

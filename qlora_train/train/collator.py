@@ -33,3 +33,67 @@ class PadCollator:
             labels[row, :n] = torch.as_tensor(f["labels"])
             mask[row, :n] = 1
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@dataclass
+class PackedCollator:
+    """Packed examples (``input_ids``, ``labels``, ``position_ids``, ``seq_lens``) -> a batch where
+    attention never crosses examples.
+
+    ``attention="mask"`` (eager / SDPA, CPU or CUDA): rows are right-padded
+    and ``attention_mask`` is a 4D mask ``[batch, 1, width, width]``: query i
+    may see key j when both are in the same segment and j <= i. With
+    ``mask_dtype=torch.bool`` (for SDPA) that is True; with a float dtype (for
+    eager, which adds the mask to the scores) 0, and the dtype's minimum where
+    it may not. transformers hands a 4D mask to the attention unchanged.
+    Padding forms its own segment (its labels are -100).
+
+    ``attention="position_ids"`` (flash-attention on CUDA): the whole micro-batch
+    is flattened into one row without padding or mask; the restarting
+    ``position_ids`` let transformers call the variable-length kernel per segment.
+
+        >>> b = PackedCollator(0, attention="mask")([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7],
+        ...                                           "position_ids": [0, 1, 0], "seq_lens": [2, 1]}])
+        >>> (b["attention_mask"][0, 0, :3, :3] == 0).int().tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    """
+
+    pad_token_id: int
+    pad_to_multiple_of: int = 8
+    attention: str = "mask"
+    mask_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.attention not in ("mask", "position_ids"):
+            raise ValueError(f"attention must be 'mask' or 'position_ids', got {self.attention!r}")
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        if self.attention == "position_ids":
+            return {key: torch.tensor([sum((list(f[key]) for f in features), [])], dtype=torch.long)
+                    for key in ("input_ids", "labels", "position_ids")}
+        longest = max(len(f["input_ids"]) for f in features)
+        m = self.pad_to_multiple_of
+        width = -(-longest // m) * m if m else longest
+        n_rows = len(features)
+        ids = torch.full((n_rows, width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((n_rows, width), IGNORE_INDEX, dtype=torch.long)
+        positions = torch.zeros((n_rows, width), dtype=torch.long)
+        segment = torch.full((n_rows, width), -1, dtype=torch.long)  # -1: padding
+        for row, f in enumerate(features):
+            n = len(f["input_ids"])
+            if sum(f["seq_lens"]) != n or len(f["labels"]) != n or len(f["position_ids"]) != n:
+                raise ValueError("packed example: input_ids, labels, position_ids and seq_lens disagree in length")
+            ids[row, :n] = torch.as_tensor(f["input_ids"])
+            labels[row, :n] = torch.as_tensor(f["labels"])
+            positions[row, :n] = torch.as_tensor(f["position_ids"])
+            positions[row, n:] = torch.arange(width - n)
+            segment[row, :n] = torch.repeat_interleave(torch.arange(len(f["seq_lens"])),
+                                                       torch.as_tensor(f["seq_lens"]))
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        allowed = (segment[:, :, None] == segment[:, None, :]) & causal
+        if self.mask_dtype is torch.bool:  # SDPA reads True as "may attend"
+            mask = allowed[:, None]
+        else:  # eager adds the mask to the attention scores
+            mask = torch.zeros((n_rows, 1, width, width), dtype=self.mask_dtype)
+            mask.masked_fill_(~allowed[:, None], torch.finfo(self.mask_dtype).min)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}

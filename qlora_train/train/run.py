@@ -21,12 +21,14 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from qlora_train.config import Config, ConfigError
 from qlora_train.data.dataset import build_datasets
+from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
 from qlora_train.files import write_atomic
-from qlora_train.train.collator import PadCollator
+from qlora_train.train.collator import PackedCollator, PadCollator
 from qlora_train.train.model import count_parameters, load_model, load_tokenizer, resolve_runtime
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
 
@@ -69,6 +71,7 @@ def training_arguments(cfg: Config, runtime, has_eval: bool):
         eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps or t.save_steps,
         seed=t.seed, data_seed=t.seed, report_to=[] if report_to == ["none"] else report_to,
         dataloader_num_workers=t.dataloader_num_workers, remove_unused_columns=False,
+        train_sampling_strategy="group_by_length" if t.group_by_length else "random",
         ddp_find_unused_parameters=False, ddp_backend="gloo" if runtime.device == "cpu" and distributed else None,
     )
 
@@ -82,7 +85,52 @@ def resolve_resume(cfg: Config) -> str | None:
     return last
 
 
-def summary_lines(cfg: Config, runtime, model, report) -> list[str]:
+def pack_or_group(cfg: Config, train_ds, eval_ds):
+    """``train.packing``: pack both splits; ``train.group_by_length``: add the ``length`` column the
+    length-grouped sampler reads. Returns (train, eval, PackingStats of train or None)."""
+    t = cfg.train
+    if t.packing:
+        length = t.packing_length or cfg.data.max_length
+        train_ds, stats = pack_dataset(train_ds, length, split_long=t.split_long)
+        if eval_ds is not None:
+            eval_ds, _ = pack_dataset(eval_ds, length, split_long=t.split_long)
+        return train_ds, eval_ds, stats
+    if t.group_by_length:
+        train_ds = train_ds.add_column("length", example_lengths(train_ds))
+    return train_ds, eval_ds, None
+
+
+def check_packing_support(model_config, packing_length: int) -> None:
+    """Refuse packing where a block-diagonal mask would not keep examples apart: recurrent / linear-attention
+    layers (their state flows along the row) and sliding windows shorter than a packed sequence (one 4D mask
+    serves every layer, so it would widen the window)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    kinds = set(getattr(text, "layer_types", None) or ())
+    other = sorted(kinds - {"full_attention", "sliding_attention"})
+    if other:
+        raise ValueError(f"train.packing: the model has {', '.join(other)} layers, whose state would flow from one "
+                         "packed example into the next; train without packing")
+    window = getattr(text, "sliding_window", None)
+    if "sliding_attention" in kinds and window and window < packing_length:
+        raise ValueError(f"train.packing: sliding-window layers ({window} tokens) would see a full block mask; "
+                         f"set train.packing_length <= {window}")
+
+
+def make_collator(cfg: Config, tokenizer, model, runtime):
+    """Pad-only collator, or with packing the one whose attention fits the model's implementation:
+    flash-attention (CUDA) reads restarting position ids, SDPA a boolean 4D mask, eager an additive one."""
+    if not cfg.train.packing:
+        return PadCollator(tokenizer.pad_token_id)
+    check_packing_support(model.config, cfg.train.packing_length or cfg.data.max_length)
+    attn = getattr(model.config, "_attn_implementation", None) or "eager"
+    if "flash" in attn and runtime.device == "cuda":
+        return PackedCollator(tokenizer.pad_token_id, attention="position_ids")
+    if attn == "eager":
+        return PackedCollator(tokenizer.pad_token_id, mask_dtype=runtime.compute_dtype)
+    return PackedCollator(tokenizer.pad_token_id, mask_dtype=torch.bool)
+
+
+def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None) -> list[str]:
     trainable, total = count_parameters(model)
     return [
         "=" * 72,
@@ -91,6 +139,7 @@ def summary_lines(cfg: Config, runtime, model, report) -> list[str]:
         f"LoRA       r={cfg.lora.r} alpha={cfg.lora.alpha}  trainable {trainable:,} of {total:,} "
         f"({trainable / total:.2%})",
         *[f"data       {line}" for line in report.lines()],
+        *([f"batches    {packing.line()}"] if packing else []),
         f"output     {cfg.train.output_dir}",
         "=" * 72,
     ]
@@ -190,18 +239,19 @@ def train(cfg: Config, *, callbacks: list | None = None):
 
     with args.main_process_first(desc="preprocessing"):
         train_ds, eval_ds, report = build_datasets(cfg.data, tokenizer)
+        train_ds, eval_ds, packing = pack_or_group(cfg, train_ds, eval_ds)
 
     model = load_model(cfg, runtime)
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so
         write_atomic(out / "dataset_report.json", report.to_json())
-        print("\n".join(summary_lines(cfg, runtime, model, report)), flush=True)
+        print("\n".join(summary_lines(cfg, runtime, model, report, packing)), flush=True)
 
     stopper = StopOnSignal()
     with handle_stop_signals(stopper):
         trainer = Trainer(
-            model=model, args=args, data_collator=PadCollator(tokenizer.pad_token_id),
+            model=model, args=args, data_collator=make_collator(cfg, tokenizer, model, runtime),
             train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
             callbacks=[*(callbacks or []), stopper],
         )

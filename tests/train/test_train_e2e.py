@@ -217,3 +217,26 @@ def test_two_processes_with_torchrun(tmp_path, tiny_model_dir):
     # two ranks each saw half of each global batch: 2 steps x 2 ranks x 2 rows = 8 of 16 rows = epoch 0.5
     assert state["epoch"] == pytest.approx(0.5)
     assert proc.stdout.count("trainable") == 1  # the summary is printed by rank 0 only
+
+
+def test_packing_trains_on_the_dataset_modules_segments(tmp_path, tiny_model_dir, capsys):
+    cfg = load_config(write_config(tmp_path, tiny_model_dir, max_steps=2, packing=True, packing_length=256))
+    trainer = train(cfg)
+    assert trainer.state.global_step == 2
+    summary = capsys.readouterr().out
+    assert "packing 16 examples into " in summary and "sequences of <= 256 tokens" in summary
+
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:16]]
+    expected = process_rows(rows, trainer.processing_class, DataConfig(max_length=128))
+    expected_by_ids = {tuple(i): [IGNORE_INDEX] + lab[1:] for i, lab in zip(expected["input_ids"], expected["labels"])}
+    seen = 0
+    for batch in trainer.get_train_dataloader():
+        assert batch["attention_mask"].dim() == 4 and batch["attention_mask"].dtype == torch.bool  # SDPA
+        for ids, labels, pos in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
+            starts = (pos == 0).nonzero().flatten().tolist()
+            for a, b in zip(starts, starts[1:] + [len(pos)]):
+                key = tuple(ids[a:b].tolist())
+                if key in expected_by_ids:  # a real example (not padding)
+                    assert labels[a:b].tolist() == expected_by_ids[key]
+                    seen += 1
+    assert seen == 16
