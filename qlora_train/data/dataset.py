@@ -55,6 +55,7 @@ class DatasetReport:
     rows_token_fallback: dict[str, int] = field(default_factory=dict)
     straddling_tokens: int = 0
     parse: dict = field(default_factory=dict)
+    packing: dict = field(default_factory=dict)  # train.packing: examples, sequences, tokens, capacity, efficiency
     duplicates: int = 0
     text_blocks_added: int = 0
     mixing_weights: dict[str, float] = field(default_factory=dict)  # normalised; empty when concatenated

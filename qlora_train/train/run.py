@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -108,12 +109,12 @@ def check_packing_support(model_config, packing_length: int) -> None:
     kinds = set(getattr(text, "layer_types", None) or ())
     other = sorted(kinds - {"full_attention", "sliding_attention"})
     if other:
-        raise ValueError(f"train.packing: the model has {', '.join(other)} layers, whose state would flow from one "
-                         "packed example into the next; train without packing")
+        raise ConfigError([f"train.packing: the model has {', '.join(other)} layers, whose state would flow from "
+                           "one packed example into the next; train without packing"])
     window = getattr(text, "sliding_window", None)
     if "sliding_attention" in kinds and window and window < packing_length:
-        raise ValueError(f"train.packing: sliding-window layers ({window} tokens) would see a full block mask; "
-                         f"set train.packing_length <= {window}")
+        raise ConfigError([f"train.packing: sliding-window layers ({window} tokens) would see a full block mask; "
+                           f"set train.packing_length <= {window}"])
 
 
 def make_collator(cfg: Config, tokenizer, model, runtime):
@@ -240,6 +241,8 @@ def train(cfg: Config, *, callbacks: list | None = None):
     with args.main_process_first(desc="preprocessing"):
         train_ds, eval_ds, report = build_datasets(cfg.data, tokenizer)
         train_ds, eval_ds, packing = pack_or_group(cfg, train_ds, eval_ds)
+        if packing is not None:
+            report.packing = {**asdict(packing), "efficiency": packing.efficiency}
 
     model = load_model(cfg, runtime)
     if main:

@@ -6,7 +6,7 @@ import datasets
 import pytest
 import torch
 
-from qlora_train.config import Config
+from qlora_train.config import Config, ConfigError
 from qlora_train.train.collator import PackedCollator, PadCollator
 from qlora_train.train.model import resolve_runtime
 from qlora_train.train.run import make_collator, pack_or_group, training_arguments
@@ -50,13 +50,13 @@ def test_packing_refuses_models_whose_layers_would_mix_examples():
     from qlora_train.train.run import check_packing_support
 
     check_packing_support(Qwen3Config(num_hidden_layers=2), 4096)  # full attention only: fine
-    with pytest.raises(ValueError, match="linear_attention layers"):
+    with pytest.raises(ConfigError, match="linear_attention layers"):
         check_packing_support(Qwen3Config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
                               4096)
     sliding = Qwen3Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=1024, max_window_layers=1)
     assert "sliding_attention" in sliding.layer_types
     check_packing_support(sliding, 1024)
-    with pytest.raises(ValueError, match="packing_length <= 1024"):
+    with pytest.raises(ConfigError, match="packing_length <= 1024"):
         check_packing_support(sliding, 2048)
 
 
