@@ -92,9 +92,12 @@ def pack_or_group(cfg: Config, train_ds, eval_ds):
     t = cfg.train
     if t.packing:
         length = t.packing_length or cfg.data.max_length
-        train_ds, stats = pack_dataset(train_ds, length, split_long=t.split_long)
-        if eval_ds is not None:
-            eval_ds, _ = pack_dataset(eval_ds, length, split_long=t.split_long)
+        try:
+            train_ds, stats = pack_dataset(train_ds, length, split_long=t.split_long)
+            if eval_ds is not None:
+                eval_ds, _ = pack_dataset(eval_ds, length, split_long=t.split_long)
+        except ValueError as err:  # an example longer than packing_length without split_long
+            raise ConfigError([f"train.packing_length: {err}"]) from None
         return train_ds, eval_ds, stats
     if t.group_by_length:
         train_ds = train_ds.add_column("length", example_lengths(train_ds))

@@ -39,6 +39,14 @@ def test_packing_packs_both_splits_into_max_length_by_default():
     assert (stats.sequences, stats.capacity, stats.tokens) == (2, 8, 12)
 
 
+def test_an_example_over_packing_length_is_a_config_error_unless_split_long():
+    with pytest.raises(ConfigError, match="train.packing_length: example 0 has 5 tokens, more than the packing "
+                                          "capacity 4"):
+        pack_or_group(config(packing=True, packing_length=4), small_split(), None)
+    train_ds, _, stats = pack_or_group(config(packing=True, packing_length=4, split_long=True), small_split(), None)
+    assert train_ds["seq_lens"] == [[4], [4], [3, 1]] and stats.tokens == 12
+
+
 class FakeModel:
     def __init__(self, attn, **config):
         self.config = type("C", (), {"_attn_implementation": attn, **config})()
