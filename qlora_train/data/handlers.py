@@ -31,7 +31,20 @@ from typing import Any
 
 import datasets
 
+from qlora_train.config import ConfigError
+
 _HANDLERS: dict[str, Callable] = {}
+
+
+def row_json(item) -> str:
+    """A row -> JSON text. Lone surrogates (undecodable bytes, broken escapes) are kept as ``\\udcxx`` escapes:
+    Arrow cannot store them raw, and the pipeline drops such rows as ``invalid_unicode`` with their location."""
+    text = json.dumps(item, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(item, ensure_ascii=True, default=str)
+    return text
 
 
 def register_row_handler(name: str) -> Callable[[Callable], Callable]:
@@ -50,8 +63,8 @@ def register_row_handler(name: str) -> Callable[[Callable], Callable]:
 def get_row_handler(name: str) -> Callable:
     if name not in _HANDLERS:
         known = ", ".join(sorted(_HANDLERS)) or "none"
-        raise ValueError(f"row handler {name!r} is not registered (registered: {known}); "
-                         "list the module that registers it in data.handler_modules")
+        raise ConfigError([f"data.datasets[].handlers: row handler {name!r} is not registered (registered: "
+                           f"{known}); list the module that registers it in data.handler_modules"])
     return _HANDLERS[name]
 
 
@@ -61,7 +74,7 @@ def import_handler_modules(modules: list[str]) -> None:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise ValueError(f"data.handler_modules: cannot import {module!r}: {exc}") from None
+            raise ConfigError([f"data.handler_modules: cannot import {module!r}: {exc}"]) from None
 
 
 def _updated(row: Any, out: Any, remove: list[str]) -> Any:
@@ -97,11 +110,11 @@ def _apply(batch: dict, handler: Callable, name: str, fn_kwargs: dict, batched: 
     if len(new_rows) == len(rows):  # keep every row where it was
         out_rows, out_where = list(batch["row"]), list(batch["location"])
         for i, r, w in zip(ok, new_rows, new_where):
-            out_rows[i], out_where[i] = json.dumps(r, ensure_ascii=False, default=str), w
+            out_rows[i], out_where[i] = row_json(r), w
         return {"row": out_rows, "location": out_where, "load_error": list(batch["load_error"])}
     bad = [i for i, err in enumerate(batch["load_error"]) if err]
     return {
-        "row": [batch["row"][i] for i in bad] + [json.dumps(r, ensure_ascii=False, default=str) for r in new_rows],
+        "row": [batch["row"][i] for i in bad] + [row_json(r) for r in new_rows],
         "location": [batch["location"][i] for i in bad] + new_where,
         "load_error": [batch["load_error"][i] for i in bad] + [""] * len(new_rows),
     }

@@ -30,7 +30,7 @@ from pathlib import Path
 import datasets
 
 from qlora_train.config import DatasetSource
-from qlora_train.data.handlers import apply_row_handlers
+from qlora_train.data.handlers import apply_row_handlers, row_json
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 FEATURES = datasets.Features(
@@ -93,17 +93,6 @@ def _builder(file: Path, src: DatasetSource) -> str:
     return builder
 
 
-def _dump(item) -> str:
-    """A row -> JSON text. Lone surrogates (undecodable bytes, broken escapes) are kept as ``\\udcxx`` escapes:
-    Arrow cannot store them raw, and the pipeline drops such rows as ``invalid_unicode`` with their location."""
-    text = json.dumps(item, ensure_ascii=False, default=str)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(item, ensure_ascii=True, default=str)
-    return text
-
-
 def _json_rows(files: list[str], stamps: list[str]):
     """Rows of JSON-array or JSON-lines files (``stamps`` only feed the cache fingerprint)."""
     for file in files:
@@ -121,7 +110,7 @@ def _json_rows(files: list[str], stamps: list[str]):
                     yield {"row": "", "location": f"{file}:{exc.lineno}", "load_error": f"invalid JSON: {exc.msg}"}
                     continue
                 for i, item in enumerate(items):
-                    yield {"row": _dump(item), "location": f"{file}[{i}]", "load_error": ""}
+                    yield {"row": row_json(item), "location": f"{file}[{i}]", "load_error": ""}
                 continue
             yield from _json_lines(fh, file)
 
@@ -135,14 +124,14 @@ def _json_lines(fh, file: str):
         except json.JSONDecodeError as exc:
             yield {"row": "", "location": f"{file}:{lineno}", "load_error": f"unparseable JSON line: {exc.msg}"}
             continue
-        yield {"row": _dump(item), "location": f"{file}:{lineno}", "load_error": ""}
+        yield {"row": row_json(item), "location": f"{file}:{lineno}", "load_error": ""}
 
 
 def _to_rows(batch: dict, indices: list[int], name: str) -> dict:
     keys = list(batch)
     rows = [{k: batch[k][j] for k in keys} for j in range(len(indices))]
     return {
-        "row": [_dump(r) for r in rows],
+        "row": [row_json(r) for r in rows],
         "location": [f"{name}[{i}]" for i in indices],
         "load_error": [""] * len(indices),
     }

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qlora_train.config import DataConfig, DatasetSource, RowHandlerSpec
+from qlora_train.config import ConfigError, DataConfig, DatasetSource, RowHandlerSpec
 from qlora_train.data.dataset import build_datasets, process_dataset
 from qlora_train.data.handlers import register_row_handler
 from qlora_train.data.sources import load_labelled_source, load_source
@@ -133,5 +133,5 @@ def test_batched_row_handler_may_change_the_row_count(tmp_path, qwen3_tok):
 
 def test_unknown_row_handler_names_the_fix(tmp_path):
     path = jsonl(tmp_path, "d.jsonl", [qa(0)])
-    with pytest.raises(ValueError, match="row handler 'nope' is not registered .*data.handler_modules"):
+    with pytest.raises(ConfigError, match="row handler 'nope' is not registered .*data.handler_modules"):
         load_source(DatasetSource(path=path, handlers=[RowHandlerSpec(name="nope")]))
