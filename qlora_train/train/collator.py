@@ -9,6 +9,20 @@ import torch
 from qlora_train.data.tokenize import IGNORE_INDEX
 
 
+def _width(features: list[dict], multiple: int) -> int:
+    """The longest ``input_ids`` rounded up to ``multiple`` (0: not rounded)."""
+    longest = max(len(f["input_ids"]) for f in features)
+    return -(-longest // multiple) * multiple if multiple else longest
+
+
+def _pad(features: list[dict], key: str, width: int, fill: int) -> torch.Tensor:
+    """``features[i][key]`` right-padded with ``fill`` to ``width`` -> ``[batch, width]`` long tensor."""
+    out = torch.full((len(features), width), fill, dtype=torch.long)
+    for row, f in enumerate(features):
+        out[row, :len(f[key])] = torch.as_tensor(f[key])
+    return out
+
+
 @dataclass
 class PadCollator:
     """Right-pad ``input_ids`` with the pad id, ``labels`` with -100, ``attention_mask`` with 0.
@@ -21,18 +35,12 @@ class PadCollator:
     pad_to_multiple_of: int = 8
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(f["input_ids"]) for f in features)
-        m = self.pad_to_multiple_of
-        width = -(-longest // m) * m if m else longest
-        ids = torch.full((len(features), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(features), width), dtype=torch.long)
+        width = _width(features, self.pad_to_multiple_of)
+        ids = _pad(features, "input_ids", width, self.pad_token_id)
+        mask = torch.zeros_like(ids)
         for row, f in enumerate(features):
-            n = len(f["input_ids"])
-            ids[row, :n] = torch.as_tensor(f["input_ids"])
-            labels[row, :n] = torch.as_tensor(f["labels"])
-            mask[row, :n] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+            mask[row, :len(f["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": _pad(features, "labels", width, IGNORE_INDEX)}
 
 
 @dataclass
@@ -71,21 +79,18 @@ class PackedCollator:
         if self.attention == "position_ids":
             return {key: torch.tensor([sum((list(f[key]) for f in features), [])], dtype=torch.long)
                     for key in ("input_ids", "labels", "position_ids")}
-        longest = max(len(f["input_ids"]) for f in features)
-        m = self.pad_to_multiple_of
-        width = -(-longest // m) * m if m else longest
+        width = _width(features, self.pad_to_multiple_of)
         n_rows = len(features)
-        ids = torch.full((n_rows, width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((n_rows, width), IGNORE_INDEX, dtype=torch.long)
-        positions = torch.zeros((n_rows, width), dtype=torch.long)
-        segment = torch.full((n_rows, width), -1, dtype=torch.long)  # -1: padding
-        for row, f in enumerate(features):
+        for f in features:
             n = len(f["input_ids"])
             if sum(f["seq_lens"]) != n or len(f["labels"]) != n or len(f["position_ids"]) != n:
                 raise ValueError("packed example: input_ids, labels, position_ids and seq_lens disagree in length")
-            ids[row, :n] = torch.as_tensor(f["input_ids"])
-            labels[row, :n] = torch.as_tensor(f["labels"])
-            positions[row, :n] = torch.as_tensor(f["position_ids"])
+        ids = _pad(features, "input_ids", width, self.pad_token_id)
+        labels = _pad(features, "labels", width, IGNORE_INDEX)
+        positions = _pad(features, "position_ids", width, 0)
+        segment = torch.full((n_rows, width), -1, dtype=torch.long)  # -1: padding
+        for row, f in enumerate(features):
+            n = len(f["input_ids"])
             positions[row, n:] = torch.arange(width - n)
             segment[row, :n] = torch.repeat_interleave(torch.arange(len(f["seq_lens"])),
                                                        torch.as_tensor(f["seq_lens"]))
