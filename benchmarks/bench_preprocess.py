@@ -49,7 +49,7 @@ from qlora_train.config import DataConfig  # noqa: E402
 from qlora_train.data import canonicalize_row, process_rows  # noqa: E402
 from qlora_train.data.packing import best_fit_decreasing, packing_efficiency, padded_efficiency  # noqa: E402
 from qlora_train.data.render import render_text  # noqa: E402
-from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, trained_token_mask  # noqa: E402
+from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, project_char_mask  # noqa: E402
 from qlora_train.tiny import build_qwen_tokenizer  # noqa: E402
 
 GENERATION_TEMPLATE = Path(__file__).with_name("chatml_generation.jinja")
@@ -150,7 +150,10 @@ def prefix_rerender(canon, tok) -> list[list[int]]:
         char_mask = np.zeros(len(text), dtype=np.uint8)
         for a, b in spans:
             char_mask[a:b] = 1
-        masks.append(trained_token_mask(offsets, char_mask).astype(np.int64).tolist())
+        mask = [0] * len(offsets)
+        for a, b in project_char_mask(offsets, char_mask).runs:
+            mask[a:b] = [1] * (b - a)
+        masks.append(mask)
     return masks
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from qlora_train.data.messages import DropReason, RowRejected
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.data.tokenize import IGNORE_INDEX, OffsetArray
 
 TEXT_KEYS = ("text", "completion")
 
@@ -97,10 +97,10 @@ def pretokenized_ids_and_mask(row: dict, *, vocab_size: int) -> tuple[list[int],
     return ids[:n], (np.asarray(labels[:n]) != IGNORE_INDEX).astype(np.uint8)
 
 
-def token_offsets(n: int) -> np.ndarray:
+def token_offsets(n: int) -> OffsetArray:
     """Offsets of a text of one character per token: token i covers character i."""
     starts = np.arange(n, dtype=np.int64)
-    return np.stack([starts, starts + 1], axis=1)
+    return OffsetArray(np.stack([starts, starts + 1], axis=1))
 
 
 def split_into_blocks(example: dict[str, list[int]], max_length: int) -> list[dict[str, list[int]]]:

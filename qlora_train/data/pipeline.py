@@ -36,7 +36,7 @@ from qlora_train.data.formats import (
 from qlora_train.data.messages import DropReason, RowRejected
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
 from qlora_train.data.render import render_conversation, template_layout
-from qlora_train.data.tokenize import IGNORE_INDEX, count_straddling, encode_batch, make_labels
+from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, make_labels, project_char_mask
 from qlora_train.data.truncate import Measured, structured_truncate_messages
 
 OUTPUT_COLUMNS = (
@@ -160,9 +160,10 @@ def _template_free_example(out: dict, ids, offsets, mask, cfg: DataConfig, *, ma
 
 
 def _labels(out: dict, ids, offsets, char_mask, cfg: DataConfig, *, max_length: int | None) -> None:
-    example = make_labels(ids, offsets, char_mask, max_length=max_length, truncate_side=cfg.truncate_side)
+    token_mask = project_char_mask(offsets, char_mask)
+    example = make_labels(ids, token_mask, max_length=max_length, truncate_side=cfg.truncate_side)
     n_trained = len(example["labels"]) - example["labels"].count(IGNORE_INDEX)
-    out["straddling_tokens"] = count_straddling(offsets, char_mask)
+    out["straddling_tokens"] = token_mask.straddling
     if n_trained == 0:
         raise RowRejected(DropReason.NO_TRAINED_TOKEN, f"no trained token left within max_length={max_length}")
     out.update(example, num_tokens=len(example["input_ids"]), num_trained_tokens=n_trained)

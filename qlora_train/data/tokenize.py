@@ -12,12 +12,23 @@ rare, because special tokens never merge with text; with the Qwen tokenizer they
 are whitespace runs such as the header's "\n" merged with content that starts
 with " \n" (masked: it starts in the header) or a reasoning's final "." merged
 with the masked "\n" before "</think>" (trained: it starts in the reasoning).
-``count_straddling`` counts them. ``IGNORE_INDEX`` marks tokens without loss.
+``project_char_mask`` counts them. ``IGNORE_INDEX`` marks tokens without loss.
+
+Offsets come in two kinds with the same rule. ``EncodingOffsets`` reads a few
+offsets on demand from the tokenizer's encoding, for tokenizers whose offsets
+are in text order by construction (``text_order_forms``): byte-level BPE such as
+Qwen, Llama 3 and GPT-style tokenizers. ``OffsetArray`` holds every token's
+offsets and applies the rule to each token, for any tokenizer.
 """
 
 from __future__ import annotations
 
+import json
+import unicodedata
+from bisect import bisect_left
+from collections.abc import Sequence
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -25,9 +36,121 @@ from tokenizers import Tokenizer
 IGNORE_INDEX = -100
 
 
-def _offsets_array(offsets: list[tuple[int, int]]) -> np.ndarray:
-    """[(start, end), ...] -> int64 array [n, 2], without building n small arrays."""
-    return np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
+class TokenMask(NamedTuple):
+    """The char mask projected onto tokens."""
+
+    runs: list[tuple[int, int]]  # token index ranges [i, j) of trained tokens, in order, disjoint
+    straddling: int  # tokens partly trained and partly masked (diagnostics)
+
+
+def _edges(char_mask: np.ndarray) -> list[int]:
+    """Run edges of the trained characters, flat: [a0, b0, a1, b1, ...] for runs [a0, b0), [a1, b1), ..."""
+    trained = np.asarray(char_mask) > 0
+    if len(trained) == 0:
+        return []
+    edges = (np.flatnonzero(trained[1:] != trained[:-1]) + 1).tolist()
+    if trained[0]:
+        edges.insert(0, 0)
+    if trained[-1]:
+        edges.append(len(trained))
+    return edges
+
+
+class OffsetArray:
+    """Every token's ``(start, end)`` in an int64 array [n, 2]; the rule applied token by token (any tokenizer)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[int, int]]) -> OffsetArray:
+        flat = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs))
+        return cls(flat.reshape(-1, 2))
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def starts(self) -> np.ndarray:
+        return self.array[:, 0]
+
+    def project(self, char_mask: np.ndarray) -> TokenMask:
+        starts, ends = self.array[:, 0], self.array[:, 1]
+        if len(char_mask) == 0:
+            return TokenMask([], 0)
+        trained = (np.asarray(char_mask)[np.minimum(starts, len(char_mask) - 1)] > 0) & (ends > starts)
+        flags = np.concatenate(([False], trained, [False]))
+        edges = np.flatnonzero(flags[1:] != flags[:-1]).tolist()
+        inner = np.asarray([b for b in _edges(char_mask) if 0 < b < len(char_mask)], dtype=np.int64)
+        # a token straddles when some inner edge b has start < b < end
+        inside = np.searchsorted(inner, ends, "left") - np.searchsorted(inner, starts, "right")
+        return TokenMask(list(zip(edges[::2], edges[1::2])), int(np.count_nonzero(inside > 0)))
+
+
+class EncodingOffsets:
+    """Offsets read on demand from a ``tokenizers.Encoding`` whose offsets are in text order: starts and
+    ends non-decreasing and every token at least one character long (``text_order_forms``).
+
+    Then the tokens starting in a run of trained characters ``[a, b)`` are one index range from the first
+    token starting at or after ``a`` to the first starting at or after ``b``, and the tokens straddling an
+    edge ``b`` are one range from the first token containing ``b``. A few lookups per trained turn find
+    them; no per-token work is done in Python.
+    """
+
+    __slots__ = ("encoding", "n")
+
+    def __init__(self, encoding):
+        self.encoding = encoding
+        self.n = len(encoding)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def starts(self) -> np.ndarray:
+        return np.fromiter((s for s, _ in self.encoding.offsets), dtype=np.int64, count=self.n)
+
+    def _first_starting_at(self, pos: int, n_chars: int) -> int:
+        """Index of the first token whose start is >= ``pos`` (``n`` when none)."""
+        if pos >= n_chars:  # every token starts inside the text
+            return self.n
+        enc = self.encoding
+        t = enc.char_to_token(pos)  # the first token containing pos
+        if t is None:  # no token contains pos (the tokenizer dropped the character): search the starts
+            return bisect_left(range(self.n), pos, key=lambda k: enc.token_to_chars(k)[0])
+        while t < self.n and enc.token_to_chars(t)[0] < pos:  # tokens of a split character share it
+            t += 1
+        return t
+
+    def project(self, char_mask: np.ndarray) -> TokenMask:
+        edges, n_chars, enc = _edges(char_mask), len(char_mask), self.encoding
+        runs = []
+        for a, b in zip(edges[::2], edges[1::2]):
+            i, j = self._first_starting_at(a, n_chars), self._first_starting_at(b, n_chars)
+            if i < j:
+                runs.append((i, j))
+        straddling = covered = 0
+        for b in edges:
+            t = enc.char_to_token(b) if 0 < b < n_chars else None
+            if t is not None and enc.token_to_chars(t)[0] < b:  # tokens t .. (first starting at b) contain b
+                lo, hi = max(t, covered), self._first_starting_at(b, n_chars)
+                if hi > lo:
+                    straddling += hi - lo
+                    covered = hi
+        return TokenMask(runs, straddling)
+
+
+Offsets = OffsetArray | EncodingOffsets
+
+
+def project_char_mask(offsets: Offsets, char_mask: np.ndarray) -> TokenMask:
+    """offsets + char_mask[len(text)] -> ``TokenMask``: a token is trained when its first character is.
+
+    A token with no characters (``start == end``) is never trained. A token
+    straddles when the mask changes value inside it: some run edge ``b`` has
+    ``start < b < end``.
+    """
+    return offsets.project(char_mask)
 
 
 def _rust_backend(tokenizer):
@@ -42,74 +165,91 @@ def _rust_backend(tokenizer):
     return backend
 
 
-def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], np.ndarray]]:
-    """One batched fast-tokenizer call -> per text ``(input_ids, offsets[n, 2])``.
+_UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+_SPLITTING_PRE_TOKENIZERS = ("Split", "Digits", "Punctuation")
+_TEXT_ORDER: dict[int, tuple[Tokenizer, tuple[str, ...] | None]] = {}
+
+
+def _spec(component) -> dict | None:
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _flatten(spec: dict | None, key: str) -> list[dict]:
+    if spec is None:
+        return []
+    return [s for part in spec[key] for s in _flatten(part, key)] if spec["type"] == "Sequence" else [spec]
+
+
+def text_order_forms(backend: Tokenizer) -> tuple[str, ...] | None:
+    """The Unicode forms a text must already be in for this tokenizer's offsets to be in text order with no
+    empty token, or None when its pipeline does not guarantee that (then every offset is read and checked).
+
+    Guaranteed for a BPE model behind pre-tokenizers that only cut the text into pieces (ByteLevel without
+    an added prefix space, Split, Digits, Punctuation; nothing removed), no normalizer or only Unicode
+    normalization (the identity on a text already in that form), and no post-processor that trims offsets:
+    every token then covers at least one byte of one piece, pieces come in order, and a token of part of a
+    character gets that character's offsets. Metaspace, prefix insertion, replacement normalizers and
+    offset trimming fall outside.
+    """
+    cached = _TEXT_ORDER.get(id(backend))
+    if cached is not None and cached[0] is backend:
+        return cached[1]
+    forms: tuple[str, ...] | None = None
+    normalizers = _flatten(_spec(backend.normalizer), "normalizers")
+    pre = _flatten(_spec(backend.pre_tokenizer), "pretokenizers")
+    post = _flatten(_spec(backend.post_processor), "processors")
+    if (type(backend.model).__name__ == "BPE"
+            and all(n["type"] in _UNICODE_FORMS for n in normalizers)
+            and all((p["type"] == "ByteLevel" and not p.get("add_prefix_space"))
+                    or (p["type"] in _SPLITTING_PRE_TOKENIZERS and p.get("behavior") != "Removed") for p in pre)
+            and all((p["type"] == "ByteLevel" and not p.get("trim_offsets")) or p["type"] == "TemplateProcessing"
+                    for p in post)):
+        forms = tuple(n["type"] for n in normalizers)
+    _TEXT_ORDER[id(backend)] = (backend, forms)
+    return forms
+
+
+def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], Offsets]]:
+    """One batched fast-tokenizer call -> per text ``(input_ids, offsets)``.
 
     ``add_special_tokens=False``: the ids are exactly the tokenization of the
     rendered text, so no BOS is added on top of one the template wrote. The
     Rust backend is called directly when that is equivalent (it skips
     transformers' per-encoding conversion to dicts), else the tokenizer itself.
+    Offsets stay in the encoding (``EncodingOffsets``) when the tokenizer keeps
+    them in text order for this text, else all are read (``OffsetArray``).
     """
     if not texts:
         return []
     backend = _rust_backend(tokenizer)
-    if backend is not None:
-        return [(enc.ids, _offsets_array(enc.offsets))
-                for enc in backend.encode_batch(texts, add_special_tokens=False)]
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
-    return [(ids, _offsets_array(offs)) for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])]
-
-
-def trained_token_mask(offsets: np.ndarray, char_mask: np.ndarray) -> np.ndarray:
-    """offsets[n, 2] + char_mask[len(text)] -> bool[n]: the token's first character is trained."""
-    if len(char_mask) == 0:
-        return np.zeros(len(offsets), dtype=bool)
-    starts = np.minimum(offsets[:, 0], len(char_mask) - 1)
-    return (char_mask[starts] > 0) & (offsets[:, 1] > offsets[:, 0])
-
-
-def count_straddling(offsets: np.ndarray, char_mask: np.ndarray) -> int:
-    """Tokens whose characters are partly trained and partly masked.
-
-    A token straddles when the mask changes value inside it: some boundary b
-    (``char_mask[b] != char_mask[b - 1]``) has ``start < b < end``. Boundaries
-    are few (two per trained span), so this costs two searches per token
-    instead of a pass over every character.
-    """
-    char_mask = np.asarray(char_mask)
-    boundaries = np.flatnonzero(char_mask[1:] != char_mask[:-1]) + 1
-    inside = np.searchsorted(boundaries, offsets[:, 1], "left") - np.searchsorted(boundaries, offsets[:, 0], "right")
-    return int(np.count_nonzero(inside > 0))
-
-
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """bool[n] -> [(start, stop), ...] of its runs of True."""
-    if len(mask) == 0:
-        return []
-    edges = (np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist()
-    if mask[0]:
-        edges.insert(0, 0)
-    if mask[-1]:
-        edges.append(len(mask))
-    return list(zip(edges[::2], edges[1::2]))
+    if backend is None:
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+        return [(ids, OffsetArray.from_pairs(offs)) for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])]
+    forms = text_order_forms(backend)
+    out = []
+    for text, enc in zip(texts, backend.encode_batch(texts, add_special_tokens=False)):
+        if forms is not None and all(unicodedata.is_normalized(f, text) for f in forms):
+            out.append((enc.ids, EncodingOffsets(enc)))
+        else:
+            out.append((enc.ids, OffsetArray.from_pairs(enc.offsets)))
+    return out
 
 
 def make_labels(
     input_ids: list[int],
-    offsets: np.ndarray,
-    char_mask: np.ndarray,
+    token_mask: TokenMask,
     *,
     max_length: int | None = None,
     truncate_side: str = "left",
 ) -> dict[str, list[int]]:
-    """The one place labels are made: ids + offsets + char mask -> input_ids, attention_mask, labels.
+    """The one place labels are made: ids + their ``TokenMask`` -> input_ids, attention_mask, labels.
 
     When ``max_length`` is exceeded, tokens are cut on ``truncate_side``
     (``left`` keeps the last ``max_length`` tokens, ``right`` the first).
     """
     ids = input_ids if isinstance(input_ids, list) else list(input_ids)
     labels = [IGNORE_INDEX] * len(ids)
-    for a, b in _runs(trained_token_mask(offsets, char_mask)):  # a few runs: one or two per trained turn
+    for a, b in token_mask.runs:  # a few runs: one or two per trained turn
         labels[a:b] = ids[a:b]
     if max_length is not None and len(ids) > max_length:
         cut = slice(len(ids) - max_length, None) if truncate_side == "left" else slice(0, max_length)
@@ -131,4 +271,5 @@ def tokenize_with_char_mask(
     if len(char_mask) != len(text):
         raise ValueError(f"char_mask has {len(char_mask)} entries for {len(text)} characters")
     (ids, offsets), = encode_batch([text], tokenizer)
-    return make_labels(ids, offsets, char_mask, max_length=max_length, truncate_side=truncate_side)
+    return make_labels(ids, project_char_mask(offsets, char_mask), max_length=max_length,
+                       truncate_side=truncate_side)

@@ -29,7 +29,7 @@ import numpy as np
 
 from qlora_train.data.messages import Message
 from qlora_train.data.render import RenderedConversation, render_conversation
-from qlora_train.data.tokenize import encode_batch
+from qlora_train.data.tokenize import Offsets, encode_batch
 
 _TRIM_MARGIN = 2  # tokens of slack when trimming reasoning (BPE merges at the cut)
 _MAX_ROUNDS = 8
@@ -41,7 +41,12 @@ class Measured:
 
     rendered: RenderedConversation
     input_ids: list[int]
-    offsets: np.ndarray
+    offsets: Offsets
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Each token's first character."""
+        return self.offsets.starts()
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +77,7 @@ def measure(messages, tokenizer, *, tools=None, assistant_roles=("assistant",), 
 
 def _message_token_costs(m: Measured) -> np.ndarray:
     """Tokens starting inside each message's rendered segment (end of previous .. its end)."""
-    starts = m.offsets[:, 0]
+    starts = m.starts
     bounds = np.searchsorted(starts, np.asarray((0,) + m.rendered.message_ends), side="left")
     return np.diff(bounds)
 
@@ -143,7 +148,7 @@ def structured_truncate_messages(
         excess = current.num_tokens - max_length
         if excess <= 0:
             break
-        starts = current.offsets[:, 0]
+        starts = current.starts
         best = None
         for turn in current.rendered.turns:
             if turn.reasoning:

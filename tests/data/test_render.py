@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,7 +16,7 @@ from qlora_train.data import (
     template_layout,
     tokenize_with_char_mask,
 )
-from qlora_train.data.tokenize import count_straddling
+from qlora_train.data.tokenize import OffsetArray, project_char_mask
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
@@ -135,7 +134,7 @@ def test_straddling_token_belongs_to_where_it_starts(family_tokenizers, qwen3_to
     out = tokenize_with_char_mask(text, mask, tok)
     assert trained_decoded(tok, out) == "hi<|im_end|>"
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    assert count_straddling(np.asarray(enc["offset_mapping"]), mask) == 1
+    assert project_char_mask(OffsetArray.from_pairs(enc["offset_mapping"]), mask).straddling == 1
     # reasoning "Done." + masked "\n</think>": ".\n" is one token, starting in the reasoning
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A", "reasoning_content": "Done."}]
     text, mask = build_text_and_masks(msgs, qwen3_tok, think_loss="answer_plus_think")
@@ -233,7 +232,7 @@ def check_row(tok, msgs, expected, tools=None):
     assert out["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
     decoded = trained_decoded(tok, out)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    if count_straddling(np.asarray(enc["offset_mapping"]), mask) == 0:
+    if project_char_mask(OffsetArray.from_pairs(enc["offset_mapping"]), mask).straddling == 0:
         assert decoded == expected  # exact, per token
     else:  # straddling tokens are whitespace runs at a boundary: the rest is exact
         assert "".join(decoded.split()) == "".join(expected.split())

@@ -1,12 +1,25 @@
 from __future__ import annotations
 
 import copy
+import unicodedata
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
 
-from qlora_train.data.tokenize import IGNORE_INDEX, _rust_backend, count_straddling, encode_batch, make_labels
+from qlora_train.data.tokenize import (
+    IGNORE_INDEX,
+    EncodingOffsets,
+    OffsetArray,
+    _rust_backend,
+    encode_batch,
+    make_labels,
+    project_char_mask,
+    text_order_forms,
+)
 
 TEXTS = [
     "<|im_start|>user\nnaïve café 東京 🙂<|im_end|>\n<|im_start|>assistant\n<think>\nx\n</think>\n\nok<|im_end|>\n",
@@ -21,14 +34,20 @@ def hf_call(texts, tok):
     return [(ids, [tuple(o) for o in offs]) for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])]
 
 
+def pairs(offsets) -> list[tuple[int, int]]:
+    if isinstance(offsets, OffsetArray):
+        return [tuple(p) for p in offsets.array.tolist()]
+    return list(offsets.encoding.offsets)
+
+
 def as_lists(encoded):
-    return [(ids, [tuple(o) for o in offs.tolist()]) for ids, offs in encoded]
+    return [(list(ids), pairs(offs)) for ids, offs in encoded]
 
 
 def test_rust_backend_path_equals_the_tokenizer_call(qwen3_tok):
     assert _rust_backend(qwen3_tok) is not None  # the fast path is the one taken
     got = encode_batch(TEXTS, qwen3_tok)
-    assert all(offs.dtype == np.int64 and offs.shape == (len(ids), 2) for ids, offs in got)
+    assert all(isinstance(offs, EncodingOffsets) and len(offs) == len(ids) for ids, offs in got)
     assert as_lists(got) == hf_call(TEXTS, qwen3_tok)
 
 
@@ -36,45 +55,148 @@ def test_configured_truncation_falls_back_to_the_tokenizer_call(qwen3_tok):
     tok = copy.deepcopy(qwen3_tok)
     tok._tokenizer.enable_truncation(max_length=4)  # a tokenizer.json may ship with truncation on
     assert _rust_backend(tok) is None
-    assert as_lists(encode_batch(TEXTS, tok)) == hf_call(TEXTS, qwen3_tok)  # transformers turns it off per call
+    got = encode_batch(TEXTS, tok)
+    assert all(isinstance(offs, OffsetArray) for _, offs in got)
+    assert as_lists(got) == hf_call(TEXTS, qwen3_tok)  # transformers turns it off per call
 
 
 def test_make_labels_by_hand():
     # text "abcdef", tokens "ab" "cd" "ef"; chars c..f trained -> tokens 1 and 2 trained
-    offsets = np.array([[0, 2], [2, 4], [4, 6]])
-    mask = np.array([0, 0, 1, 1, 1, 1], dtype=np.uint8)
-    assert make_labels([7, 8, 9], offsets, mask) == {
+    offsets = OffsetArray.from_pairs([(0, 2), (2, 4), (4, 6)])
+    tm = project_char_mask(offsets, np.array([0, 0, 1, 1, 1, 1], dtype=np.uint8))
+    assert tm.runs == [(1, 3)]
+    assert make_labels([7, 8, 9], tm) == {
         "input_ids": [7, 8, 9], "attention_mask": [1, 1, 1], "labels": [IGNORE_INDEX, 8, 9]}
-    assert make_labels([7, 8, 9], offsets, mask, max_length=2)["labels"] == [8, 9]
-    assert make_labels([7, 8, 9], offsets, mask, max_length=2, truncate_side="right")["labels"] == [IGNORE_INDEX, 8]
+    assert make_labels([7, 8, 9], tm, max_length=2)["labels"] == [8, 9]
+    assert make_labels([7, 8, 9], tm, max_length=2, truncate_side="right")["labels"] == [IGNORE_INDEX, 8]
 
 
-def test_count_straddling_by_hand():
-    offsets = np.array([[0, 2], [2, 5], [5, 6], [5, 6], [6, 6]])  # two tokens share a char (split emoji)
-    assert count_straddling(offsets, np.array([0, 0, 0, 1, 1, 1], dtype=np.uint8)) == 1  # "cde": c masked
-    assert count_straddling(offsets, np.array([0, 1, 1, 1, 1, 0], dtype=np.uint8)) == 1  # "ab" only
-    assert count_straddling(offsets, np.zeros(6, dtype=np.uint8)) == 0
+def test_projection_by_hand():
+    # "ab" "cde" "f"+"f" (two tokens share a split emoji's character): in text order
+    offsets = OffsetArray.from_pairs([(0, 2), (2, 5), (5, 6), (5, 6)])
+    tm = project_char_mask(offsets, np.array([0, 0, 0, 1, 1, 1], dtype=np.uint8))
+    assert tm == ([(2, 4)], 1)  # "cde" starts masked: not trained, straddles
+    tm = project_char_mask(offsets, np.array([0, 1, 1, 1, 1, 0], dtype=np.uint8))
+    assert tm == ([(1, 2)], 1)  # "ab" starts masked and straddles; "cde" trained
+    assert project_char_mask(offsets, np.zeros(6, dtype=np.uint8)) == ([], 0)
+    # an empty token is never trained, even inside a trained run (the per-token pass)
+    empty = OffsetArray.from_pairs([(0, 2), (2, 2), (2, 4)])
+    assert project_char_mask(empty, np.ones(4, dtype=np.uint8)) == ([(0, 1), (2, 3)], 0)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 1), min_size=1, max_size=40), st.data())
-def test_count_straddling_equals_the_per_character_definition(mask, data):
+def brute_projection(offsets, mask):
+    """The rule, per token and per character: trained when its first character is; straddling when its
+    characters are partly trained."""
+    trained = [e > s and bool(mask[s]) for s, e in offsets]
+    straddling = sum(0 < sum(mask[s:e]) < e - s for s, e in offsets)
+    return trained, straddling
+
+
+def as_flags(runs, n):
+    flags = [False] * n
+    for a, b in runs:
+        assert a < b
+        flags[a:b] = [True] * (b - a)
+    return flags
+
+
+@st.composite
+def offsets_and_mask(draw):
+    """Offsets as tokenizers give them (cuts of the text, split characters repeated, sometimes empty
+    tokens) and, in a third of the cases, shuffled out of text order."""
+    mask = draw(st.lists(st.integers(0, 1), min_size=1, max_size=40))
     n = len(mask)
-    cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=20)))
-    bounds = [0, *cuts, n]
-    offsets = np.array([[a, b] for a, b in zip(bounds, bounds[1:])] or [[0, 0]])
-    char_mask = np.array(mask, dtype=np.uint8)
-    brute = sum(0 < int(char_mask[a:b].sum()) < b - a for a, b in offsets)
-    assert count_straddling(offsets, char_mask) == brute
+    bounds = [0, *sorted(draw(st.lists(st.integers(0, n), max_size=20))), n]
+    offsets = []
+    for a, b in zip(bounds, bounds[1:]):
+        offsets += [(a, b)] * draw(st.integers(1, 2))
+    if draw(st.integers(0, 2)) == 0:
+        offsets = draw(st.permutations(offsets))
+    return offsets, np.array(mask, dtype=np.uint8)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.booleans(), max_size=30))
-def test_runs_rebuild_the_mask(mask):
-    from qlora_train.data.tokenize import _runs
+@settings(max_examples=400, deadline=None)
+@given(offsets_and_mask())
+def test_projection_equals_the_per_token_definition(case):
+    offsets, mask = case
+    trained, straddling = brute_projection(offsets, mask)
+    tm = project_char_mask(OffsetArray.from_pairs(offsets), mask)
+    assert as_flags(tm.runs, len(offsets)) == trained
+    assert tm.straddling == straddling
 
-    rebuilt = [False] * len(mask)
-    for a, b in _runs(np.array(mask, dtype=bool)):
-        assert a < b and all(mask[a:b])
-        rebuilt[a:b] = [True] * (b - a)
-    assert rebuilt == mask
+
+def check_projection(tok, text, mask, kind):
+    """encode_batch picks ``kind`` of offsets for ``text``; both kinds give the per-token definition."""
+    ((ids, offsets),) = encode_batch([text], tok)
+    assert isinstance(offsets, kind)
+    got = pairs(offsets)
+    if kind is EncodingOffsets:  # what the kind relies on: offsets in text order, no empty token
+        starts, ends = [a for a, _ in got], [b for _, b in got]
+        assert starts == sorted(starts) and ends == sorted(ends) and all(a < b for a, b in got)
+    trained, straddling = brute_projection(got, mask)
+    for offs in (offsets, OffsetArray.from_pairs(got)):
+        tm = project_char_mask(offs, mask)
+        assert as_flags(tm.runs, len(ids)) == trained and tm.straddling == straddling
+
+
+def random_mask(data, n: int) -> np.ndarray:
+    runs = data.draw(st.lists(st.tuples(st.integers(0, 1), st.integers(1, 8)), max_size=12))
+    mask = [v for v, k in runs for _ in range(k)][:n]
+    return np.array(mask + [0] * (n - len(mask)), dtype=np.uint8)
+
+
+TEXT = st.text(st.characters(codec="utf-8"), max_size=80) | st.sampled_from(TEXTS)
+
+
+@settings(max_examples=150, deadline=None)
+@given(TEXT, st.data())
+def test_projection_with_the_real_tokenizer(qwen3_tok, text, data):
+    check_projection(qwen3_tok, text, random_mask(data, len(text)), EncodingOffsets)
+
+
+@pytest.fixture(scope="module")
+def nfc_qwen(qwen3_tok):
+    """The Qwen tokenizer with the NFC normalizer Qwen's own tokenizer.json carries."""
+    tok = copy.deepcopy(qwen3_tok)
+    tok._tokenizer.normalizer = normalizers.NFC()
+    return tok
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(st.sampled_from("ae\u0301\u0323\u0302\u00e9 \n\u1e09c\u0327\u0301\U0001f642"), max_size=30), st.data())
+def test_unicode_normalization_keeps_the_encoding_offsets_only_for_normalized_text(nfc_qwen, text, data):
+    # combining marks: NFC composes and reorders them, so only a text already in NFC keeps its offsets in order
+    kind = EncodingOffsets if unicodedata.is_normalized("NFC", text) else OffsetArray
+    check_projection(nfc_qwen, text, random_mask(data, len(text)), kind)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_style():
+    """A Llama-2-style tokenizer trained here: "▁" prepended and replacing spaces, byte fallback."""
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    corpus = ["the model reads each token and predicts the next one", "naïve café 東京", "hello world\n" * 3]
+    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"],
+        initial_alphabet=[f"<0x{b:02X}>" for b in range(256)]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@settings(max_examples=100, deadline=None)
+@given(TEXT, st.data())
+def test_projection_with_a_sentencepiece_style_tokenizer(sentencepiece_style, text, data):
+    check_projection(sentencepiece_style, text, random_mask(data, len(text)), OffsetArray)
+
+
+def test_which_pipelines_keep_offsets_in_text_order(qwen3_tok, nfc_qwen, sentencepiece_style):
+    assert text_order_forms(qwen3_tok._tokenizer) == ()
+    assert text_order_forms(nfc_qwen._tokenizer) == ("NFC",)
+    assert text_order_forms(sentencepiece_style._tokenizer) is None  # inserts and replaces characters
+    tok = copy.deepcopy(qwen3_tok)
+    tok._tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)  # GPT-2's: trims spaces off offsets
+    assert text_order_forms(tok._tokenizer) is None
+    tok._tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok._tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                            pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    assert text_order_forms(tok._tokenizer) is None  # drops whitespace
