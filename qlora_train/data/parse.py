@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -37,21 +36,28 @@ DEFAULT_PROPERTIES = {"messages": {"role": "role", "content": "content"},
 _warned_roles: set[str] = set()
 
 
+def _count(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
 @dataclass
 class ParseReport:
-    """What canonicalization did to one row; ``+`` adds reports up over a dataset."""
+    """What canonicalization did to one row; ``+`` adds reports up over a dataset.
+
+    Counts by name are plain dicts (a row builds one report, so it must be cheap to make).
+    """
 
     schema: str = "unknown"
-    schemas: Counter = field(default_factory=Counter)
+    schemas: dict[str, int] = field(default_factory=dict)
     rows: int = 0
     extracted_think_from_content: int = 0
     unbalanced_think_tags: int = 0
-    moved_reasoning_keys: Counter = field(default_factory=Counter)
+    moved_reasoning_keys: dict[str, int] = field(default_factory=dict)
     dropped_think_messages: int = 0
     think_capped_messages: int = 0
     tools_present: int = 0
     tools_parsed_from_string: int = 0
-    unknown_roles: Counter = field(default_factory=Counter)
+    unknown_roles: dict[str, int] = field(default_factory=dict)
 
     def __add__(self, other: ParseReport) -> ParseReport:
         out = ParseReport()
@@ -59,6 +65,8 @@ class ParseReport:
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.name == "schema":
                 out.schema = a if a == b else "mixed"
+            elif isinstance(a, dict):
+                setattr(out, f.name, {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}})
             else:
                 setattr(out, f.name, a + b)
         return out
@@ -72,12 +80,11 @@ class ParseReport:
         return out if out is not None else cls(schema="none")
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), Counter) else v) for f in fields(self)}
+        return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ParseReport:
-        kw = {k: (Counter(v) if isinstance(v, dict) else v) for k, v in d.items()}
-        return cls(**kw)
+        return cls(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()})
 
 
 @dataclass
@@ -251,41 +258,65 @@ def _message_override(raw: dict, where: str) -> bool | None:
     return None
 
 
-def _message(raw: Any, i: int, schema: str, cfg: DataConfig, report: ParseReport,
-             aliases: dict[str, str]) -> Message:
-    where = f"messages[{i}]"
+@dataclass(frozen=True)
+class _MessageRules:
+    """What ``_message`` needs from the config, worked out once per row."""
+
+    schema: str
+    props: dict[str, dict[str, str]]  # style -> {canonical key: key in the data}
+    renames: dict[str, dict[str, str]]  # style -> the props whose key differs from the canonical one
+    aliases: dict[str, str]
+    reasoning_keys: tuple[str, ...]
+    think_roles: frozenset[str]  # roles whose inline <think> blocks are extracted
+
+    @classmethod
+    def of(cls, schema: str, cfg: DataConfig) -> _MessageRules:
+        props = {style: {**DEFAULT_PROPERTIES[style], **cfg.message_property_mappings}
+                 for style in ("messages", "sharegpt")}
+        renames = {style: {c: k for c, k in p.items() if c != k} for style, p in props.items()}
+        return cls(schema, props, renames, _role_aliases(schema, cfg), tuple(cfg.reasoning_keys),
+                   frozenset(cfg.assistant_roles) if cfg.extract_think_tags else frozenset())
+
+
+_OPTIONAL_KEYS = frozenset({"training", "weight", "tool_calls", "name", "tool_call_id"})
+
+
+def _message(raw: Any, i: int, rules: _MessageRules, report: ParseReport) -> Message:
     if not isinstance(raw, dict):
-        raise RowRejected(DropReason.BAD_ROW, f"{where}: expected a mapping, got {type(raw).__name__}")
-    style = schema if schema == "sharegpt" or "role" in raw or "from" not in raw else "sharegpt"
-    props = {**DEFAULT_PROPERTIES.get(style, DEFAULT_PROPERTIES["messages"]), **cfg.message_property_mappings}
-    raw = {**raw, **{canon: raw[key] for canon, key in props.items() if key in raw}}
+        raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: expected a mapping, got {type(raw).__name__}")
+    style = "sharegpt" if rules.schema == "sharegpt" or ("role" not in raw and "from" in raw) else "messages"
+    renames = rules.renames[style]
+    if renames:
+        raw = {**raw, **{canon: raw[key] for canon, key in renames.items() if key in raw}}
     role, content = raw.get("role"), raw.get("content")
     if style == "sharegpt" and "content" not in raw and "value" in raw:
         content = raw["value"]
     if not isinstance(role, str) or not role:
-        raise RowRejected(DropReason.BAD_ROW, f"{where}: missing role (key '{props['role']}')")
-    role = aliases.get(role.lower(), role)
-    msg: Message = {"role": role, "content": _text(content, where)}
-    override = _message_override(raw, where)
-    if override is not None:
-        msg["train"] = override
+        raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: missing role (key '{rules.props[style]['role']}')")
+    if rules.aliases:
+        role = rules.aliases.get(role.lower(), role)
+    msg: Message = {"role": role, "content": content if isinstance(content, str) else _text(content, f"messages[{i}]")}
     if role not in KNOWN_ROLES:
-        report.unknown_roles[role] += 1
+        _count(report.unknown_roles, role)
         if role not in _warned_roles:
             _warned_roles.add(role)
-            log.warning("unknown role %r kept as is (first seen at %s)", role, where)
-    for key in cfg.reasoning_keys:
+            log.warning("unknown role %r kept as is (first seen at messages[%d])", role, i)
+    for key in rules.reasoning_keys:
         value = raw.get(key)
         if isinstance(value, str) and value.strip():
             msg["reasoning_content"] = value
-            report.moved_reasoning_keys[key] += 1
+            _count(report.moved_reasoning_keys, key)
             break
-    if raw.get("tool_calls"):
-        msg["tool_calls"] = _tool_calls(raw["tool_calls"], where)
-    for key in ("name", "tool_call_id"):
-        if isinstance(raw.get(key), str):
-            msg[key] = raw[key]
-    if cfg.extract_think_tags and role in cfg.assistant_roles:
+    if not _OPTIONAL_KEYS.isdisjoint(raw):
+        override = _message_override(raw, f"messages[{i}]")
+        if override is not None:
+            msg["train"] = override
+        if raw.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(raw["tool_calls"], f"messages[{i}]")
+        for key in ("name", "tool_call_id"):
+            if isinstance(raw.get(key), str):
+                msg[key] = raw[key]
+    if role in rules.think_roles:
         reasoning, answer, balanced = _split_inline_think(msg["content"])
         if not balanced:
             report.unbalanced_think_tags += 1
@@ -358,14 +389,14 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
         raise RowRejected(DropReason.BAD_ROW, f"row is a {type(row).__name__}, not a mapping")
     row = map_fields(row, cfg.field_mappings)
     schema = resolve_schema(row, cfg)
-    report = ParseReport(schema=schema, schemas=Counter({schema: 1}), rows=1)
+    report = ParseReport(schema=schema, schemas={schema: 1}, rows=1)
     if schema == "unknown":
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"no known schema among keys {sorted(row)[:8]}")
     if schema not in CHAT_SCHEMAS:
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"schema {schema!r} is template-free: it has no messages")
     raw = _raw_messages(row, schema, cfg)
-    aliases = _role_aliases(schema, cfg)
-    messages = [_message(m, i, schema, cfg, report, aliases) for i, m in enumerate(raw)]
+    rules = _MessageRules.of(schema, cfg)
+    messages = [_message(m, i, rules, report) for i, m in enumerate(raw)]
     if cfg.think_mode == "drop":
         for m in messages:
             if m.pop("reasoning_content", None) is not None:

@@ -21,7 +21,6 @@ import bisect
 import hashlib
 import json
 import re
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -226,7 +225,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                 check_unicode(rendered.text, rendered.message_ends)
                 staged.append((i, canon, rendered))
                 continue
-            outs[i]["parse_report"] = _report_json(ParseReport(schema, Counter({schema: 1}), rows=1))
+            outs[i]["parse_report"] = _report_json(ParseReport(schema, {schema: 1}, rows=1))
             text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
             if cfg.dedup:
                 outs[i]["content_hash"] = guarded(_hash, [schema, text, mask.tolist()])
