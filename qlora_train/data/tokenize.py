@@ -17,15 +17,14 @@ with the masked "\n" before "</think>" (trained: it starts in the reasoning).
 Offsets come in two kinds with the same rule. ``EncodingOffsets`` reads a few
 offsets on demand from the tokenizer's encoding, for tokenizers whose offsets
 are in text order by construction (``text_order_forms``): byte-level BPE such as
-Qwen, Llama 3 and GPT-style tokenizers. ``OffsetArray`` holds every token's
-offsets and applies the rule to each token, for any tokenizer.
+Qwen's and Llama 3's. ``OffsetArray`` holds every token's offsets and applies
+the rule to each token, for any tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import unicodedata
-from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import chain
 from typing import NamedTuple
@@ -114,15 +113,24 @@ class EncodingOffsets:
         """Index of the first token whose start is >= ``pos`` (``n`` when none)."""
         if pos >= n_chars:  # every token starts inside the text
             return self.n
-        enc = self.encoding
-        t = enc.char_to_token(pos)  # the first token containing pos
-        if t is None:  # no token contains pos (the tokenizer dropped the character): search the starts
-            return bisect_left(range(self.n), pos, key=lambda k: enc.token_to_chars(k)[0])
-        while t < self.n and enc.token_to_chars(t)[0] < pos:  # tokens of a split character share it
+        t = self._first_containing(pos)
+        while t < self.n and self.encoding.token_to_chars(t)[0] < pos:  # tokens of a split character share it
             t += 1
         return t
 
+    def _first_containing(self, pos: int) -> int:
+        t = self.encoding.char_to_token(pos)
+        if t is None:  # the tokenizer dropped the character (a BPE without byte level or unk token)
+            raise _Uncovered
+        return t
+
     def project(self, char_mask: np.ndarray) -> TokenMask:
+        try:
+            return self._project(char_mask)
+        except _Uncovered:
+            return OffsetArray.from_pairs(self.encoding.offsets).project(char_mask)
+
+    def _project(self, char_mask: np.ndarray) -> TokenMask:
         edges, n_chars, enc = _edges(char_mask), len(char_mask), self.encoding
         runs = []
         for a, b in zip(edges[::2], edges[1::2]):
@@ -131,13 +139,19 @@ class EncodingOffsets:
                 runs.append((i, j))
         straddling = covered = 0
         for b in edges:
-            t = enc.char_to_token(b) if 0 < b < n_chars else None
-            if t is not None and enc.token_to_chars(t)[0] < b:  # tokens t .. (first starting at b) contain b
+            if not 0 < b < n_chars:
+                continue
+            t = self._first_containing(b)
+            if enc.token_to_chars(t)[0] < b:  # tokens t .. (first starting at b) contain b
                 lo, hi = max(t, covered), self._first_starting_at(b, n_chars)
                 if hi > lo:
                     straddling += hi - lo
                     covered = hi
         return TokenMask(runs, straddling)
+
+
+class _Uncovered(Exception):
+    """A character no token contains (``EncodingOffsets`` then reads every offset)."""
 
 
 Offsets = OffsetArray | EncodingOffsets

@@ -189,6 +189,22 @@ def test_projection_with_a_sentencepiece_style_tokenizer(sentencepiece_style, te
     check_projection(sentencepiece_style, text, random_mask(data, len(text)), OffsetArray)
 
 
+@pytest.fixture(scope="module")
+def dropping():
+    """A BPE without byte level or unk token: characters outside its vocabulary get no token."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="isolated")
+    tok.train_from_iterator(["ab ba abab"] * 10, trainers.BpeTrainer(vocab_size=20))
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.sampled_from("abz "), max_size=20), st.data())
+def test_a_character_no_token_contains_falls_back_to_every_offset(dropping, text, data):
+    assert text_order_forms(dropping._tokenizer) == ()
+    check_projection(dropping, text, random_mask(data, len(text)), EncodingOffsets)
+
+
 def test_which_pipelines_keep_offsets_in_text_order(qwen3_tok, nfc_qwen, sentencepiece_style):
     assert text_order_forms(qwen3_tok._tokenizer) == ()
     assert text_order_forms(nfc_qwen._tokenizer) == ("NFC",)
