@@ -44,11 +44,6 @@ class Measured:
     offsets: Offsets
 
     @property
-    def starts(self) -> np.ndarray:
-        """Each token's first character."""
-        return self.offsets.starts()
-
-    @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
@@ -77,7 +72,7 @@ def measure(messages, tokenizer, *, tools=None, assistant_roles=("assistant",), 
 
 def _message_token_costs(m: Measured) -> np.ndarray:
     """Tokens starting inside each message's rendered segment (end of previous .. its end)."""
-    starts = m.starts
+    starts = m.offsets.starts()
     bounds = np.searchsorted(starts, np.asarray((0,) + m.rendered.message_ends), side="left")
     return np.diff(bounds)
 
@@ -148,7 +143,7 @@ def structured_truncate_messages(
         excess = current.num_tokens - max_length
         if excess <= 0:
             break
-        starts = current.starts
+        starts = current.offsets.starts()
         best = None
         for turn in current.rendered.turns:
             if turn.reasoning:
