@@ -165,6 +165,16 @@ class DataConfig(_Section):
         description="`all` trains the reasoning block with its tags; `answer_only` masks the whole block; "
         "`answer_plus_think` trains reasoning text but masks the tags.",
     )
+    reasoning_history: Literal["expand", "drop"] = Field(
+        "expand",
+        description="Trained turns whose reasoning the chat template does not render (Qwen3 drops it before the "
+        "last user query): `expand` adds one example per such turn (the conversation up to it, only it trained) "
+        "so every turn's reasoning is trained once; `drop` trains them without it. Both count what is dropped.",
+    )
+    reasoning_history_max_examples: int = Field(
+        16, ge=0, description="With `reasoning_history: expand`: at most this many extra examples per row; turns "
+        "beyond it are trained without their reasoning (counted).",
+    )
     tools_columns: list[str] = Field(
         default_factory=lambda: list(DEFAULT_TOOLS_COLUMNS),
         description="Columns searched, in order, for tool schemas (list, dict or JSON string).",

@@ -40,6 +40,7 @@ class DropReason:
     BAD_CONTENT_TYPE = "bad_content_type"
     TOOLS_UNPARSEABLE = "tools_unparseable"
     TEMPLATE_ERROR = "template_error"
+    UNRENDERED_ROLE = "unrendered_role"
     MASK_UNVERIFIED = "mask_unverified"
     NO_TRAINED_TOKEN = "no_trained_token_after_truncation"
     BAD_PRETOKENIZED = "bad_pretokenized"

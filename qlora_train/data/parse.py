@@ -58,6 +58,13 @@ class ParseReport:
     tools_present: int = 0
     tools_parsed_from_string: int = 0
     unknown_roles: dict[str, int] = field(default_factory=dict)
+    # filled after the render (pipeline): what the chat template did with the row's reasoning and messages
+    reasoning_dropped_rows: int = 0  # rows with at least one trained turn whose reasoning the template dropped
+    reasoning_dropped_turns: int = 0  # trained turns trained without their reasoning
+    reasoning_dropped_tokens: int = 0  # tokens of that reasoning
+    reasoning_expanded_turns: int = 0  # turns whose reasoning is trained in an extra example (expand)
+    expanded_examples: int = 0  # extra examples made by reasoning_history: expand
+    unrendered_messages: dict[str, int] = field(default_factory=dict)  # role -> untrained messages not rendered
 
     def __add__(self, other: ParseReport) -> ParseReport:
         out = ParseReport()

@@ -41,7 +41,8 @@ from qlora_train.data.truncate import Measured, structured_truncate_messages
 OUTPUT_COLUMNS = (
     "input_ids", "attention_mask", "labels", "drop_reason", "drop_detail", "num_tokens_before",
     "num_tokens", "num_trained_tokens", "dropped_turns", "reasoning_trimmed_tokens", "token_fallback",
-    "straddling_tokens", "parse_report", "content_hash",
+    "straddling_tokens", "parse_report", "content_hash", "expanded_input_ids", "expanded_labels",
+    "expanded_tokens", "expanded_trained_tokens",
 )
 
 
@@ -67,7 +68,8 @@ def empty_output() -> dict[str, Any]:
         "input_ids": [], "attention_mask": [], "labels": [], "drop_reason": "", "drop_detail": "",
         "num_tokens_before": 0, "num_tokens": 0, "num_trained_tokens": 0, "dropped_turns": 0,
         "reasoning_trimmed_tokens": 0, "token_fallback": "", "straddling_tokens": 0, "parse_report": "{}",
-        "content_hash": "",
+        "content_hash": "", "expanded_input_ids": [], "expanded_labels": [], "expanded_tokens": 0,
+        "expanded_trained_tokens": 0,
     }
 
 
