@@ -17,10 +17,11 @@ Pipeline, one stage per module::
 from qlora_train.config import DataConfig
 from qlora_train.data.chat_templates import get_chat_template, shipped_templates
 from qlora_train.data.handlers import register_row_handler
+from qlora_train.data.layout import template_layout
 from qlora_train.data.messages import DropReason, Message, RowRejected
 from qlora_train.data.parse import CanonicalRow, ParseReport, canonicalize_row
 from qlora_train.data.pipeline import process_rows
-from qlora_train.data.render import build_text_and_masks, render_conversation, template_layout
+from qlora_train.data.render import build_text_and_masks, render_conversation
 from qlora_train.data.tokenize import IGNORE_INDEX, make_labels, tokenize_with_char_mask
 from qlora_train.data.truncate import TruncationResult, structured_truncate_messages
 

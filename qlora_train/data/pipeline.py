@@ -21,20 +21,22 @@ import bisect
 import hashlib
 import json
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from qlora_train.config import DataConfig
+from qlora_train.data.expand import expand_dropped_reasoning
 from qlora_train.data.formats import (
     plain_text_and_mask,
     pretokenized_ids_and_mask,
     segments_text_and_mask,
     token_offsets,
 )
+from qlora_train.data.layout import template_layout
 from qlora_train.data.messages import DropReason, RowRejected
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
-from qlora_train.data.render import render_conversation, template_layout
+from qlora_train.data.render import RenderedConversation, render_conversation
 from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, make_labels, project_char_mask
 from qlora_train.data.truncate import Measured, structured_truncate_messages
 
@@ -130,8 +132,18 @@ def _too_long(n: int, cfg: DataConfig) -> RowRejected:
     return RowRejected(DropReason.TOO_LONG, f"{n} tokens > max_length={cfg.max_length} (data.on_too_long: drop)")
 
 
-def _example(canon, rendered, ids, offsets, tokenizer, cfg: DataConfig, out: dict) -> None:
-    """One rendered + tokenized chat row -> ``out`` filled with its example (truncated as configured)."""
+class _Staged(NamedTuple):
+    """A rendered chat example waiting for the batch's one tokenizer call."""
+
+    row: int  # index of its row in the batch
+    messages: list
+    tools: list | None
+    rendered: RenderedConversation
+    extra: bool = False  # an extra example of reasoning_history: expand (rides in its row's expanded_* columns)
+
+
+def _example(messages, tools, rendered, ids, offsets, tokenizer, cfg: DataConfig, out: dict) -> None:
+    """One rendered + tokenized chat example -> ``out`` filled with it (truncated as configured)."""
     kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss, train_on_eos=cfg.train_on_eos)
     out["num_tokens_before"] = len(ids)
     char_mask = rendered.char_mask
@@ -139,7 +151,7 @@ def _example(canon, rendered, ids, offsets, tokenizer, cfg: DataConfig, out: dic
         if cfg.on_too_long == "drop":
             raise _too_long(len(ids), cfg)
         tr = structured_truncate_messages(
-            canon.messages, tokenizer, max_length=cfg.max_length, tools=canon.tools,
+            messages, tokenizer, max_length=cfg.max_length, tools=tools,
             measured=Measured(rendered, ids, offsets), **kw,
         )
         ids, offsets, char_mask = tr.final.input_ids, tr.final.offsets, tr.final.rendered.char_mask
@@ -212,7 +224,8 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     outs = [empty_output() for _ in rows]
     kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss, train_on_eos=cfg.train_on_eos)
     template_layout(tokenizer)  # a template that cannot be probed is a setup error, not a row's
-    staged: list[tuple[int, Any, Any]] = []  # (row index, canonical row, rendered)
+    staged: list[_Staged] = []
+    dropped_reasoning: list[tuple[int, str]] = []  # (row index, reasoning trained without being rendered)
     plain: list[tuple[int, str, np.ndarray, int | None]] = []  # (row index, text, char mask, max length)
     for i, row in enumerate(rows):
         try:
@@ -225,7 +238,8 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                     outs[i]["content_hash"] = guarded(_hash, [canon.messages, canon.tools])
                 rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, **kw)
                 check_unicode(rendered.text, rendered.message_ends)
-                staged.append((i, canon, rendered))
+                staged += _stage_chat_row(i, canon, rendered, tokenizer, cfg, kw, dropped_reasoning)
+                outs[i]["parse_report"] = _report_json(canon.report)
                 continue
             outs[i]["parse_report"] = _report_json(ParseReport(schema, {schema: 1}, rows=1))
             text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
@@ -239,19 +253,84 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                 plain.append((i, text, mask, None if schema == "text" else cfg.max_length))
         except RowRejected as rej:
             outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
-    encoded = _encode_each([r.text for _, _, r in staged] + [t for _, t, _, _ in plain], tokenizer)
+    encoded = _encode_each([st.rendered.text for st in staged] + [t for _, t, _, _ in plain], tokenizer)
     for k, enc in enumerate(encoded):  # staged chat rows first, then plain texts
-        i = staged[k][0] if k < len(staged) else plain[k - len(staged)][0]
+        i = staged[k].row if k < len(staged) else plain[k - len(staged)][0]
+        if k < len(staged) and staged[k].extra:
+            _extra_example(staged[k], enc, tokenizer, cfg, outs[i])
+            continue
         try:
             if isinstance(enc, RowRejected):
                 raise enc
             if k < len(staged):
-                _, canon, rendered = staged[k]
-                guarded(_example, canon, rendered, *enc, tokenizer, cfg, outs[i])
+                st = staged[k]
+                guarded(_example, st.messages, st.tools, st.rendered, *enc, tokenizer, cfg, outs[i])
             else:
                 _, _, mask, max_length = plain[k - len(staged)]
                 guarded(_template_free_example, outs[i], *enc, mask, cfg, max_length=max_length)
         except RowRejected as rej:
             outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
+    if dropped_reasoning:
+        _count_dropped_reasoning_tokens(dropped_reasoning, tokenizer, outs)
     return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
+
+
+def _stage_chat_row(i: int, canon, rendered, tokenizer, cfg: DataConfig, kw: dict,
+                    dropped_reasoning: list[tuple[int, str]]) -> list[_Staged]:
+    """A rendered chat row -> its examples to tokenize (with ``reasoning_history: expand``, also the extra
+    ones), and the row's ParseReport told what the template dropped."""
+    report, messages = canon.report, canon.messages
+    for role in rendered.unrendered:
+        report.unrendered_messages[role] = report.unrendered_messages.get(role, 0) + 1
+    staged = [_Staged(i, messages, canon.tools, rendered)]
+    if any(t.reasoning_dropped for t in rendered.turns):
+        if cfg.reasoning_history == "expand" and cfg.reasoning_history_max_examples:
+            ex = guarded(expand_dropped_reasoning, messages, rendered, tokenizer, tools=canon.tools,
+                         max_examples=cfg.reasoning_history_max_examples, **kw)
+            staged = [_Staged(i, ex.messages, canon.tools, ex.primary)]
+            staged += [_Staged(i, m, canon.tools, r, extra=True) for m, r in ex.extra]
+            report.reasoning_expanded_turns = len(ex.moved)
+            report.expanded_examples = len(ex.extra)
+            still = ex.still_dropped
+        else:
+            still = tuple(t.index for t in rendered.turns if t.reasoning_dropped)
+        if still:
+            report.reasoning_dropped_rows = 1
+            report.reasoning_dropped_turns = len(still)
+            dropped_reasoning += [(i, messages[j]["reasoning_content"]) for j in still]
+    return staged
+
+
+def _extra_example(st: _Staged, enc, tokenizer, cfg: DataConfig, out: dict) -> None:
+    """An extra example (``reasoning_history: expand``) -> appended to its row's ``expanded_*`` columns.
+
+    One that cannot be made (its row dropped, or it is refused itself) leaves its turns' reasoning counted
+    as dropped."""
+    ex = empty_output()
+    try:
+        if isinstance(enc, RowRejected):
+            raise enc
+        guarded(_example, st.messages, st.tools, st.rendered, *enc, tokenizer, cfg, ex)
+    except RowRejected:
+        report = ParseReport.from_dict(json.loads(out["parse_report"]))
+        n = len(st.rendered.turns)
+        report.reasoning_dropped_rows, report.reasoning_dropped_turns = 1, report.reasoning_dropped_turns + n
+        out["parse_report"] = _report_json(report)
+        return
+    out["expanded_input_ids"].append(ex["input_ids"])
+    out["expanded_labels"].append(ex["labels"])
+    out["expanded_tokens"] += ex["num_tokens"]
+    out["expanded_trained_tokens"] += ex["num_trained_tokens"]
+
+
+def _count_dropped_reasoning_tokens(dropped: list[tuple[int, str]], tokenizer, outs: list[dict]) -> None:
+    """Tokens of the reasoning each row trains without (one tokenizer call for the batch)."""
+    lengths = [len(ids) for ids in tokenizer([r for _, r in dropped], add_special_tokens=False)["input_ids"]]
+    per_row: dict[int, int] = {}
+    for (i, _), n in zip(dropped, lengths):
+        per_row[i] = per_row.get(i, 0) + n
+    for i, n in per_row.items():
+        report = ParseReport.from_dict(json.loads(outs[i]["parse_report"]))
+        report.reasoning_dropped_tokens = n
+        outs[i]["parse_report"] = _report_json(report)
 

@@ -9,18 +9,19 @@
 
 How spans are found (no prefix re-rendering, no guessed masks):
 
-1. ``template_layout`` probes the template once (cached) on a fixed two-message
-   conversation: the assistant header is what ``add_generation_prompt`` appends
-   (cut before an opening ``<think>``), the end-of-turn marker is the added token
-   the template writes right after an assistant's content.
+1. ``layout.template_layout`` probes the template once (cached): what opens a
+   turn's generated part (the generation prompt's header, or the prompt-side
+   text after a user / tool message for templates without one), the reasoning
+   block's delimiters and key, an answer marker, and the end markers.
 2. The real conversation is rendered once. Walking its messages in order, each
-   trained turn is the first assistant header after the previous turn, then an
-   optional ``<think>…</think>`` block whose inside must equal the message's
-   ``reasoning_content``, then the message's content (exactly, up to
-   surrounding whitespace), then its tool calls (every function name, in
-   order), then the end-of-turn marker. Every non-trained message's content
-   must appear in the render, in order, and must not contain the assistant
-   header (that would make the alignment ambiguous).
+   trained turn is the first opener after the previous turn, then an optional
+   reasoning block whose inside must equal the message's ``reasoning_content``
+   (or be empty: the template dropped it, which is counted), an optional answer
+   marker, the message's content (exactly, up to surrounding whitespace), its
+   tool calls (every function name, in order) and the first end marker.
+   Untrained messages are located where the template writes them verbatim (or
+   JSON-escaped) before the next opener; content the template transforms or
+   omits is not needed to bound a trained turn, and must not contain an opener.
 3. Anything that does not check out refuses the row (``RowRejected``) instead
    of training it with a guessed mask.
 """
@@ -29,40 +30,30 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from qlora_train.data.messages import DropReason, Message, RowRejected
+from qlora_train.data.layout import TemplateLayout, role_is_rendered, template_layout
+from qlora_train.data.messages import KNOWN_ROLES, DropReason, Message, RowRejected
 
 log = logging.getLogger(__name__)
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_PROBE_USER = "qlora-train probe question"
-_PROBE_ANSWER = "qlora-train probe answer"
 _WS = " \t\r\n"
-
-
-@dataclass(frozen=True)
-class TemplateLayout:
-    """What a chat template writes around an assistant turn."""
-
-    assistant_header: str
-    end_of_turn: str
-    think_open: str = THINK_OPEN
-    think_close: str = THINK_CLOSE
+__all__ = ["RenderedConversation", "TemplateLayout", "TurnSpan", "build_text_and_masks", "is_trained",
+           "render_conversation", "render_text", "template_layout"]
 
 
 class TurnSpan(NamedTuple):
     """Character spans of one trained message in the rendered text."""
 
     index: int
-    start: int  # first generated character (after the role header)
-    end: int  # one past the end-of-turn marker
-    body_start: int  # first character after the think block (== start without one)
+    start: int  # first generated character (after the prompt side: header, [/INST], ...)
+    end: int  # one past the end marker
+    body_start: int  # first character after the reasoning block (== start without one)
     reasoning: tuple[int, int] | None  # rendered reasoning text, when rendered
-    eot_start: int | None = None  # where the end-of-turn marker starts (None: the template writes none)
+    eot_start: int | None = None  # where the end marker starts (None: the template writes none)
+    reasoning_dropped: bool = False  # the message has reasoning the template did not render
 
 
 class RenderedConversation(NamedTuple):
@@ -70,43 +61,29 @@ class RenderedConversation(NamedTuple):
     char_mask: np.ndarray  # uint8, one entry per character of text
     message_ends: tuple[int, ...]  # char offset where each message's rendered part ends
     turns: tuple[TurnSpan, ...]
+    unrendered: tuple[str, ...] = ()  # roles of untrained messages the template does not write
+
+
+def template_messages(messages: list[Message], layout: TemplateLayout) -> list[Message]:
+    """Messages as the template reads them: reasoning under the key it reads (``thinking`` for harmony)."""
+    key = layout.reasoning_key
+    if key is None or key == "reasoning_content" or not any("reasoning_content" in m for m in messages):
+        return messages
+    out = []
+    for m in messages:
+        if "reasoning_content" in m:
+            m = {k: v for k, v in m.items() if k != "reasoning_content"} | {key: m["reasoning_content"]}
+        out.append(m)
+    return out
 
 
 def render_text(messages: list[Message], tokenizer, *, tools=None, add_generation_prompt=False) -> str:
-    """Exactly ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)``."""
+    """Exactly ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)`` (reasoning under the
+    key the template reads)."""
     return tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        template_messages(messages, template_layout(tokenizer)), tools=tools, tokenize=False,
+        add_generation_prompt=add_generation_prompt,
     )
-
-
-_LAYOUTS: dict[tuple[int, str], TemplateLayout] = {}
-
-
-def template_layout(tokenizer) -> TemplateLayout:
-    """Probe the tokenizer's chat template once: assistant header and end-of-turn marker."""
-    key = (id(tokenizer), tokenizer.chat_template or "")
-    if key in _LAYOUTS:
-        return _LAYOUTS[key]
-    user = [{"role": "user", "content": _PROBE_USER}]
-    plain = render_text(user, tokenizer)
-    prompted = render_text(user, tokenizer, add_generation_prompt=True)
-    if not prompted.startswith(plain) or prompted == plain:
-        raise ValueError("chat template: add_generation_prompt must append an assistant header to the render")
-    header = prompted[len(plain):]
-    if THINK_OPEN in header:  # templates that open the reasoning block in the prompt
-        header = header[: header.index(THINK_OPEN)]
-    full = render_text(user + [{"role": "assistant", "content": _PROBE_ANSWER}], tokenizer)
-    after = full[full.rindex(_PROBE_ANSWER) + len(_PROBE_ANSWER):]
-    added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
-    eot = next((tok for tok in added if tok and after.startswith(tok)), None)
-    if eot is None:
-        eot = after.split("\n", 1)[0]
-    if not eot:
-        log.warning("chat template writes no end-of-turn marker after assistant turns: "
-                    "the model will not learn to stop")
-    layout = TemplateLayout(assistant_header=header, end_of_turn=eot)
-    _LAYOUTS[key] = layout
-    return layout
 
 
 def _skip_ws(text: str, pos: int, end: int | None = None) -> int:
@@ -120,51 +97,71 @@ def _unverified(i: int, what: str) -> RowRejected:
     return RowRejected(DropReason.MASK_UNVERIFIED, f"messages[{i}]: {what}")
 
 
+def _first_of(text: str, needles, start: int, end: int | None = None) -> tuple[int, str]:
+    """Earliest occurrence of any needle in ``text[start:end]`` (the longest on a tie) -> (position, needle)."""
+    best, found = -1, ""
+    for n in needles:
+        k = text.find(n, start) if end is None else text.find(n, start, end)
+        if k >= 0 and (best < 0 or k < best or (k == best and len(n) > len(found))):
+            best, found = k, n
+    return best, found
+
+
 def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateLayout) -> TurnSpan:
-    content = msg["content"].strip()
+    content = msg["content"].strip(_WS)
     if msg["role"] == "assistant":
-        h = text.find(layout.assistant_header, cursor)
+        h, opener = _first_of(text, layout.anchors, cursor)
         if h < 0:
-            raise _unverified(i, f"assistant header {layout.assistant_header!r} not found after char {cursor}")
-        start = h + len(layout.assistant_header)
+            raise _unverified(i, f"no assistant turn opener {list(layout.anchors)} after char {cursor}")
+        start = h + len(opener)
     else:  # other trained roles: the turn starts where its content starts
         if not content:
             raise _unverified(i, f"trained role {msg['role']!r} needs non-empty content")
         start = text.find(content, cursor)
         if start < 0:
             raise _unverified(i, "content not found in the render")
-    pos, reasoning = start, None
+    pos, body_start, reasoning = start, start, None
+    expected = (msg.get("reasoning_content") or "").strip(_WS)
+    dropped = bool(expected)
     j = _skip_ws(text, pos)
-    if text.startswith(layout.think_open, j):
+    if layout.think_open and layout.think_close and text.startswith(layout.think_open, j):
         inner_a = j + len(layout.think_open)
         k = text.find(layout.think_close, inner_a)
         if k < 0:
-            raise _unverified(i, "think block opened but not closed in the render")
-        expected = (msg.get("reasoning_content") or "").strip()
-        if text[inner_a:k].strip() != expected:
+            raise _unverified(i, "reasoning block opened but not closed in the render")
+        inner = text[inner_a:k].strip(_WS)
+        if inner == expected:
+            dropped = False
+            if expected:
+                ra = text.index(expected, inner_a, k)
+                reasoning = (ra, ra + len(expected))
+        elif inner:
             raise _unverified(i, "rendered reasoning differs from the message's reasoning_content")
-        if expected:
-            ra = text.index(expected, inner_a, k)
-            reasoning = (ra, ra + len(expected))
         pos = k + len(layout.think_close)
-    body_start = _skip_ws(text, pos)
+        body_start = _skip_ws(text, pos)
+    if layout.answer_open:
+        j = _skip_ws(text, pos)
+        if text.startswith(layout.answer_open, j):
+            pos = j + len(layout.answer_open)
     if content:
-        if not text.startswith(content, body_start):
-            raise _unverified(i, "content does not follow the header/think block in the render")
-        pos = body_start + len(content)
+        c = _skip_ws(text, pos)
+        if not text.startswith(content, c):
+            raise _unverified(i, "content does not follow the turn opener / reasoning block in the render")
+        pos = c + len(content)
     calls = msg.get("tool_calls") or []
-    eot = layout.end_of_turn
-    if not eot:
+    markers = layout.end_markers
+    if not markers:
         if calls:
             raise _unverified(i, "tool calls cannot be bounded: the template writes no end-of-turn marker")
-        return TurnSpan(i, start, pos, body_start, reasoning, None)
+        return TurnSpan(i, start, pos, body_start, reasoning, None, dropped)
     for call in calls:
         args = call["function"].get("arguments")
-        if eot in (args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)):
+        written = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        if any(m in written for m in markers):
             raise _unverified(i, "tool call arguments contain the end-of-turn marker")
-    e = text.find(eot, pos)
+    e, marker = _first_of(text, markers, pos)
     if e < 0:
-        raise _unverified(i, f"end-of-turn marker {eot!r} not found")
+        raise _unverified(i, f"end-of-turn marker {list(markers)} not found")
     between = text[pos:e]
     if calls:
         at = 0
@@ -174,7 +171,7 @@ def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateL
                 raise _unverified(i, f"tool call {call['function']['name']!r} not rendered")
     elif between.strip(_WS):
         raise _unverified(i, "unexpected text between content and end-of-turn marker")
-    return TurnSpan(i, start, e + len(eot), body_start, reasoning, e)
+    return TurnSpan(i, start, e + len(marker), body_start, reasoning, e, dropped)
 
 
 def _trained_spans(turn: TurnSpan, think_loss: str, *, with_eot: bool = True) -> list[tuple[int, int]]:
@@ -199,10 +196,37 @@ def _eot_after(text: str, cursor: int, nxt: Message | None, layout: TemplateLayo
     if e < 0:
         return None
     between = text[cursor:e]
-    if layout.assistant_header in between or (nxt is not None and nxt["content"].strip()
-                                              and nxt["content"].strip() in between):
+    if any(a in between for a in layout.anchors) or (nxt is not None and nxt["content"].strip()
+                                                     and nxt["content"].strip() in between):
         return None  # the marker belongs to a later message (e.g. a system prompt folded into a user turn)
     return e, e + len(layout.end_of_turn)
+
+
+def _find_untrained(text: str, content: str, cursor: int, limit: int | None) -> tuple[int, int] | None:
+    """Where an untrained message's content is written, verbatim or JSON-escaped, before ``limit``."""
+    p = text.find(content, cursor) if limit is None else text.find(content, cursor, limit)
+    if p >= 0:
+        return p, p + len(content)
+    escaped = json.dumps(content, ensure_ascii=False)[1:-1]
+    if escaped != content:
+        p = text.find(escaped, cursor) if limit is None else text.find(escaped, cursor, limit)
+        if p >= 0:
+            return p, p + len(escaped)
+    return None
+
+
+def _not_written(tokenizer, msg: Message, i: int) -> str | None:
+    """An untrained message not found in the render: its role when the template never writes that role
+    (counted); None when the template writes the role but transformed this content (not needed to bound
+    trained turns). A role the project does not know and the template does not write refuses the row."""
+    role = msg["role"]
+    if role_is_rendered(tokenizer, role):
+        return None
+    if role not in KNOWN_ROLES:
+        raise RowRejected(DropReason.UNRENDERED_ROLE, f"messages[{i}]: role {role!r} is not rendered by the chat "
+                          f"template, so the model would never see it: map it in the config with data.roles: "
+                          f"{{system: [{role}]}} or {{user: [{role}]}}")
+    return role
 
 
 def _check_spans(text: str, spans: list[tuple[int, int]]) -> None:
@@ -240,7 +264,8 @@ def render_conversation(
     except Exception as exc:  # jinja raise_exception, undefined fields, type errors: a row-level reason
         raise RowRejected(DropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
     mask = np.zeros(len(text), dtype=np.uint8)
-    ends, turns, spans, cursor = [], [], [], 0
+    ends, turns, spans, unrendered, cursor = [], [], [], [], 0
+    anchors = layout.anchors
     trained = [is_trained(msg, assistant_roles) for msg in messages]
     last_trained = max((i for i, t in enumerate(trained) if t), default=-1)
     for i, msg in enumerate(messages):
@@ -250,25 +275,31 @@ def render_conversation(
             with_eot = train_on_eos in ("turn", "all") or (train_on_eos == "last" and i == last_trained)
             spans += _trained_spans(turn, think_loss, with_eot=with_eot)
             cursor = turn.end
-        else:
-            if layout.assistant_header in msg["content"]:
-                raise _unverified(i, f"{msg['role']} content contains the assistant header text")
-            located = None
-            if msg["role"] == "assistant":  # an untrained assistant turn: walk past its header and tool calls too
-                try:
-                    located = _locate_turn(text, cursor, msg, i, layout)
-                except RowRejected:
-                    located = None
-            content = msg["content"].strip()
-            if located is not None:
-                cursor = located.end
-                if train_on_eos == "all" and located.eot_start is not None:
-                    spans.append((located.eot_start, located.end))
-            elif content:
-                p = text.find(content, cursor)
-                if p < 0:
-                    raise _unverified(i, f"{msg['role']} content not found in the render")
-                cursor = p + len(content)
+            ends.append(cursor)
+            continue
+        content = msg["content"].strip(_WS)
+        if any(a in msg["content"] for a in anchors):
+            raise _unverified(i, f"{msg['role']} content contains the assistant turn opener text")
+        located = None
+        if msg["role"] == "assistant":  # an untrained assistant turn: walk past its opener and tool calls too
+            try:
+                located = _locate_turn(text, cursor, msg, i, layout)
+            except RowRejected:
+                h, opener = _first_of(text, anchors, cursor)
+                cursor = h + len(opener) if h >= 0 else cursor  # at least past its opener
+        if located is not None:
+            cursor = located.end
+            if train_on_eos == "all" and located.eot_start is not None:
+                spans.append((located.eot_start, located.end))
+        elif content and msg["role"] != "assistant":
+            limit, _ = _first_of(text, anchors, cursor)  # it is written before the next turn opens
+            where = _find_untrained(text, content, cursor, limit if limit >= 0 else None)
+            if where is None:
+                role = _not_written(tokenizer, msg, i)
+                if role is not None:
+                    unrendered.append(role)
+            else:
+                cursor = where[1]
                 if train_on_eos == "all":
                     eot = _eot_after(text, cursor, messages[i + 1] if i + 1 < len(messages) else None, layout)
                     if eot is not None:
@@ -278,7 +309,7 @@ def render_conversation(
     _check_spans(text, spans)
     for a, b in spans:
         mask[a:b] = 1
-    return RenderedConversation(text, mask, tuple(ends), tuple(turns))
+    return RenderedConversation(text, mask, tuple(ends), tuple(turns), tuple(unrendered))
 
 
 def build_text_and_masks(

@@ -1,0 +1,76 @@
+"""``data.reasoning_history: expand``: train every turn's reasoning once, as the model sees the turn at inference.
+
+    >>> ex = expand_dropped_reasoning(msgs, rendered, tok, max_examples=16)   # Qwen3, 2 exchanges
+    >>> [len(m) for m, _ in ex.extra], ex.moved, ex.still_dropped
+    ([2], (1,), ())
+
+Templates such as Qwen3's drop the reasoning of assistant turns before the
+last user query. In the one render of a conversation such a turn would be
+trained without its reasoning, which teaches a thinking model to answer
+without thinking. At inference the model writing that turn sees exactly the
+conversation up to it, with the turn last: so each extra example is such a
+prefix, rendered once and verified like any row, training the turns whose
+reasoning it renders. Those turns are then left untrained in the full
+conversation, so each turn (content and reasoning) is trained exactly once.
+Turns whose reasoning no prefix renders (a template that never writes it)
+stay trained without it, and are counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qlora_train.data.messages import Message, RowRejected
+from qlora_train.data.render import RenderedConversation, render_conversation
+
+
+@dataclass(frozen=True)
+class Expansion:
+    primary: RenderedConversation  # the full conversation, with the moved turns untrained
+    messages: list[Message]  # the full conversation's messages as rendered in ``primary``
+    extra: list[tuple[list[Message], RenderedConversation]]  # prefix examples, latest turn first
+    moved: tuple[int, ...]  # turns trained (with their reasoning) in an extra example
+    still_dropped: tuple[int, ...]  # trained turns whose reasoning is still not rendered
+
+
+def _flagged(messages: list[Message], trained: set[int]) -> list[Message]:
+    return [{**m, "train": i in trained} for i, m in enumerate(messages)]
+
+
+def expand_dropped_reasoning(messages: list[Message], rendered: RenderedConversation, tokenizer, *,
+                             max_examples: int, tools=None, **render_kw) -> Expansion:
+    """Messages + their render -> extra prefix examples for the turns whose reasoning the render dropped.
+
+    ``render_kw`` are ``render_conversation``'s options (think_loss, train_on_eos, assistant_roles). At most
+    ``max_examples`` extra examples; the latest dropped turn is served first.
+    """
+    pending = [t.index for t in rendered.turns if t.reasoning_dropped]
+    extra, moved = [], set()
+    while pending and len(extra) < max_examples:
+        j = pending[-1]
+        candidates = {i for i in pending if i <= j}
+        prefix = _flagged(messages[: j + 1], candidates)
+        try:
+            r = render_conversation(prefix, tokenizer, tools=tools, **render_kw)
+            kept = {t.index for t in r.turns if not t.reasoning_dropped}
+            if j in kept and kept != candidates:  # some earlier candidates still drop it here: untrain them
+                prefix = _flagged(messages[: j + 1], kept)
+                r = render_conversation(prefix, tokenizer, tools=tools, **render_kw)
+        except RowRejected:
+            kept = set()
+        if j not in kept:  # not even as the last turn: the template never writes this reasoning
+            pending.remove(j)
+            continue
+        extra.append((prefix, r))
+        moved |= kept
+        pending = [i for i in pending if i not in kept]
+    if not moved:
+        return Expansion(rendered, messages, [], (), tuple(t.index for t in rendered.turns if t.reasoning_dropped))
+    was_trained = {t.index for t in rendered.turns}
+    if not was_trained - moved:  # nothing left to train in the full conversation: the latest prefix stands in
+        (head, r), *rest = extra
+        return Expansion(r, head, rest, tuple(sorted(moved)), ())
+    full = _flagged(messages, was_trained - moved)
+    primary = render_conversation(full, tokenizer, tools=tools, **render_kw)
+    return Expansion(primary, full, extra, tuple(sorted(moved)),
+                     tuple(t.index for t in primary.turns if t.reasoning_dropped))

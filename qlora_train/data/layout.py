@@ -1,0 +1,295 @@
+"""What a chat template writes around an assistant turn, discovered by rendering a few probe conversations.
+
+    >>> template_layout(tok)           # Qwen3
+    TemplateLayout(assistant_header='<|im_start|>assistant\\n', turn_openers=('<|im_start|>assistant\\n',),
+                   end_markers=('<|im_end|>',), think_open='<think>', think_close='</think>', answer_open='',
+                   reasoning_key='reasoning_content')
+
+The generated part of a turn is what the model writes after the prompt the
+template gives it at inference. Three layout classes place that prompt's end
+differently, and one rule finds it for all: the prompt of a probe turn is the
+longest common prefix of ``render(conversation, add_generation_prompt=True)``
+and ``render(conversation + [answer])``.
+
+- a header from the generation prompt (ChatML, Llama 3, Gemma, harmony): what
+  ``add_generation_prompt`` appends, written by every assistant turn itself;
+- a header written at the end of the previous turn (Phi-3: ``<|assistant|>``
+  closes each user turn, the generation prompt appends nothing);
+- no header (Mistral / Llama 2 ``[INST]``: the answer follows ``[/INST]``).
+
+For the last two the ``turn_openers`` are the prompt-side text after a user
+(and, where the template has tools, a tool result) message. Reasoning
+delimiters, an answer marker written before the content (``<|START_RESPONSE|>``,
+harmony's final channel), the message key the template reads reasoning from,
+and the end markers (a turn may close with several: a response end then an
+end-of-turn token; harmony ends with ``<|end|>``, ``<|return|>`` or ``<|call|>``)
+are read off the same probes, never assumed. Probed once per tokenizer and
+template (cached).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # keys templates read reasoning from
+_USER, _USER2 = "qlora-train probe question", "qlora-train probe follow-up"
+_ANSWER, _ANSWER2 = "qlora-train probe answer", "qlora-train probe reply"
+_REASONING = "qlora-train probe reasoning"
+_TOOL_RESULT, _ARG = "qlora-train probe result", "qlora-train probe value"
+_SYSTEM = "qlora-train probe system"
+_CALL_ID = "qlora0001"  # 9 alphanumerics: what Mistral templates require of tool call ids
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "qlora_probe", "description": "probe", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+_WS = " \t\r\n"
+
+
+@dataclass(frozen=True)
+class TemplateLayout:
+    """What a chat template writes around an assistant turn (see the module doc)."""
+
+    assistant_header: str  # what the generation prompt appends ('' when the header is written by the previous turn)
+    turn_openers: tuple[str, ...]  # prompt-side text that ends where a turn's generated part begins
+    end_markers: tuple[str, ...]  # what a turn's generated part may end with, most common first
+    think_open: str = THINK_OPEN
+    think_close: str = THINK_CLOSE
+    answer_open: str = ""  # generated marker between the reasoning block and the content ('' for most)
+    reasoning_key: str | None = "reasoning_content"  # None: no probe found the reasoning rendered
+
+    @property
+    def end_of_turn(self) -> str:
+        """The end marker of an ordinary turn ('' when the template writes none)."""
+        return self.end_markers[0] if self.end_markers else ""
+
+    @property
+    def anchors(self) -> tuple[str, ...]:
+        """Texts that may open a turn's generated part: untrained content must not contain them."""
+        return tuple(dict.fromkeys(a for a in (self.assistant_header, *self.turn_openers) if a))
+
+
+def _render(tokenizer, messages, *, tools=None, gen=False) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+
+
+def _try(tokenizer, messages, **kw) -> str | None:
+    try:
+        return _render(tokenizer, messages, **kw)
+    except Exception:  # a probe the template refuses (roles, tools): that layout fact stays unknown
+        return None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
+def _added(tokenizer) -> list[str]:
+    return sorted((t for t in tokenizer.get_added_vocab() if t), key=len, reverse=True)
+
+
+def pieces(text: str, added: list[str]) -> list[str]:
+    """Text -> added tokens, whitespace runs and runs of other characters, in order.
+
+    >>> pieces("<|end|>\\n<|user|>hi", ["<|end|>", "<|user|>"])
+    ['<|end|>', '\\n', '<|user|>', 'hi']
+    """
+    out, i = [], 0
+    while i < len(text):
+        tok = next((t for t in added if text.startswith(t, i)), None)
+        if tok is not None:
+            out.append(tok)
+            i += len(tok)
+            continue
+        j = i + 1
+        ws = text[i] in _WS
+        while j < len(text) and (text[j] in _WS) == ws and not any(text.startswith(t, j) for t in added):
+            j += 1
+        out.append(text[i:j])
+        i = j
+    return out
+
+
+def _last_piece(text: str, added: list[str]) -> str:
+    parts = [p for p in pieces(text, added) if p.strip(_WS)]
+    return parts[-1] if parts else ""
+
+
+def _first_piece(text: str, added: list[str]) -> str:
+    parts = [p for p in pieces(text, added) if p.strip(_WS)]
+    return parts[0] if parts else ""
+
+
+def _snap(text: str, n: int, added: list[str]) -> int:
+    """The last piece boundary of ``text`` at or before ``n`` (a shared prefix may end inside a token)."""
+    at = 0
+    for p in pieces(text, added):
+        if at + len(p) > n:
+            break
+        at += len(p)
+    return at
+
+
+def _end_markers(after_mid: str, after_last: str, added: list[str]) -> list[str]:
+    """What closes a turn, from the text after an earlier answer and after the last one.
+
+    The end is what both share (``<|im_end|>``, ``</s>``, ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``);
+    when they share nothing (harmony: ``<|end|>`` mid-conversation, ``<|return|>`` at the end), each one's
+    first piece.
+    """
+    last = after_last.strip(_WS)
+    shared = after_mid[:_common_prefix(after_mid, after_last)].strip(_WS)
+    if last and shared == last:
+        return [last]
+    a, b = pieces(after_mid, added), pieces(after_last, added)
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    common = "".join(a[:n]).strip(_WS)
+    if common:
+        return [common]
+    return [m for m in dict.fromkeys((_first_piece(after_mid, added), _first_piece(after_last, added))) if m]
+
+
+def _prompt_end(prompted: str, full: str) -> int:
+    """Where the prompt of the probe turn ends in ``full``: the common prefix with the prompted render."""
+    return min(len(prompted), _common_prefix(prompted, full))
+
+
+def _cut_open_think(text: str, start: int, end: int, think_open: str) -> int:
+    """A generation prompt that opens the reasoning block (Qwen3.5, DeepSeek R1): the block is generated."""
+    k = text.find(think_open, start, end) if think_open else -1
+    return k if k >= 0 else end
+
+
+def _reasoning_probe(tokenizer, user, prompted: str, added: list[str], lead: str):
+    """(key, think_open, think_close, answer_open) from a turn with reasoning, or None when none renders it."""
+    for key in REASONING_KEYS:
+        text = _try(tokenizer, user + [{"role": "assistant", "content": _ANSWER, key: _REASONING}])
+        if text is None or _REASONING not in text:
+            continue
+        r = text.index(_REASONING)
+        a = text.find(_ANSWER, r)
+        if a < 0:
+            continue
+        end = _prompt_end(prompted, text)
+        think_open = text[end:r].strip(_WS) if end <= r else ""
+        if not think_open:  # the generation prompt opened the block: its last piece is the opener
+            think_open = _last_piece(prompted[:r], added)
+        between = text[r + len(_REASONING):a].strip(_WS)
+        answer_open = ""
+        plain = lead.strip(_WS)  # an empty block in the plain turn (Qwen3), or its rest (Qwen3.5) goes first
+        if think_open and plain.startswith(think_open):
+            plain = plain[len(think_open):].strip(_WS)
+        if between and plain.startswith(between):
+            plain = plain[len(between):].strip(_WS)
+        if plain and between.endswith(plain):  # a marker before the answer with or without reasoning
+            answer_open = plain
+            between = between[: len(between) - len(plain)].strip(_WS)
+        return key, think_open, between, answer_open
+    return None
+
+
+def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: str) -> list[str]:
+    """Prompt-side text after the user message (and after a tool result) up to where the answer starts."""
+    out = []
+    u = prompted.rindex(_USER) + len(_USER)
+    end = _cut_open_think(prompted, u, _prompt_end(prompted, full), think_open)
+    out.append(prompted[u:end].lstrip(_WS))
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": _CALL_ID, "function": {"name": "qlora_probe", "arguments": {"x": _ARG}}}]}
+    result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
+    convo = user + [call, result]
+    p = _try(tokenizer, convo, tools=[_PROBE_TOOL], gen=True)
+    f = _try(tokenizer, convo + [{"role": "assistant", "content": _ANSWER}], tools=[_PROBE_TOOL])
+    if p is not None and f is not None and _TOOL_RESULT in p:
+        t = p.rindex(_TOOL_RESULT) + len(_TOOL_RESULT)
+        end = _cut_open_think(p, t, _prompt_end(p, f), think_open)
+        out.append(p[t:end].lstrip(_WS))
+    return [o for o in dict.fromkeys(out) if o]
+
+
+def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str]) -> str | None:
+    """A marker that closes a tool-call turn when none of the known ones does (harmony's ``<|call|>``)."""
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": _CALL_ID, "function": {"name": "qlora_probe", "arguments": {"x": _ARG}}}]}
+    text = _try(tokenizer, user + [call], tools=[_PROBE_TOOL])
+    if text is None or _ARG not in text:
+        return None
+    after = text[text.rindex(_ARG) + len(_ARG):]
+    if any(m in after for m in known):
+        return None
+    last = _last_piece(after, added)
+    return last if last in added else None
+
+
+_LAYOUTS: dict[tuple[int, str], TemplateLayout] = {}
+
+
+def template_layout(tokenizer) -> TemplateLayout:
+    """Probe the tokenizer's chat template once (cached per tokenizer and template)."""
+    key = (id(tokenizer), tokenizer.chat_template or "")
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = probe_layout(tokenizer)
+    return _LAYOUTS[key]
+
+
+def probe_layout(tokenizer) -> TemplateLayout:
+    """Render probe conversations and read the layout off them (see the module doc).
+
+    Raises ``ValueError`` when the template cannot be used to locate answers at all.
+    """
+    added = _added(tokenizer)
+    user = [{"role": "user", "content": _USER}]
+    plain = _render(tokenizer, user)
+    prompted = _render(tokenizer, user, gen=True)
+    full = _render(tokenizer, user + [{"role": "assistant", "content": _ANSWER}])
+    if _ANSWER not in full or _USER not in prompted:
+        raise ValueError("chat template: a user question and an assistant answer do not both appear in the render")
+    end = _prompt_end(prompted, full)
+    answer_at = full.index(_ANSWER, end) if _ANSWER in full[end:] else full.index(_ANSWER)
+    lead = full[end:answer_at]  # generated before the content of a turn without reasoning
+    reasoning = _reasoning_probe(tokenizer, user, prompted, added, lead)
+    key, think_open, think_close, answer_open = reasoning or (None, THINK_OPEN, THINK_CLOSE, "")
+    base = _snap(prompted, _common_prefix(prompted, plain), added)  # where the generation prompt's text starts
+    header = prompted[base:_cut_open_think(prompted, base, end, think_open)] if end > base else ""
+    openers = [header] if header else _openers(tokenizer, user, prompted, full, think_open)
+    if not openers:
+        raise ValueError("chat template: nothing marks where an assistant answer starts (no generation prompt, "
+                         "no text between the user message and the answer)")
+    two = _render(tokenizer, user + [{"role": "assistant", "content": _ANSWER}, {"role": "user", "content": _USER2},
+                                     {"role": "assistant", "content": _ANSWER2}])
+    a1 = two.index(_ANSWER) + len(_ANSWER)
+    markers = _end_markers(two[a1:two.index(_USER2, a1)], two[two.rindex(_ANSWER2) + len(_ANSWER2):], added)
+    call_end = _call_end(tokenizer, user, markers, added)
+    if call_end:
+        markers.append(call_end)
+    if not markers:
+        log.warning("chat template writes no end-of-turn marker after assistant turns: the model will not learn "
+                    "to stop")
+    return TemplateLayout(assistant_header=header, turn_openers=tuple(openers), end_markers=tuple(markers),
+                          think_open=think_open, think_close=think_close, answer_open=answer_open,
+                          reasoning_key=key)
+
+
+_ROLE_RENDERED: dict[tuple[int, str, str], bool] = {}
+
+
+def role_is_rendered(tokenizer, role: str) -> bool:
+    """Whether the template writes the content of a ``role`` message at all (probed once per role)."""
+    key = (id(tokenizer), tokenizer.chat_template or "", role)
+    if key not in _ROLE_RENDERED:
+        probe = {"role": role, "content": _SYSTEM}
+        user, answer = {"role": "user", "content": _USER}, {"role": "assistant", "content": _ANSWER}
+        convos = [[probe, user, answer], [user, answer, probe, {"role": "user", "content": _USER2}, answer]]
+        if role == "tool":
+            call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": _CALL_ID,
+                    "function": {"name": "qlora_probe", "arguments": {"x": _ARG}}}]}
+            convos.insert(0, [user, call, {**probe, "tool_call_id": _CALL_ID, "name": "qlora_probe"}, answer])
+        texts = (_try(tokenizer, c, tools=[_PROBE_TOOL] if role == "tool" else None) for c in convos)
+        _ROLE_RENDERED[key] = any(t is not None and (_SYSTEM in t or json.dumps(_SYSTEM) in t) for t in texts)
+    return _ROLE_RENDERED[key]
