@@ -7,9 +7,9 @@
 Order: each source is loaded and processed with its own format options
 (``DataConfig.for_source``) -> exact duplicates dropped (``dedup``) -> counted
 -> refused rows filtered -> eval split (``eval_fraction``; or ``eval_datasets``)
--> long plain texts cut into ``max_length`` blocks -> sources mixed
-(``mix_sources``: interleaved by weight, or concatenated) -> ``shuffle`` ->
-``max_samples``.
+-> rows exploded into their examples (``reasoning_history: expand``) -> long
+plain texts cut into ``max_length`` blocks -> sources mixed (``mix_sources``:
+interleaved by weight, or concatenated) -> ``shuffle`` -> ``max_samples``.
 Every step is a ``datasets`` map/filter, cached on a fingerprint of its input
 and arguments (a source's processing options and the tokenizer with its
 template), so an unchanged run reuses the cache and a changed option recomputes.
@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import datasets
+import pyarrow.compute as pc
 
 from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data.formats import split_into_blocks
@@ -34,6 +35,34 @@ from qlora_train.data.sources import SourceError, load_labelled_source, source_l
 
 log = logging.getLogger(__name__)
 MODEL_COLUMNS = ("input_ids", "attention_mask", "labels")
+EXPANDED_COLUMNS = ("expanded_input_ids", "expanded_labels")
+
+_ids, _labels, _mask = datasets.Value("int32"), datasets.Value("int64"), datasets.Value("int8")
+# The type of every column the preprocessing map writes. Stated, not inferred: a batch whose token lists are all
+# empty (every row refused, or no row expanded) would otherwise be typed list<null>, which the next batch's ints
+# cannot be cast to. The widths are those datasets infers for a batch with tokens.
+COLUMN_TYPES = {
+    "input_ids": datasets.Sequence(_ids), "attention_mask": datasets.Sequence(_mask),
+    "labels": datasets.Sequence(_labels), "drop_reason": datasets.Value("string"),
+    "drop_detail": datasets.Value("string"), "num_tokens_before": datasets.Value("int64"),
+    "num_tokens": datasets.Value("int64"), "num_trained_tokens": datasets.Value("int64"),
+    "dropped_turns": datasets.Value("int64"), "reasoning_trimmed_tokens": datasets.Value("int64"),
+    "token_fallback": datasets.Value("string"), "straddling_tokens": datasets.Value("int64"),
+    "parse_report": datasets.Value("string"), "content_hash": datasets.Value("string"),
+    "expanded_input_ids": datasets.Sequence(datasets.Sequence(_ids)),
+    "expanded_labels": datasets.Sequence(datasets.Sequence(_labels)),
+    "expanded_tokens": datasets.Value("int64"), "expanded_trained_tokens": datasets.Value("int64"),
+    "source": datasets.Value("string"), "location": datasets.Value("string"), "domain": datasets.Value("string"),
+}
+
+
+def processed_features() -> datasets.Features:
+    """The features of a processed dataset: ``OUTPUT_COLUMNS`` + source, location, domain, in that order."""
+    names = (*OUTPUT_COLUMNS, "source", "location", "domain")
+    missing = [c for c in names if c not in COLUMN_TYPES]
+    if missing:  # a column added to the pipeline needs its type here
+        raise KeyError(f"no type for processed column(s) {missing}: add them to dataset.COLUMN_TYPES")
+    return datasets.Features({c: COLUMN_TYPES[c] for c in names})
 
 
 class EmptyDatasetError(Exception):
@@ -63,12 +92,25 @@ class DatasetReport:
     rows_per_source_after_mixing: dict[str, int] = field(default_factory=dict)
     domains: dict[str, dict[str, int]] = field(default_factory=dict)  # domain -> rows, tokens, trained_tokens
     eval_dropped: dict[str, int] = field(default_factory=dict)  # from eval_datasets
+    # kept rows (before the eval split): what the chat template did with their reasoning and messages (ParseReport
+    # fields of the same names, summed over kept rows only; ``parse`` sums them over every row that parsed)
+    reasoning_dropped_rows: int = 0  # rows with a trained turn trained without its reasoning
+    reasoning_dropped_turns: int = 0
+    reasoning_dropped_tokens: int = 0
+    reasoning_expanded_turns: int = 0
+    expanded_examples: int = 0  # extra examples (reasoning_history: expand); train/eval rows count them
+    expanded_tokens: int = 0
+    expanded_trained_tokens: int = 0
+    unrendered_messages: dict[str, int] = field(default_factory=dict)  # role -> untrained messages not rendered
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     def lines(self) -> list[str]:
-        out = [f"rows in {self.rows_in}, kept {self.rows_kept} (train {self.train_rows}, eval {self.eval_rows})"]
+        kept = f"kept {self.rows_kept}"
+        if self.expanded_examples:
+            kept += f" -> {self.rows_kept + self.expanded_examples} examples"
+        out = [f"rows in {self.rows_in}, {kept} (train {self.train_rows}, eval {self.eval_rows})"]
         for reason, n in sorted(self.dropped.items(), key=lambda kv: -kv[1]):
             out.append(f"  dropped {n:>6} {reason}  e.g. {self.first_dropped[reason]}")
         share = self.trained_tokens / self.tokens if self.tokens else 0.0
@@ -82,6 +124,16 @@ class DatasetReport:
         if self.rows_turns_dropped or self.rows_reasoning_trimmed or self.rows_token_fallback:
             out.append(f"truncation: turns dropped in {self.rows_turns_dropped} rows, reasoning trimmed in "
                        f"{self.rows_reasoning_trimmed}, token-level cut in {sum(self.rows_token_fallback.values())}")
+        if self.expanded_examples:
+            out.append(f"reasoning_history expand: {self.expanded_examples} extra examples ({self.expanded_tokens} "
+                       f"tokens, {self.expanded_trained_tokens} trained)")
+        if self.reasoning_dropped_turns:
+            out.append(f"reasoning not rendered by the chat template: {self.reasoning_dropped_turns} turns "
+                       f"({self.reasoning_dropped_tokens} tokens) in {self.reasoning_dropped_rows} rows trained "
+                       "without it")
+        if self.unrendered_messages:
+            out.append("messages the chat template does not render (the model never sees them): " + ", ".join(
+                f"{role} {n}" for role, n in sorted(self.unrendered_messages.items(), key=lambda kv: -kv[1])))
         return out
 
 
@@ -124,7 +176,11 @@ def stop_at_first_bad_row(reasons: list[str], details: list[str]) -> None:
 
 
 REPORT_COLUMNS = ("drop_reason", "drop_detail", "num_tokens", "num_trained_tokens", "dropped_turns",
-                  "reasoning_trimmed_tokens", "token_fallback", "straddling_tokens", "parse_report")
+                  "reasoning_trimmed_tokens", "token_fallback", "straddling_tokens", "parse_report",
+                  "expanded_tokens", "expanded_trained_tokens")
+# ParseReport counts that the report also sums over kept rows alone (what training gets)
+KEPT_PARSE_COUNTS = ("reasoning_dropped_rows", "reasoning_dropped_turns", "reasoning_dropped_tokens",
+                     "reasoning_expanded_turns", "expanded_examples")
 
 
 def summarize_columns(cols: dict[str, list]) -> DatasetReport:
@@ -143,8 +199,18 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
     report.rows_reasoning_trimmed = sum(1 for n in cols["reasoning_trimmed_tokens"] if n)
     report.rows_token_fallback = dict(Counter(s for s in cols["token_fallback"] if s))
     report.straddling_tokens = sum(cols["straddling_tokens"])
-    parse = ParseReport.total(ParseReport.from_dict(json.loads(p)) for p in cols["parse_report"] if p != "{}")
-    report.parse = parse.to_dict()
+    rows = [json.loads(p) if p != "{}" else {} for p in cols["parse_report"]]
+    report.parse = ParseReport.total(ParseReport.from_dict(d) for d in rows if d).to_dict()
+    kept = [d for d, reason in zip(rows, cols["drop_reason"]) if not reason and d]
+    for name in KEPT_PARSE_COUNTS:
+        setattr(report, name, sum(d.get(name, 0) for d in kept))
+    unrendered: Counter = Counter()
+    for d in kept:
+        unrendered.update(d.get("unrendered_messages", {}))
+    report.unrendered_messages = dict(unrendered)
+    kept_mask = [not r for r in cols["drop_reason"]]
+    report.expanded_tokens = sum(n for n, k in zip(cols["expanded_tokens"], kept_mask) if k)
+    report.expanded_trained_tokens = sum(n for n, k in zip(cols["expanded_trained_tokens"], kept_mask) if k)
     return report
 
 
@@ -158,7 +224,7 @@ def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datase
     return raw.map(
         _process_raw_batch, batched=True, batch_size=cfg.batch_size, num_proc=cfg.num_proc,
         fn_kwargs={"tokenizer": tokenizer, "cfg": cfg}, remove_columns=raw.column_names,
-        desc="preprocessing",
+        features=processed_features(), desc="preprocessing",
     )
 
 
@@ -238,6 +304,45 @@ def split_long_texts(kept: datasets.Dataset, max_length: int) -> tuple[datasets.
     return out, len(out) - n_before
 
 
+def _explode(batch: dict) -> dict:
+    """datasets.map function: each row -> its primary example, then its extra examples (``EXPANDED_COLUMNS``),
+    each with ``num_tokens`` its own length and the row's other columns."""
+    carried = [k for k in batch if k not in (*MODEL_COLUMNS, *EXPANDED_COLUMNS, "num_tokens")]
+    out: dict[str, list] = {k: [] for k in (*MODEL_COLUMNS, "num_tokens", *carried)}
+    for j, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"])):
+        examples = [(ids, labels), *zip(batch["expanded_input_ids"][j], batch["expanded_labels"][j])]
+        for ids, labels in examples:
+            assert len(ids) == len(labels), "an expanded example's ids and labels differ in length"
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["attention_mask"].append([1] * len(ids))
+            out["num_tokens"].append(len(ids))
+            for k in carried:
+                out[k].append(batch[k][j])
+    return out
+
+
+def expanded_count(ds: datasets.Dataset) -> int:
+    """Extra examples held in ``ds`` (the lengths of its ``expanded_labels`` lists, read in Arrow)."""
+    column = ds.select_columns(["expanded_labels"]).with_format("arrow")[:]["expanded_labels"]
+    return int(pc.sum(pc.list_value_length(column)).as_py() or 0)
+
+
+def explode_examples(kept: datasets.Dataset) -> tuple[datasets.Dataset, int]:
+    """Kept rows -> one row per example: a row with k extra examples (``reasoning_history: expand``) becomes
+    1 + k rows, its primary example first, with its other columns copied; the ``expanded_*`` columns go.
+
+    Returns the dataset and the number of rows added. Runs after the eval split, so that one conversation's
+    examples never land on both sides.
+    """
+    if expanded_count(kept) == 0:
+        return kept.remove_columns(list(EXPANDED_COLUMNS)), 0
+    features = datasets.Features({k: v for k, v in kept.features.items() if k not in EXPANDED_COLUMNS})
+    out = kept.map(_explode, batched=True, remove_columns=list(EXPANDED_COLUMNS), features=features,
+                   desc="one row per example (reasoning_history: expand)")
+    return out, len(out) - len(kept)
+
+
 def _normalised_weights(sources: list[DatasetSource]) -> dict[str, float]:
     total = sum(s.weight for s in sources)
     return {source_label(i, s): s.weight / total for i, s in enumerate(sources)}
@@ -291,7 +396,7 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datase
         reasons = ", ".join(f"{r}: {n}" for r, n in report.dropped.items())
         raise EmptyDatasetError(f"all {report.rows_in} rows were dropped ({reasons}); first: "
                                 + "; ".join(report.first_dropped.values()))
-    carry = [*MODEL_COLUMNS, "source", "domain", "num_tokens"]
+    carry = [*MODEL_COLUMNS, "source", "domain", "num_tokens", *EXPANDED_COLUMNS]
     kept = _kept_rows(processed).select_columns(carry)
     if cfg.domain_key:
         report.domains = _domain_stats(_kept_rows(processed))
@@ -303,9 +408,11 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datase
     elif cfg.eval_fraction > 0 and len(kept) >= 2:
         split = kept.train_test_split(test_size=cfg.eval_fraction, seed=cfg.shuffle_seed)
         kept, eval_ds = split["train"], split["test"]
-    # blocks after the split, so that one long text never lands on both sides
+    # examples and blocks after the split, so that one conversation or long text never lands on both sides
+    kept, _ = explode_examples(kept)
     kept, report.text_blocks_added = split_long_texts(kept, cfg.max_length)
     if eval_ds is not None:
+        eval_ds, _ = explode_examples(eval_ds)
         eval_ds, _ = split_long_texts(eval_ds, cfg.max_length)
     train = mix_sources(kept, cfg, report)
     if cfg.shuffle:
