@@ -49,7 +49,7 @@ def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, strea
     """Print the report; write ``stats.json`` and the histogram. Returns the stats."""
     cols = processed.select_columns(list(STATS_COLUMNS)).to_dict()
     tools = tool_schema_tokens(_tools_rows(raw, cols), tokenizer, cfg.data)
-    stats = compute_stats(cols, max_length=cfg.data.max_length, tool_tokens=tools)
+    stats = compute_stats(cols, max_length=cfg.data.max_length, tool_tokens=tools, data=cfg.data)
     write_atomic(out_dir / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False))
     write_histogram(cols, max_length=cfg.data.max_length, path=out_dir / HISTOGRAM_FILE)
     print("\n".join(stats_lines(stats)), file=stream)

@@ -12,13 +12,16 @@ least half the rows at or below it.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections import Counter
 
 import numpy as np
 
 from qlora_train.config import DataConfig
-from qlora_train.data.dataset import REPORT_COLUMNS, summarize_columns
+from qlora_train.data.dataset import REPORT_COLUMNS, DatasetReport, summarize_columns
+from qlora_train.data.messages import DropReason
 from qlora_train.data.parse import canonicalize_row
 from qlora_train.data.render import render_text
 
@@ -43,6 +46,31 @@ def percentiles(values) -> dict[str, int | None]:
 
 def _share(numerator: int, denominator: int) -> float:
     return numerator / denominator if denominator else 0.0
+
+
+def reasoning_stats(cols: dict[str, list], report: DatasetReport) -> dict:
+    """What the chat template did with the reasoning of kept rows, and the extra examples ``expand`` made.
+
+    Counts are over kept rows: turns trained without their reasoning (the template does not render it) and its
+    tokens, turns trained with it in an extra example, and the extra examples (rows with any, their tokens and
+    trained tokens, examples per row = 1 + extra ones).
+    """
+    per_row = [json.loads(p).get("expanded_examples", 0)
+               for p, n, reason in zip(cols["parse_report"], cols["expanded_tokens"], cols["drop_reason"])
+               if n and not reason]
+    rows = report.rows_kept
+    return {
+        "reasoning_dropped_rows": report.reasoning_dropped_rows,
+        "reasoning_dropped_turns": report.reasoning_dropped_turns,
+        "reasoning_dropped_tokens": report.reasoning_dropped_tokens,
+        "reasoning_expanded_turns": report.reasoning_expanded_turns,
+        "expanded_rows": len(per_row),
+        "expanded_examples": report.expanded_examples,
+        "expanded_tokens": report.expanded_tokens,
+        "expanded_trained_tokens": report.expanded_trained_tokens,
+        "examples_per_row": {"mean": _share(rows + report.expanded_examples, rows),
+                             "max": (1 + max(per_row, default=0)) if rows else None},
+    }
 
 
 def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None) -> dict:
@@ -84,6 +112,8 @@ def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int
             "share_of_their_tokens": _share(sum(tools), int(sum(before[i] for i in (tool_tokens or {})))),
         },
         "straddling_tokens": report.straddling_tokens,
+        "reasoning": reasoning_stats(cols, report),
+        "unrendered_messages": dict(sorted(report.unrendered_messages.items())),
         "parse": report.parse,
     }
 
@@ -113,8 +143,61 @@ def tool_schema_tokens(rows: dict[int, dict], tokenizer, cfg: DataConfig) -> dic
     return {i: len(x) - len(y) for i, x, y in zip(index, a, b)}
 
 
-def advice(overall: dict, *, max_length: int) -> list[str]:
-    """Plain advice lines from the overall statistics (empty when nothing stands out)."""
+_ROLE_IN_DETAIL = re.compile(r"role '([^']*)'")
+
+
+def reasoning_advice(reasoning: dict, data: DataConfig) -> str | None:
+    """Turns trained without their reasoning -> what to change (``None`` when there are none)."""
+    turns = reasoning["reasoning_dropped_turns"]
+    if not turns:
+        return None
+    head = (f"{turns} trained turns in {reasoning['reasoning_dropped_rows']} rows are trained without their "
+            f"reasoning ({reasoning['reasoning_dropped_tokens']} tokens the chat template does not render)")
+    on_purpose = "or data.think_mode: drop to train without reasoning on purpose"
+    if data.reasoning_history == "drop":
+        return (f"{head}: set data.reasoning_history: expand to train each such turn with its reasoning in an extra "
+                f"example (the conversation up to that turn), {on_purpose}")
+    cap = data.reasoning_history_max_examples
+    most = (reasoning["examples_per_row"]["max"] or 1) - 1
+    template = ("the template does not render this reasoning even in the last turn: pass "
+                "model.chat_template_kwargs (e.g. {skip_think: false}) or use another template, " + on_purpose)
+    if most >= cap:
+        return (f"{head} under reasoning_history: expand: rows reach data.reasoning_history_max_examples={cap} "
+                f"(at most {most} extra examples per row): raise it to train their later turns with reasoning; "
+                f"if turns remain, {template}")
+    return f"{head} under reasoning_history: expand: {template}"
+
+
+def unrendered_role_advice(overall: dict) -> str | None:
+    """Rows dropped as ``unrendered_role`` -> the role and the ``data.roles`` mapping that fixes them."""
+    n = overall["dropped"].get(DropReason.UNRENDERED_ROLE, 0)
+    if not n:
+        return None
+    first = overall["first_dropped"][DropReason.UNRENDERED_ROLE]
+    found = _ROLE_IN_DETAIL.search(first)
+    unknown = overall["parse"].get("unknown_roles", {})
+    role = found.group(1) if found else (max(unknown, key=unknown.get) if unknown else "ROLE")
+    others = {r: c for r, c in unknown.items() if r != role}
+    also = f" (other unknown roles in the data: {_counts(others)})" if others else ""
+    return (f"{n} rows are dropped as unrendered_role: the chat template does not render role '{role}'{also}: "
+            f"map it to a role it renders with data.roles: {{system: [{role}]}} or {{user: [{role}]}}")
+
+
+def unrendered_messages_advice(unrendered: dict[str, int]) -> str | None:
+    """Untrained messages the template leaves out -> which roles, and that the model never sees them."""
+    if not unrendered:
+        return None
+    return (f"the chat template does not render {sum(unrendered.values())} untrained messages ({_counts(unrendered)}):"
+            " the model never sees their content; map the role to one the template renders (data.roles, e.g. "
+            f"{{user: [{max(unrendered, key=unrendered.get)}]}}) or use a template that renders it")
+
+
+def advice(overall: dict, *, max_length: int, data: DataConfig | None = None) -> list[str]:
+    """Plain advice lines from the overall statistics (empty when nothing stands out).
+
+    ``data`` (default ``DataConfig()``) supplies the options the reasoning advice names.
+    """
+    data = data or DataConfig()
     out = []
     at_max = overall["share_at_max_length"]
     if at_max > AT_MAX_SHARE:
@@ -132,6 +215,10 @@ def advice(overall: dict, *, max_length: int) -> list[str]:
         out.append(f"tool schemas add {tools['mean_per_row']:.0f} tokens per row on average "
                    f"({tools['share_of_their_tokens']:.0%} of the {tools['rows_with_tools']} rows with tools): "
                    "drop unused tools or shorten their descriptions")
+    for line in (reasoning_advice(overall["reasoning"], data), unrendered_messages_advice(
+            overall["unrendered_messages"]), unrendered_role_advice(overall)):
+        if line:
+            out.append(line)
     dropped = sum(overall["dropped"].values())
     if dropped:
         out.append(f"{dropped} of {overall['rows_in']} rows are dropped (reasons above); "
@@ -139,8 +226,12 @@ def advice(overall: dict, *, max_length: int) -> list[str]:
     return out
 
 
-def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None) -> dict:
-    """All processed rows (columns ``STATS_COLUMNS``) -> ``{"max_length", "overall", "sources", "advice"}``."""
+def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None,
+                  data: DataConfig | None = None) -> dict:
+    """All processed rows (columns ``STATS_COLUMNS``) -> ``{"max_length", "overall", "sources", "advice"}``.
+
+    ``data`` (the run's ``DataConfig``) names the options in the advice.
+    """
     tool_tokens = tool_tokens or {}
     sources: dict[str, dict] = {}
     labels = cols["source"]
@@ -151,7 +242,7 @@ def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[i
         sources[label] = group_stats(sub, max_length=max_length, tool_tokens=sub_tools)
     overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens)
     return {"max_length": max_length, "overall": overall, "sources": sources,
-            "advice": advice(overall, max_length=max_length)}
+            "advice": advice(overall, max_length=max_length, data=data)}
 
 
 def _pct(d: dict) -> str:
@@ -170,6 +261,18 @@ def parse_lines(p: dict) -> list[str]:
         f"{p.get('unbalanced_think_tags', 0)}), keys moved {_counts(p.get('moved_reasoning_keys', {}))}, dropped "
         f"{p.get('dropped_think_messages', 0)}, capped {p.get('think_capped_messages', 0)}; tools present "
         f"{p.get('tools_present', 0)} (parsed from a string {p.get('tools_parsed_from_string', 0)})",
+    ]
+
+
+def reasoning_lines(r: dict, unrendered: dict[str, int]) -> list[str]:
+    """The ``reasoning`` section and ``unrendered_messages`` as two readable lines."""
+    per_row = r["examples_per_row"]
+    return [
+        f"reasoning history: {r['reasoning_dropped_turns']} trained turns in {r['reasoning_dropped_rows']} rows "
+        f"without their reasoning ({r['reasoning_dropped_tokens']} tokens not rendered); expand: "
+        f"{r['expanded_examples']} extra examples from {r['expanded_rows']} rows ({r['expanded_tokens']} tokens, "
+        f"{r['expanded_trained_tokens']} trained); examples per row mean {per_row['mean']:.2f}, max {per_row['max']}",
+        f"messages the template does not render: {_counts(unrendered)}",
     ]
 
 
@@ -199,6 +302,7 @@ def stats_lines(stats: dict) -> list[str]:
             f"tokens); per row {_pct(s['trained_tokens']['per_row'])}",
             f"tool schemas: {s['tool_schema_tokens']['rows_with_tools']} rows, "
             f"{s['tool_schema_tokens']['mean_per_row']:.0f} tokens per row on average",
+            *reasoning_lines(s["reasoning"], s["unrendered_messages"]),
             *parse_lines(s["parse"]),
         ]
     lines.append("== advice")

@@ -65,7 +65,8 @@ def columns(before, after, trained, reasons=None, **extra):
     cols = {"drop_reason": reasons or [""] * n, "drop_detail": [""] * n, "num_tokens_before": before,
             "num_tokens": after, "num_trained_tokens": trained, "dropped_turns": [0] * n,
             "reasoning_trimmed_tokens": [0] * n, "token_fallback": [""] * n, "straddling_tokens": [0] * n,
-            "parse_report": ["{}"] * n, "source": ["0:x"] * n}
+            "parse_report": ["{}"] * n, "expanded_tokens": [0] * n, "expanded_trained_tokens": [0] * n,
+            "source": ["0:x"] * n}
     cols.update(extra)
     return cols
 
