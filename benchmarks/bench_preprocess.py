@@ -11,7 +11,10 @@ single-process ratio) and on its thread pool (1b; ``--tokenizer-threads`` picks)
   floor (ids only) the same render + ``encode_batch`` and its ids alone: no offsets read into Python (the
                    pipeline reads a few per row when the tokenizer keeps them in text order)
   pipeline         ``process_rows``: canonicalize, render, char mask + verification, batched tokenize,
-                   projection to labels, truncation when needed
+                   projection to labels, truncation when needed; ``reasoning_history: drop``, so that it
+                   renders each row once, like the floor
+  pipeline (expand) the same with ``reasoning_history: expand`` (the default): more examples per row (each
+                   earlier turn whose reasoning Qwen3 drops gets its own), so its time is printed per example
 Table 2, reference points on the same rows with a generation-tagged ChatML template (benchmarks/
 chatml_generation.jinja), each producing per-token assistant masks:
   pipeline         ``process_rows`` with that template
@@ -121,6 +124,13 @@ def pipeline(rows, tok, cfg: DataConfig) -> list[list[int]]:
     return out["labels"]
 
 
+def pipeline_examples(rows, tok, cfg: DataConfig) -> list[int]:
+    """``process_rows`` -> examples per row (1 + the extra ones of ``reasoning_history: expand``)."""
+    out = process_rows(rows, tok, cfg)
+    assert not any(out["drop_reason"]), set(out["drop_reason"])
+    return [1 + len(extra) for extra in out["expanded_labels"]]
+
+
 def hf_assistant_mask(canon, tok) -> list[list[int]]:
     """transformers' own masks; one batched call per distinct tools list in the batch."""
     groups: dict[str, list[int]] = {}
@@ -203,7 +213,9 @@ def print_table(title: str, n_rows: int, best: dict, ref: str) -> None:
 
 def main_tables(args) -> None:
     tok = build_qwen_tokenizer("qwen3")
-    cfg = DataConfig(max_length=args.max_length, batch_size=args.batch_size)
+    # like for like with the floor (one render per row): earlier turns' reasoning dropped, not expanded
+    cfg = DataConfig(max_length=args.max_length, batch_size=args.batch_size, reasoning_history="drop")
+    expand = cfg.model_copy(update={"reasoning_history": "expand"})
     rows = make_rows(args.rows)
     canon = [canonicalize_row(r, cfg) for r in rows]
     process_rows(rows[:8], tok, cfg)  # warm caches (template compile, layout probe)
@@ -224,6 +236,7 @@ def main_tables(args) -> None:
             "floor (Rust)": (floor_rust, canon_batches, (tok,)),
             "floor (ids only)": (floor_ids, canon_batches, (tok,)),
             "pipeline": (pipeline, row_batches, (tok, cfg)),
+            "pipeline (expand)": (pipeline_examples, row_batches, (tok, expand)),
         }, len(row_batches), args.repeats)
         threads = "one thread" if mode == "false" else "its thread pool"
         print_table(f"1{'ab'[modes.index(mode)] if len(modes) > 1 else ''}. pipeline vs floor (qwen3 template, "
@@ -231,6 +244,11 @@ def main_tables(args) -> None:
         print(f"ratio pipeline / floor (HF call): {best['pipeline'] / best['floor (HF call)']:.3f}   "
               f"pipeline / floor (Rust): {best['pipeline'] / best['floor (Rust)']:.3f}   "
               f"pipeline / floor (ids only): {best['pipeline'] / best['floor (ids only)']:.3f}")
+        n_examples = sum(results["pipeline (expand)"])
+        print(f"reasoning_history: expand makes {n_examples} examples of {args.rows} rows "
+              f"({n_examples / args.rows:.2f} per row): {best['pipeline (expand)'] / best['pipeline']:.3f}x the "
+              f"pipeline's time, {best['pipeline (expand)'] / n_examples / (best['pipeline'] / args.rows):.3f}x per "
+              "example")
     example_lengths = [len(lab) for lab in results["pipeline"]]
 
     gen = build_qwen_tokenizer("chatml")

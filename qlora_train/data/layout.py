@@ -61,6 +61,8 @@ class TemplateLayout:
     think_close: str = THINK_CLOSE
     answer_open: str = ""  # generated marker between the reasoning block and the content ('' for most)
     reasoning_key: str | None = "reasoning_content"  # None: no probe found the reasoning rendered
+    leads: tuple[str, ...] = ()  # other template text generated before the content (DeepSeek after tool output)
+    last_turn_unmarked: bool = False  # the last turn ends with the text (GLM-4: turns end where the next begins)
 
     @property
     def end_of_turn(self) -> str:
@@ -194,23 +196,35 @@ def _reasoning_probe(tokenizer, user, prompted: str, added: list[str], lead: str
     return None
 
 
-def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: str) -> list[str]:
-    """Prompt-side text after the user message (and after a tool result) up to where the answer starts."""
+def _generated_lead(lead: str, think_open: str, think_close: str, answer_open: str) -> str:
+    """Template text generated before the content, less a reasoning block and the answer marker."""
+    rest = lead.strip(_WS)
+    if think_open and think_close and rest.startswith(think_open) and think_close in rest:
+        rest = rest[rest.index(think_close) + len(think_close):].strip(_WS)
+    if answer_open and rest.startswith(answer_open):
+        rest = rest[len(answer_open):].strip(_WS)
+    return rest
+
+
+def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: str) -> list[tuple[str, str]]:
+    """(opener, lead): the prompt-side text after the user message (and after a tool result) up to where the
+    answer's generated part starts, and what that part writes before the answer."""
     out = []
     u = prompted.rindex(_USER) + len(_USER)
     end = _cut_open_think(prompted, u, _prompt_end(prompted, full), think_open)
-    out.append(prompted[u:end].lstrip(_WS))
+    out.append((prompted[u:end].lstrip(_WS), full[end:full.index(_ANSWER, end)] if _ANSWER in full[end:] else ""))
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "id": _CALL_ID, "function": {"name": "qlora_probe", "arguments": {"x": _ARG}}}]}
     result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
     convo = user + [call, result]
     p = _try(tokenizer, convo, tools=[_PROBE_TOOL], gen=True)
     f = _try(tokenizer, convo + [{"role": "assistant", "content": _ANSWER}], tools=[_PROBE_TOOL])
-    if p is not None and f is not None and _TOOL_RESULT in p:
+    if p is not None and f is not None and _TOOL_RESULT in p and _ANSWER in f:
         t = p.rindex(_TOOL_RESULT) + len(_TOOL_RESULT)
         end = _cut_open_think(p, t, _prompt_end(p, f), think_open)
-        out.append(p[t:end].lstrip(_WS))
-    return [o for o in dict.fromkeys(out) if o]
+        if end >= t and f.find(_ANSWER, end) >= 0:
+            out.append((p[t:end].lstrip(_WS), f[end:f.index(_ANSWER, end)]))
+    return [(o, lead) for o, lead in dict.fromkeys(out) if o]
 
 
 def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str]) -> str | None:
@@ -257,14 +271,19 @@ def probe_layout(tokenizer) -> TemplateLayout:
     key, think_open, think_close, answer_open = reasoning or (None, THINK_OPEN, THINK_CLOSE, "")
     base = _snap(prompted, _common_prefix(prompted, plain), added)  # where the generation prompt's text starts
     header = prompted[base:_cut_open_think(prompted, base, end, think_open)] if end > base else ""
-    openers = [header] if header else _openers(tokenizer, user, prompted, full, think_open)
-    if not openers:
+    found = _openers(tokenizer, user, prompted, full, think_open)
+    if header:  # the header opens every turn; an opener that does not end with it is a turn without one
+        found = [(header, lead)] + [(o, lead2) for o, lead2 in found[1:] if not o.endswith(header)]
+    if not found:
         raise ValueError("chat template: nothing marks where an assistant answer starts (no generation prompt, "
                          "no text between the user message and the answer)")
+    openers = [o for o, _ in found]
+    leads = [g for _, lead2 in found if (g := _generated_lead(lead2, think_open, think_close, answer_open))]
     two = _render(tokenizer, user + [{"role": "assistant", "content": _ANSWER}, {"role": "user", "content": _USER2},
                                      {"role": "assistant", "content": _ANSWER2}])
     a1 = two.index(_ANSWER) + len(_ANSWER)
-    markers = _end_markers(two[a1:two.index(_USER2, a1)], two[two.rindex(_ANSWER2) + len(_ANSWER2):], added)
+    after_last = two[two.rindex(_ANSWER2) + len(_ANSWER2):]
+    markers = _end_markers(two[a1:two.index(_USER2, a1)], after_last, added)
     call_end = _call_end(tokenizer, user, markers, added)
     if call_end:
         markers.append(call_end)
@@ -273,7 +292,8 @@ def probe_layout(tokenizer) -> TemplateLayout:
                     "to stop")
     return TemplateLayout(assistant_header=header, turn_openers=tuple(openers), end_markers=tuple(markers),
                           think_open=think_open, think_close=think_close, answer_open=answer_open,
-                          reasoning_key=key)
+                          reasoning_key=key, leads=tuple(dict.fromkeys(leads)),
+                          last_turn_unmarked=bool(markers) and not after_last.strip(_WS))
 
 
 _ROLE_RENDERED: dict[tuple[int, str, str], bool] = {}

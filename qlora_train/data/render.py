@@ -107,19 +107,38 @@ def _first_of(text: str, needles, start: int, end: int | None = None) -> tuple[i
     return best, found
 
 
+_MAX_OPENERS_TRIED = 8
+
+
 def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateLayout) -> TurnSpan:
-    content = msg["content"].strip(_WS)
-    if msg["role"] == "assistant":
-        h, opener = _first_of(text, layout.anchors, cursor)
-        if h < 0:
-            raise _unverified(i, f"no assistant turn opener {list(layout.anchors)} after char {cursor}")
-        start = h + len(opener)
-    else:  # other trained roles: the turn starts where its content starts
+    """The turn of ``messages[i]``: for an assistant, after the first opener (of the next few after ``cursor``)
+    from which its generated part verifies; other trained roles start where their content does."""
+    if msg["role"] != "assistant":
+        content = msg["content"].strip(_WS)
         if not content:
             raise _unverified(i, f"trained role {msg['role']!r} needs non-empty content")
         start = text.find(content, cursor)
         if start < 0:
             raise _unverified(i, "content not found in the render")
+        return _parse_turn(text, start, msg, i, layout)
+    first_error = None
+    at = cursor
+    for _ in range(_MAX_OPENERS_TRIED):
+        h, opener = _first_of(text, layout.anchors, at)
+        if h < 0:
+            break
+        try:
+            return _parse_turn(text, h + len(opener), msg, i, layout)
+        except RowRejected as rej:  # an opener the template also writes elsewhere (after each tool output)
+            first_error = first_error or rej
+            at = h + 1
+    raise first_error or _unverified(i, f"no assistant turn opener {list(layout.anchors)} after char {cursor}")
+
+
+def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLayout) -> TurnSpan:
+    """The generated part starting at ``start``: [reasoning block] [answer marker | lead] content, tool calls
+    and the end marker, each checked against the message."""
+    content = msg["content"].strip(_WS)
     pos, body_start, reasoning = start, start, None
     expected = (msg.get("reasoning_content") or "").strip(_WS)
     dropped = bool(expected)
@@ -139,10 +158,11 @@ def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateL
             raise _unverified(i, "rendered reasoning differs from the message's reasoning_content")
         pos = k + len(layout.think_close)
         body_start = _skip_ws(text, pos)
-    if layout.answer_open:
-        j = _skip_ws(text, pos)
-        if text.startswith(layout.answer_open, j):
-            pos = j + len(layout.answer_open)
+    j = _skip_ws(text, pos)
+    for lead in (layout.answer_open, *layout.leads):
+        if lead and text.startswith(lead, j):
+            pos = j + len(lead)
+            break
     if content:
         c = _skip_ws(text, pos)
         if not text.startswith(content, c):
@@ -160,6 +180,8 @@ def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateL
         if any(m in written for m in markers):
             raise _unverified(i, "tool call arguments contain the end-of-turn marker")
     e, marker = _first_of(text, markers, pos)
+    if e < 0 and layout.last_turn_unmarked and not calls and not text[pos:].strip(_WS):
+        return TurnSpan(i, start, pos, body_start, reasoning, None, dropped)  # the last turn: nothing closes it
     if e < 0:
         raise _unverified(i, f"end-of-turn marker {list(markers)} not found")
     between = text[pos:e]
