@@ -12,7 +12,7 @@ from __future__ import annotations
 from html import escape
 from html.parser import HTMLParser
 
-from qlora_train.diagnostics.samples import Sample, raw_preview
+from qlora_train.diagnostics.samples import Sample, raw_preview, sample_summary
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 120ch; padding: 0 1rem; color: #111; }
@@ -42,21 +42,20 @@ def _token_spans(sample: Sample) -> str:
 
 
 def _section(sample: Sample) -> str:
-    head = (f'<summary><h2>row {sample.index}</h2> <span class="meta">{escape(sample.location)} '
+    head = (f'<summary><h2>{sample.name}</h2> <span class="meta">{escape(sample.location)} '
             f"(source {escape(sample.source)})</span></summary>")
     if sample.drop_reason:
-        return (f'<section class="refused" id="row-{sample.index}"><details open>{head}'
+        return (f'<section class="refused" id="{sample.anchor}"><details open>{head}'
                 f'<p class="meta"><span class="reason">refused: {escape(sample.drop_reason)}</span> '
                 f"{escape(sample.drop_detail)}</p><pre>{escape(raw_preview(sample.raw))}</pre></details></section>")
-    meta = (f"tokens {sample.num_tokens_before} before truncation, {len(sample.input_ids)} after; "
-            f"trained {sample.num_trained}; truncation: {escape(sample.truncation)}")
-    return (f'<section class="sample" id="row-{sample.index}"><details open>{head}<p class="meta">{meta}</p>'
+    return (f'<section class="sample" id="{sample.anchor}"><details open>{head}'
+            f'<p class="meta">{escape(sample_summary(sample))}</p>'
             f"<pre>{_token_spans(sample)}</pre></details></section>")
 
 
 def debug_html(samples: list[Sample], *, title: str = "qlora-train debug samples") -> str:
     """Samples -> a complete HTML page."""
-    nav = " ".join(f'<a href="#row-{s.index}">row {s.index}</a>' for s in samples)
+    nav = " ".join(f'<a href="#{s.anchor}">{s.name}</a>' for s in samples)
     legend = ('<p class="legend">legend: <span class="tok on">trained</span> <span class="tok off">masked</span> '
               "(hover a token for its position, id and label)</p>")
     body = "\n".join(_section(s) for s in samples)

@@ -41,6 +41,18 @@ class Sample:
     drop_reason: str = ""
     drop_detail: str = ""
     raw: str = ""  # refused rows: the raw row as JSON text
+    extra: int = 0  # 0: the row's own example; k: its k-th extra example (reasoning_history: expand)
+    extras: int = 0  # how many extra examples the row has
+
+    @property
+    def name(self) -> str:
+        """``row 3``, or ``row 3 extra 1/2`` for the row's first of two extra examples."""
+        return f"row {self.index}" + (f" extra {self.extra}/{self.extras}" if self.extra else "")
+
+    @property
+    def anchor(self) -> str:
+        """The sample's id in the HTML page: ``row-3``, ``row-3-extra-1``."""
+        return f"row-{self.index}" + (f"-extra-{self.extra}" if self.extra else "")
 
     @property
     def trained(self) -> list[bool]:
@@ -97,17 +109,34 @@ def select_indices(drop_reasons: list[str], n: int, *, seed: int | None = None, 
 
 
 def load_samples(raw, processed, tokenizer, indices: list[int]) -> list[Sample]:
-    """Rows ``indices`` of the aligned raw and processed datasets -> ``Sample``s."""
+    """Rows ``indices`` of the aligned raw and processed datasets -> ``Sample``s: each row's example, then its
+    extra examples (``reasoning_history: expand``), each a sample of its own."""
     out = []
     for i in indices:
         p, r = processed[i], raw[i]
+        extras = list(zip(p.get("expanded_input_ids") or [], p.get("expanded_labels") or []))
         out.append(Sample(
             index=i, location=r["location"], source=r["source"], input_ids=p["input_ids"], labels=p["labels"],
             pieces=token_pieces(p["input_ids"], tokenizer), num_tokens_before=p["num_tokens_before"],
             truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"], p["token_fallback"]),
-            drop_reason=p["drop_reason"], drop_detail=p["drop_detail"], raw=r["row"] or "",
+            drop_reason=p["drop_reason"], drop_detail=p["drop_detail"], raw=r["row"] or "", extras=len(extras),
         ))
+        for k, (ids, labels) in enumerate(extras, start=1):
+            out.append(Sample(index=i, location=r["location"], source=r["source"], input_ids=ids, labels=labels,
+                              pieces=token_pieces(ids, tokenizer), num_tokens_before=len(ids), truncation="none",
+                              extra=k, extras=len(extras)))
     return out
+
+
+def sample_summary(sample: Sample) -> str:
+    """The line under a kept sample's heading: its tokens, trained tokens, truncation, extra examples."""
+    if sample.extra:
+        return (f"tokens {len(sample.input_ids)}; trained {sample.num_trained}; extra example "
+                f"{sample.extra} of {sample.extras} (reasoning_history: expand): the conversation up to a turn whose "
+                "reasoning the full conversation's render drops")
+    line = (f"tokens {sample.num_tokens_before} before truncation, {len(sample.input_ids)} after; "
+            f"trained {sample.num_trained}; truncation: {sample.truncation}")
+    return line + (f"; {sample.extras} extra examples follow (reasoning_history: expand)" if sample.extras else "")
 
 
 def raw_preview(raw: str) -> str:
@@ -122,11 +151,10 @@ def raw_preview(raw: str) -> str:
 
 def format_sample(sample: Sample, *, color: bool, show_tokens: bool = False) -> str:
     """One sample as terminal text: trained spans green (``color``) or inside ``⟦ ⟧`` (plain)."""
-    head = f"--- row {sample.index}  {sample.location}  (source {sample.source})"
+    head = f"--- {sample.name}  {sample.location}  (source {sample.source})"
     if sample.drop_reason:
         return "\n".join([head, f"refused: {sample.drop_reason}: {sample.drop_detail}", raw_preview(sample.raw)])
-    lines = [head, f"tokens {sample.num_tokens_before} before truncation, {len(sample.input_ids)} after; "
-                   f"trained {sample.num_trained}; truncation: {sample.truncation}"]
+    lines = [head, sample_summary(sample)]
     if color:
         body = "".join(f"{GREEN if t else GREY}{text}{RESET}" for text, t in spans(sample))
     else:

@@ -129,3 +129,33 @@ def test_advice_order_keeps_the_drop_summary_last():
     assert [line.split(" ", 3)[:3] for line in lines] == [
         ["2", "trained", "turns"], ["the", "chat", "template"], ["1", "rows", "are"], ["1", "of", "5"]]
     assert lines == advice(stats["overall"], max_length=200, data=DataConfig(reasoning_history="drop"))
+
+
+# --- debug samples ---------------------------------------------------------------------------------------------------
+
+
+def test_debug_samples_show_each_extra_example_after_its_row(qwen3_tok):
+    import datasets
+
+    from qlora_train.diagnostics import samples as S
+    from qlora_train.diagnostics.html import debug_html, read_tokens
+
+    def ids(text):
+        return qwen3_tok(text, add_special_tokens=False)["input_ids"]
+
+    full, prefix = ids("q1 a1 q2 r2 a2"), ids("q1 r1 a1")
+    raw = datasets.Dataset.from_dict({"row": ["{}"], "location": ["d:1"], "source": ["0:d"]})
+    processed = datasets.Dataset.from_dict({
+        "input_ids": [full], "labels": [[-100] * 3 + full[3:]], "num_tokens_before": [len(full)],
+        "dropped_turns": [0], "reasoning_trimmed_tokens": [0], "token_fallback": [""], "drop_reason": [""],
+        "drop_detail": [""], "expanded_input_ids": [[prefix]], "expanded_labels": [[[-100] * 2 + prefix[2:]]]})
+    primary, extra = S.load_samples(raw, processed, qwen3_tok, [0])
+    assert (primary.name, primary.anchor, extra.name, extra.anchor) == ("row 0", "row-0", "row 0 extra 1/1",
+                                                                        "row-0-extra-1")
+    assert extra.input_ids == prefix and extra.num_trained == len(prefix) - 2
+    text = S.format_sample(primary, color=False)
+    assert f"trained {len(full) - 3}; truncation: none; 1 extra examples follow (reasoning_history: expand)" in text
+    text = S.format_sample(extra, color=False)
+    assert text.startswith("--- row 0 extra 1/1  d:1  (source 0:d)\n"
+                           f"tokens {len(prefix)}; trained {len(prefix) - 2}; extra example 1 of 1")
+    assert list(read_tokens(debug_html([primary, extra]))) == ["row-0", "row-0-extra-1"]
