@@ -218,7 +218,6 @@ def trained_text(example: dict, tok) -> str:
     return tok.decode([i for i, lab in zip(example["input_ids"], example["labels"]) if lab != IGNORE_INDEX])
 
 
-@pytest.mark.skip(reason="needs the expand pipeline")
 @pytest.mark.parametrize("history", ["expand", "drop"])
 def test_qwen3_first_turn_reasoning_is_trained_once_under_expand(tmp_path, qwen3_tok, history):
     path = write_rows(tmp_path / "d.jsonl", [TWO_TURNS])
