@@ -235,8 +235,14 @@ class ModelConfig(_Section):
 
     name_or_path: str = Field(description="Hub id or local directory of the base model.")
     tokenizer: str | None = Field(None, description="Tokenizer path or id (default: name_or_path).")
-    chat_template: str = Field(
-        "qwen3", description="Shipped template name, `tokenizer` (keep the tokenizer's own), or a .jinja path."
+    chat_template: str | None = Field(
+        None, description="None: the tokenizer's own template (also `tokenizer`); or a shipped name (qwen3, "
+        "qwen3.5, qwen2.5, chatml, llama3, gemma) or a .jinja path. A tokenizer without a template needs one named.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Template variables, e.g. {enable_thinking: false}, {reasoning_effort: "
+        "low}: baked into the template as defaults, so every render and the saved tokenizer use them (a caller "
+        "can still pass its own).",
     )
     load_in_4bit: bool = Field(True, description="Load the base in 4-bit nf4 with double quantisation.")
     load_in_8bit: bool = Field(False, description="Load the base in 8-bit instead.")
@@ -250,6 +256,12 @@ class ModelConfig(_Section):
     def _check(self) -> ModelConfig:
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("load_in_8bit: cannot be true together with load_in_4bit (pick one)")
+        if self.chat_template_kwargs:
+            from qlora_train.data.chat_templates import template_kwargs_problems
+
+            problems = template_kwargs_problems(self.chat_template_kwargs)
+            if problems:
+                raise ValueError(problems[0].removeprefix("model."))  # "chat_template_kwargs.<key>: why"
         return self
 
 
@@ -376,7 +388,7 @@ def _describe(err: dict) -> str:
         return f"{path}: unknown key{hint}"
     msg = err["msg"].removeprefix("Value error, ")
     key, sep, why = msg.partition(": ")
-    if err["type"] == "value_error" and sep and key in _known_keys(Config, loc + (key,)):
+    if err["type"] == "value_error" and sep and key.split(".")[0] in _known_keys(Config, loc + (key,)):
         return f"{path}.{key}: {why}"  # a section check naming its key
     return f"{path}: {msg}"
 

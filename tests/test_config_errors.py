@@ -76,6 +76,10 @@ BAD = [
      "model.chat_template: template file not found: mine.jinja"),
     ("template-unknown", "model: {name_or_path: Qwen/Qwen3-0.6B, chat_template: qwen4}\n" + DATASETS,
      "model.chat_template: unknown template 'qwen4' (did you mean 'qwen3'?)"),
+    ("template-kwarg-name", "model: {name_or_path: Qwen/Qwen3-0.6B, chat_template_kwargs: {enable-thinking: 0}}\n"
+     + DATASETS, "model.chat_template_kwargs.enable-thinking: is not a template variable name"),
+    ("template-kwarg-value", "model: {name_or_path: Qwen/Qwen3-0.6B, chat_template_kwargs: {day: 2025-01-01}}\n"
+     + DATASETS, "model.chat_template_kwargs.day: datetime.date(2025, 1, 1) cannot be written into a template"),
     ("resume-missing", GOOD + "train: {resume_from_checkpoint: runs/checkpoint-9}",
      "train.resume_from_checkpoint: checkpoint directory not found: runs/checkpoint-9"),
     ("output-dir-is-a-file", GOOD + "train: {output_dir: DATA}", "train.output_dir: is a file, not a directory"),

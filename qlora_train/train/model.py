@@ -51,7 +51,12 @@ def resolve_runtime(cfg: Config) -> Runtime:
 
 
 def load_tokenizer(cfg: ModelConfig):
-    """Tokenizer with the configured chat template; pad token falls back to EOS."""
+    """Tokenizer with the configured chat template (the tokenizer's own by default) and
+    ``cfg.chat_template_kwargs`` baked in; pad token falls back to EOS.
+
+    Raises ``ConfigError`` naming ``model.chat_template`` when the tokenizer has no
+    template and none is named, or when the template cannot be probed.
+    """
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer or cfg.name_or_path
@@ -62,8 +67,10 @@ def load_tokenizer(cfg: ModelConfig):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     try:
-        tok = get_chat_template(tok, cfg.chat_template)
+        tok = get_chat_template(tok, cfg.chat_template, cfg.chat_template_kwargs)
         template_layout(tok)  # probed once here: a template that cannot be used is a config error, not a row's
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError([f"model.chat_template: {type(exc).__name__}: {exc}"]) from None
     return tok

@@ -138,7 +138,7 @@ def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | N
     trainable, total = count_parameters(model)
     return [
         "=" * 72,
-        f"model      {cfg.model.name_or_path}  (4-bit: {cfg.model.load_in_4bit}, template: {cfg.model.chat_template})",
+        f"model      {cfg.model.name_or_path}  (4-bit: {cfg.model.load_in_4bit}, template: {template_note(cfg.model)})",
         f"runtime    {runtime.note}",
         f"LoRA       r={cfg.lora.r} alpha={cfg.lora.alpha}  trainable {trainable:,} of {total:,} "
         f"({trainable / total:.2%})",
@@ -147,6 +147,12 @@ def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | N
         f"output     {cfg.train.output_dir}",
         "=" * 72,
     ]
+
+
+def template_note(m) -> str:
+    """``model`` section -> how the summary names its template, e.g. ``tokenizer's own, enable_thinking=false``."""
+    name = "tokenizer's own" if m.chat_template in (None, "tokenizer") else m.chat_template
+    return ", ".join([name, *(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in m.chat_template_kwargs.items())])
 
 
 def oom_advice(cfg: Config) -> str:
