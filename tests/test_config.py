@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from qlora_train.config import config_reference_markdown, load_config
 from qlora_train.data.chat_templates import resolve_chat_template
@@ -17,9 +18,33 @@ def test_every_shipped_config_validates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the quickstart's local model dir is built by `make demo`: stand one in
     (tmp_path / ".cache/tiny-qwen3").mkdir(parents=True)
     cfg = load_config(path)
-    assert resolve_chat_template(cfg.model.chat_template)
+    if cfg.model.chat_template is not None:  # None: the model's own template
+        assert resolve_chat_template(cfg.model.chat_template)
     for src in cfg.data.datasets:
         assert Path(src.path).exists(), src.path
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_say_which_template_and_why(path):
+    """Real models keep their own template; the offline quickstart names ours (its tiny model ships it)."""
+    text = path.read_text()
+    model = yaml.safe_load(text)["model"]
+    if path.name == "quickstart.yaml":
+        assert model["chat_template"] == "qwen3" and "keeps the demo the same everywhere" in text
+    else:
+        assert "chat_template" not in model and "the model's own template is used" in text
+
+
+def test_template_key_defaults_to_the_tokenizers_own_and_old_values_still_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    base = {"data": {"datasets": [{"path": "d.jsonl"}]}}
+    for model, expected in [({}, None), ({"chat_template": "tokenizer"}, "tokenizer"),
+                            ({"chat_template": "llama3.1"}, "llama3.1")]:
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump({**base, "model": {"name_or_path": "org/m", **model}}))
+        cfg = load_config(tmp_path / "c.yaml", ["model.chat_template_kwargs={enable_thinking: false}"])
+        assert cfg.model.chat_template == expected
+        assert cfg.model.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_overrides_apply_last(tmp_path, monkeypatch):
