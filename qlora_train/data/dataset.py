@@ -199,18 +199,26 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
     report.rows_reasoning_trimmed = sum(1 for n in cols["reasoning_trimmed_tokens"] if n)
     report.rows_token_fallback = dict(Counter(s for s in cols["token_fallback"] if s))
     report.straddling_tokens = sum(cols["straddling_tokens"])
-    rows = [json.loads(p) if p != "{}" else {} for p in cols["parse_report"]]
-    report.parse = ParseReport.total(ParseReport.from_dict(d) for d in rows if d).to_dict()
-    kept = [d for d, reason in zip(rows, cols["drop_reason"]) if not reason and d]
-    for name in KEPT_PARSE_COUNTS:
-        setattr(report, name, sum(d.get(name, 0) for d in kept))
+    kept_counts: Counter = Counter()
     unrendered: Counter = Counter()
-    for d in kept:
-        unrendered.update(d.get("unrendered_messages", {}))
+
+    def row_reports():  # every row's report, for ``parse``; kept rows' counts summed on the way
+        for p, reason in zip(cols["parse_report"], cols["drop_reason"]):
+            if p == "{}":
+                continue
+            d = json.loads(p)
+            if not reason:
+                kept_counts.update({name: d.get(name, 0) for name in KEPT_PARSE_COUNTS})
+                unrendered.update(d.get("unrendered_messages", {}))
+            yield ParseReport.from_dict(d)
+
+    report.parse = ParseReport.total(row_reports()).to_dict()
+    for name in KEPT_PARSE_COUNTS:
+        setattr(report, name, kept_counts[name])
     report.unrendered_messages = dict(unrendered)
-    kept_mask = [not r for r in cols["drop_reason"]]
-    report.expanded_tokens = sum(n for n, k in zip(cols["expanded_tokens"], kept_mask) if k)
-    report.expanded_trained_tokens = sum(n for n, k in zip(cols["expanded_trained_tokens"], kept_mask) if k)
+    kept = [not r for r in cols["drop_reason"]]
+    report.expanded_tokens = sum(n for n, k in zip(cols["expanded_tokens"], kept) if k)
+    report.expanded_trained_tokens = sum(n for n, k in zip(cols["expanded_trained_tokens"], kept) if k)
     return report
 
 
