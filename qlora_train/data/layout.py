@@ -206,13 +206,30 @@ def _generated_lead(lead: str, think_open: str, think_close: str, answer_open: s
     return rest
 
 
-def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: str) -> list[tuple[str, str]]:
+def _markup_tail(tail: str, added: list[str]) -> str:
+    """The opener in the prompt-side text after a probe message: past the probe's own strings (a tool call id
+    the template echoes), and, when it ends in added tokens, just those (``[/TOOL_RESULTS]``)."""
+    for probe in (_CALL_ID, "qlora_probe", _ARG):
+        k = tail.rfind(probe)
+        if k >= 0:
+            tail = tail[k + len(probe):]
+    parts = pieces(tail, added)
+    n = len(parts)
+    while n and (parts[n - 1] in added or not parts[n - 1].strip(_WS)):
+        n -= 1
+    markup = "".join(parts[n:]).lstrip(_WS)
+    return markup if any(p in added for p in parts[n:]) else tail.lstrip(_WS)
+
+
+def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: str,
+             added: list[str]) -> list[tuple[str, str]]:
     """(opener, lead): the prompt-side text after the user message (and after a tool result) up to where the
     answer's generated part starts, and what that part writes before the answer."""
     out = []
     u = prompted.rindex(_USER) + len(_USER)
     end = _cut_open_think(prompted, u, _prompt_end(prompted, full), think_open)
-    out.append((prompted[u:end].lstrip(_WS), full[end:full.index(_ANSWER, end)] if _ANSWER in full[end:] else ""))
+    out.append((_markup_tail(prompted[u:end], added),
+                full[end:full.index(_ANSWER, end)] if _ANSWER in full[end:] else ""))
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "id": _CALL_ID, "function": {"name": "qlora_probe", "arguments": {"x": _ARG}}}]}
     result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
@@ -223,7 +240,7 @@ def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: 
         t = p.rindex(_TOOL_RESULT) + len(_TOOL_RESULT)
         end = _cut_open_think(p, t, _prompt_end(p, f), think_open)
         if end >= t and f.find(_ANSWER, end) >= 0:
-            out.append((p[t:end].lstrip(_WS), f[end:f.index(_ANSWER, end)]))
+            out.append((_markup_tail(p[t:end], added), f[end:f.index(_ANSWER, end)]))
     return [(o, lead) for o, lead in dict.fromkeys(out) if o]
 
 
@@ -271,7 +288,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
     key, think_open, think_close, answer_open = reasoning or (None, THINK_OPEN, THINK_CLOSE, "")
     base = _snap(prompted, _common_prefix(prompted, plain), added)  # where the generation prompt's text starts
     header = prompted[base:_cut_open_think(prompted, base, end, think_open)] if end > base else ""
-    found = _openers(tokenizer, user, prompted, full, think_open)
+    found = _openers(tokenizer, user, prompted, full, think_open, added)
     if header:  # the header opens every turn; an opener that does not end with it is a turn without one
         found = [(header, lead)] + [(o, lead2) for o, lead2 in found[1:] if not o.endswith(header)]
     if not found:

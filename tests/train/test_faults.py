@@ -188,5 +188,6 @@ def test_template_that_cannot_be_probed_is_a_config_error(tmp_path, qwen_tokeniz
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")  # no add_generation_prompt
     path = write_config(tmp_path, [GOOD_ROW], name_or_path=str(qwen_tokenizer_dir), chat_template=str(template))
     assert main(["--config", path]) == 2
-    assert ("  model.chat_template: ValueError: chat template: add_generation_prompt must append an assistant "
-            "header to the render") in capsys.readouterr().err.splitlines()
+    assert ("  model.chat_template: ValueError: chat template: nothing marks where an assistant answer starts "
+            "(no generation prompt, no text between the user message and the answer)"
+            ) in capsys.readouterr().err.splitlines()
