@@ -443,8 +443,8 @@ def _chat_template_problem(value: Any) -> list[str]:
         return [] if Path(value).is_file() else [f"model.chat_template: template file not found: {value}"]
     close = difflib.get_close_matches(value, names + list(ALIASES), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return [f"model.chat_template: unknown template '{value}'{hint}: use one of {names}, 'tokenizer', "
-            "or a .jinja path"]
+    return [f"model.chat_template: unknown template '{value}'{hint}: use one of {names} or a .jinja path, "
+            "or leave it unset for the tokenizer's own"]
 
 
 def file_problems(tree: dict) -> list[str]:

@@ -59,7 +59,8 @@ def resolve_chat_template(chat_template: str | None) -> str | None:
             raise FileNotFoundError(f"chat_template file not found: {path}")
         return _read(path)
     raise ValueError(
-        f"unknown chat_template {chat_template!r}: use one of {shipped_templates()}, 'tokenizer', or a .jinja path"
+        f"unknown chat_template {chat_template!r}: use one of {shipped_templates()} or a .jinja path, or None "
+        "for the tokenizer's own"
     )
 
 
