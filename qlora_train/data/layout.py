@@ -258,12 +258,18 @@ def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str]) -
     return last if last in added else None
 
 
+def _template_key(tokenizer) -> str:
+    """The tokenizer's template as a cache key (a dict of named templates too: Command R ships several)."""
+    template = tokenizer.chat_template or ""
+    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+
+
 _LAYOUTS: dict[tuple[int, str], TemplateLayout] = {}
 
 
 def template_layout(tokenizer) -> TemplateLayout:
     """Probe the tokenizer's chat template once (cached per tokenizer and template)."""
-    key = (id(tokenizer), tokenizer.chat_template or "")
+    key = (id(tokenizer), _template_key(tokenizer))
     if key not in _LAYOUTS:
         _LAYOUTS[key] = probe_layout(tokenizer)
     return _LAYOUTS[key]
@@ -318,7 +324,7 @@ _ROLE_RENDERED: dict[tuple[int, str, str], bool] = {}
 
 def role_is_rendered(tokenizer, role: str) -> bool:
     """Whether the template writes the content of a ``role`` message at all (probed once per role)."""
-    key = (id(tokenizer), tokenizer.chat_template or "", role)
+    key = (id(tokenizer), _template_key(tokenizer), role)
     if key not in _ROLE_RENDERED:
         probe = {"role": role, "content": _SYSTEM}
         user, answer = {"role": "user", "content": _USER}, {"role": "assistant", "content": _ANSWER}

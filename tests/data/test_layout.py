@@ -130,3 +130,11 @@ def test_unrendered_known_role_is_counted(make_tok):
     out = process_rows([{"messages": CONVO}], make_tok(IN_USER_TURN), DataConfig())
     assert out["drop_reason"] == [""]
     assert json.loads(out["parse_report"][0])["unrendered_messages"] == {"system": 1}
+
+
+def test_named_templates_dict_is_probed(make_tok):
+    # tokenizers may carry several named templates (Command R: default, tool_use, rag); the probe must not
+    # choke on the dict, and transformers renders with "default" when no tools are given
+    tok = make_tok({"default": NO_HEADER, "tool_use": IN_USER_TURN})
+    assert probe_layout(tok).turn_openers == ("[/INST]",)
+    assert trained(render_conversation(CONVO[1:], tok)) == " A1</s> A2</s>"
