@@ -33,6 +33,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class TemplateLayout:
         """The end marker of an ordinary turn ('' when the template writes none)."""
         return self.end_markers[0] if self.end_markers else ""
 
-    @property
+    @cached_property
     def anchors(self) -> tuple[str, ...]:
         """Texts that may open a turn's generated part: untrained content must not contain them."""
         return tuple(dict.fromkeys(a for a in (self.assistant_header, *self.turn_openers) if a))

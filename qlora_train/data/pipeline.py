@@ -37,7 +37,7 @@ from qlora_train.data.layout import template_layout
 from qlora_train.data.messages import DropReason, RowRejected
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
 from qlora_train.data.render import RenderedConversation, render_conversation
-from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, make_labels, project_char_mask
+from qlora_train.data.tokenize import IGNORE_INDEX, count_tokens, encode_batch, make_labels, project_char_mask
 from qlora_train.data.truncate import Measured, structured_truncate_messages
 
 OUTPUT_COLUMNS = (
@@ -325,7 +325,7 @@ def _extra_example(st: _Staged, enc, tokenizer, cfg: DataConfig, out: dict) -> N
 
 def _count_dropped_reasoning_tokens(dropped: list[tuple[int, str]], tokenizer, outs: list[dict]) -> None:
     """Tokens of the reasoning each row trains without (one tokenizer call for the batch)."""
-    lengths = [len(ids) for ids in tokenizer([r for _, r in dropped], add_special_tokens=False)["input_ids"]]
+    lengths = count_tokens([r for _, r in dropped], tokenizer)
     per_row: dict[int, int] = {}
     for (i, _), n in zip(dropped, lengths):
         per_row[i] = per_row.get(i, 0) + n
