@@ -1,0 +1,304 @@
+"""Stand-in chat templates of real model families, for tests on the real Qwen vocabulary.
+
+Each template in ``family_templates/`` was written from the family's published
+template (Hugging Face ``tokenizer_config.json`` / ``chat_template.jinja``, the
+copies llama.cpp keeps under ``models/templates``, Mistral's tokenization docs,
+FastChat for Vicuna) to reproduce its render byte for byte for ordinary
+conversations, quirks included: trimming, JSON-encoded tool results, raising on
+roles it does not know, dropped reasoning, where eos goes. ``FAMILIES`` says what
+each one is; ``family_tokenizer`` builds a tokenizer that renders with it::
+
+    tok = family_tokenizer(qwen_tokenizer_dir, "phi3")
+    tok.apply_chat_template(example_messages("phi3"), tokenize=False)
+    # '<s><|user|>\\nWhat is the capital of France?<|end|>\\n<|assistant|>\\nParis.<|end|>\\n...'
+
+The family's special tokens are added to the Qwen vocabulary so that each
+tokenizes as one token, as with the family's own tokenizer.
+
+``Family.example_trained`` is the text a training row of ``EXAMPLE`` must train,
+written by hand from the template's layout (see ``_Turns``), not computed.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+
+TEMPLATE_DIR = Path(__file__).parent / "family_templates"
+
+REASONING = ("none", "rendered_last_only", "never", "always")
+LAYOUT_CLASSES = ("header_from_generation_prompt", "header_in_user_turn", "no_header")
+
+# system?, user, assistant, user, assistant: no reasoning, no tools, nothing a template trims
+EXAMPLE = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome."},
+]
+
+
+class _Turns(tuple):
+    """The trained text of each assistant turn of ``EXAMPLE``, in order.
+
+    Derived by hand, per the masking policy (docs/masking.md): a turn's trained
+    text is what the model generates after the prompt the template gives it at
+    inference (the render of the conversation up to that turn with
+    ``add_generation_prompt=True``), through the end-of-turn marker(s) it must emit
+    to stop, without the separator after the last marker. So:
+
+    - text the generation prompt (or the end of the user turn) writes is not
+      trained, except a reasoning block the generation prompt opens (EXAONE 4
+      writes a whole empty ``<think>\\n\\n</think>\\n\\n``): it stays in the trained
+      part, the project's rule for Qwen3.5's ``<think>\\n``;
+    - whitespace between the prompt and the content is generated, so it is
+      trained: ``[/INST]`` + `` Paris.`` (Mistral v1/v3, Llama 2), ``ASSISTANT:`` +
+      `` Paris.`` (Vicuna), ``<|assistant|>`` + ``\\nParis.`` (GLM);
+    - a template whose turns have no end marker (GLM) ends a turn with the next
+      header the model generates to stop (``<|user|>``); the last turn ends with
+      its text.
+    """
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's chat template and the tokens it writes."""
+
+    name: str
+    template: str  # file name in family_templates/
+    special_tokens: tuple[str, ...]  # control tokens the template writes, single tokens in the family's tokenizer
+    bos_token: str | None  # as the family's tokenizer config defines them (None: not defined / not used)
+    eos_token: str | None
+    supports_tools: bool  # the template writes tool calls and tool results (see notes for the tool list)
+    supports_system: bool  # a leading system message is (or can be) rendered
+    reasoning: str  # one of REASONING: how the template renders an assistant turn's reasoning
+    layout_class: str  # one of LAYOUT_CLASSES: where the prompt of a turn ends
+    notes: str
+    example_turns: _Turns  # trained text of each assistant turn of example_messages(name)
+    end_markers: tuple[str, ...] = ()  # what closes a generated turn (answer first)
+    reasoning_key: str | None = None  # the message key the template reads reasoning from
+    tool_arguments_as_string: bool = False  # tool call arguments must be a JSON string (a dict raises)
+
+    def __post_init__(self):
+        assert self.reasoning in REASONING, self.reasoning
+        assert self.layout_class in LAYOUT_CLASSES, self.layout_class
+        assert (TEMPLATE_DIR / self.template).is_file(), self.template
+
+    @property
+    def example_trained(self) -> str:
+        """The trained text of all assistant turns of ``example_messages(name)``, concatenated."""
+        return "".join(self.example_turns)
+
+    @property
+    def template_text(self) -> str:
+        return (TEMPLATE_DIR / self.template).read_text()
+
+
+def _t(*turns: str) -> _Turns:
+    return _Turns(turns)
+
+
+_MISTRAL_TOOLS = ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+_COHERE = ("<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>",
+           "<|CHATBOT_TOKEN|>")
+_DEEPSEEK = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+             "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+             "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+             "<｜tool▁output▁end｜>")
+_DS_EOS = "<｜end▁of▁sentence｜>"
+_GLM = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>")
+_R7B = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
+_R7B_TOOLS = ("<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>",
+              "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>")
+
+_FAMILY_LIST = [
+    Family(
+        "phi3", "phi3.jinja", ("<s>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"), "<s>", "<|endoftext|>",
+        supports_tools=False, supports_system=False, reasoning="none", layout_class="header_in_user_turn",
+        notes="Phi-3-mini original: <|assistant|>\\n closes every user turn, no generation prompt; system dropped",
+        example_turns=_t("Paris.<|end|>", "Rome.<|end|>"), end_markers=("<|end|>",)),
+    Family(
+        "phi3.5", "phi3.5.jinja", ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"), "<s>",
+        "<|endoftext|>", supports_tools=False, supports_system=True, reasoning="none",
+        layout_class="header_from_generation_prompt",
+        notes="Phi-3.5-mini: generation prompt <|assistant|>\\n; without it the render ends with eos after <|end|>\\n",
+        example_turns=_t("Paris.<|end|>", "Rome.<|end|>"), end_markers=("<|end|>",)),
+    Family(
+        "llama2", "llama2.jinja", ("<s>", "</s>"), "<s>", "</s>", supports_tools=False, supports_system=True,
+        reasoning="none", layout_class="no_header",
+        notes="Llama 2 chat: <s>[INST] <<SYS>> system in the first turn; answers ' ' + strip + ' </s>'; "
+              "[INST] is plain text; roles must alternate",
+        example_turns=_t(" Paris. </s>", " Rome. </s>"), end_markers=("</s>",)),
+    Family(
+        "mistral-v1", "mistral-v1.jinja", ("<s>", "</s>"), "<s>", "</s>", supports_tools=False,
+        supports_system=True, reasoning="none", layout_class="no_header",
+        notes="Mistral tokenizer v1 (7B v0.1/v0.2): ' [INST] ' + system\\n\\n + user + ' [/INST]', ' ' + answer + "
+              "</s>; [INST] is plain text; other roles raise",
+        example_turns=_t(" Paris.</s>", " Rome.</s>"), end_markers=("</s>",)),
+    Family(
+        "mistral-v3", "mistral-v3.jinja", ("<s>", "</s>", "[INST]", "[/INST]", *_MISTRAL_TOOLS), "<s>", "</s>",
+        supports_tools=True, supports_system=True, reasoning="none", layout_class="no_header",
+        notes="Mistral tokenizer v3 (7B v0.3): system only inside a user turn that is the last message (dropped "
+              "when the conversation ends with an answer); answers ' ' + trim; 9-character tool call ids",
+        example_turns=_t(" Paris.</s>", " Rome.</s>"), end_markers=("</s>",)),
+    Family(
+        "mistral-v7", "mistral-v7.jinja",
+        ("<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", *_MISTRAL_TOOLS), "<s>", "</s>",
+        supports_tools=True, supports_system=True, reasoning="none", layout_class="no_header",
+        notes="Mistral Small 3.1 (v7 tekken): [SYSTEM_PROMPT] always written (default one with today's date); "
+              "tool call ids of 9+ characters, last 9 written; a second system message raises",
+        example_turns=_t("Paris.</s>", "Rome.</s>"), end_markers=("</s>",)),
+    Family(
+        "mistral-tekken", "mistral-tekken.jinja", ("<s>", "</s>", "[INST]", "[/INST]", *_MISTRAL_TOOLS), "<s>",
+        "</s>", supports_tools=True, supports_system=True, reasoning="none", layout_class="no_header",
+        notes="Mistral Nemo (v3 tekken): no spaces around [INST]; system only in a last-message user turn; "
+              "9-character tool call ids",
+        example_turns=_t("Paris.</s>", "Rome.</s>"), end_markers=("</s>",)),
+    Family(
+        "zephyr", "zephyr.jinja", ("</s>",), "<s>", "</s>", supports_tools=False, supports_system=True,
+        reasoning="none", layout_class="header_from_generation_prompt",
+        notes="Zephyr: <|role|>\\n + content + </s>\\n; the role headers are plain text, only </s> is special",
+        example_turns=_t("Paris.</s>", "Rome.</s>"), end_markers=("</s>",)),
+    Family(
+        "vicuna", "vicuna.jinja", ("<s>", "</s>"), "<s>", "</s>", supports_tools=False, supports_system=True,
+        reasoning="none", layout_class="header_from_generation_prompt",
+        notes="Vicuna v1.1 (FastChat format, no official template): 'USER: q ASSISTANT: a</s>'; generation "
+              "prompt 'ASSISTANT:' without the space, so the space is generated",
+        example_turns=_t(" Paris.</s>", " Rome.</s>"), end_markers=("</s>",)),
+    Family(
+        "command-r", "command-r.jinja", _COHERE, "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>", supports_tools=False,
+        supports_system=True, reasoning="none", layout_class="header_from_generation_prompt",
+        notes="Command R v01 default template: stripped contents, roles must alternate",
+        example_turns=_t("Paris.<|END_OF_TURN_TOKEN|>", "Rome.<|END_OF_TURN_TOKEN|>"),
+        end_markers=("<|END_OF_TURN_TOKEN|>",)),
+    Family(
+        "command-r7b", "command-r7b.jinja", (*_COHERE, *_R7B), "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>",
+        supports_tools=False, supports_system=True, reasoning="none", layout_class="header_from_generation_prompt",
+        notes="Command R7B default template: generation prompt ends with <|START_RESPONSE|>; two end markers",
+        example_turns=_t("Paris.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>", "Rome.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"),
+        end_markers=("<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",)),
+    Family(
+        "command-r7b-tools", "command-r7b-tools.jinja", (*_COHERE, *_R7B, *_R7B_TOOLS), "<BOS_TOKEN>",
+        "<|END_OF_TURN_TOKEN|>", supports_tools=True, supports_system=True, reasoning="none",
+        layout_class="header_in_user_turn",
+        notes="Command R7B tool_use template: every render ends with <|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>; "
+              "the model generates <|START_RESPONSE|> (answer marker) or <|START_THINKING|>..<|START_ACTION|>",
+        example_turns=_t("<|START_RESPONSE|>Paris.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+                         "<|START_RESPONSE|>Rome.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"),
+        end_markers=("<|END_RESPONSE|><|END_OF_TURN_TOKEN|>", "<|END_ACTION|><|END_OF_TURN_TOKEN|>")),
+    Family(
+        "deepseek-v3", "deepseek-v3.jinja", _DEEPSEEK, "<｜begin▁of▁sentence｜>", _DS_EOS, supports_tools=True,
+        supports_system=True, reasoning="none", layout_class="header_in_user_turn",
+        notes="DeepSeek-V3-0324: <｜Assistant｜> closes each user turn; tools kwarg not written; tool call "
+              "arguments concatenated as strings (dicts raise); after tool results the answer follows "
+              "<｜tool▁outputs▁end｜>",
+        example_turns=_t("Paris." + _DS_EOS, "Rome." + _DS_EOS), end_markers=(_DS_EOS,),
+        tool_arguments_as_string=True),
+    Family(
+        "deepseek-r1", "deepseek-r1.jinja", (*_DEEPSEEK, "<think>", "</think>"), "<｜begin▁of▁sentence｜>", _DS_EOS,
+        supports_tools=True, supports_system=True, reasoning="never", layout_class="header_from_generation_prompt",
+        notes="DeepSeek-R1: content cut after </think>, reasoning never rendered; generation prompt "
+              "<｜Assistant｜><think>\\n; tools kwarg not written; string tool arguments only; only the first "
+              "tool-call turn of a conversation gets its header",
+        example_turns=_t("Paris." + _DS_EOS, "Rome." + _DS_EOS), end_markers=(_DS_EOS,),
+        tool_arguments_as_string=True),
+    Family(
+        "exaone4", "exaone4.jinja",
+        ("[|system|]", "[|user|]", "[|assistant|]", "[|tool|]", "[|endofturn|]", "<think>", "</think>"), "[BOS]",
+        "[|endofturn|]", supports_tools=True, supports_system=True, reasoning="never",
+        layout_class="header_from_generation_prompt",
+        notes="EXAONE 4.0: skip_think (default true) writes an empty <think>\\n\\n</think>\\n\\n in every answer "
+              "and the generation prompt; skip_think=false shows the last message's reasoning; "
+              "enable_thinking=true makes the generation prompt open <think>\\n; unknown roles raise",
+        example_turns=_t("<think>\n\n</think>\n\nParis.[|endofturn|]", "<think>\n\n</think>\n\nRome.[|endofturn|]"),
+        end_markers=("[|endofturn|]",), reasoning_key="reasoning_content"),
+    Family(
+        "falcon3", "falcon3.jinja", ("<|system|>", "<|user|>", "<|assistant|>", "<|endoftext|>"), None,
+        "<|endoftext|>", supports_tools=True, supports_system=True, reasoning="none",
+        layout_class="header_from_generation_prompt",
+        notes="Falcon3 instruct (the Falcon-H1 template could not be confirmed): the last message ends with eos "
+              "and no newline; with tools a call turn has no header when its content is empty and tool "
+              "results are written under <|assistant|>",
+        example_turns=_t("Paris.<|endoftext|>", "Rome.<|endoftext|>"), end_markers=("<|endoftext|>",)),
+    Family(
+        "llama4", "llama4.jinja",
+        ("<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|python_start|>", "<|python_end|>"),
+        "<|begin_of_text|>", "<|eot|>", supports_tools=True, supports_system=True, reasoning="none",
+        layout_class="header_from_generation_prompt",
+        notes="Llama 4: tool results written through tojson (a string becomes a quoted JSON string); tools in "
+              "the first user turn by default; contents not trimmed (the system one is)",
+        example_turns=_t("Paris.<|eot|>", "Rome.<|eot|>"), end_markers=("<|eot|>",)),
+    Family(
+        "glm4", "glm4.jinja", _GLM, None, "<|endoftext|>", supports_tools=False, supports_system=True,
+        reasoning="none", layout_class="header_from_generation_prompt",
+        notes="GLM-4-9B-chat: no end marker, a turn ends at the next header (<|user|>, <|observation|>); "
+              "empty-content messages left out; tools only from a message's 'tools' field",
+        example_turns=_t("\nParis.<|user|>", "\nRome."), end_markers=("<|user|>", "<|observation|>")),
+    Family(
+        "glm4.5", "glm4.5.jinja",
+        (*_GLM, "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+         "</arg_value>", "<tool_response>", "</tool_response>"), None, "<|endoftext|>", supports_tools=True,
+        supports_system=True, reasoning="rendered_last_only", layout_class="header_from_generation_prompt",
+        notes="GLM-4.5/4.6: no end marker; every answer opens \\n<think>..</think>, the reasoning shown only "
+              "after the last user message; enable_thinking=false appends /nothink to user turns; dict "
+              "tool arguments only (strings raise)",
+        example_turns=_t("\n<think></think>\nParis.<|user|>", "\n<think></think>\nRome."),
+        end_markers=("<|user|>", "<|observation|>"), reasoning_key="reasoning_content"),
+    Family(
+        "granite3", "granite3.jinja", ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"), "<|end_of_text|>",
+        "<|end_of_text|>", supports_tools=False, supports_system=True, reasoning="never",
+        layout_class="header_from_generation_prompt",
+        notes="Granite 3.3: default system turn with today's date; tools listed but tool_calls and reasoning "
+              "never written; 'thinking' kwarg only changes the default system text",
+        example_turns=_t("Paris.<|end_of_text|>", "Rome.<|end_of_text|>"), end_markers=("<|end_of_text|>",)),
+    Family(
+        "smollm3", "smollm3.jinja", ("<|im_start|>", "<|im_end|>", "<think>", "</think>"), None, "<|im_end|>",
+        supports_tools=False, supports_system=True, reasoning="never", layout_class="header_from_generation_prompt",
+        notes="SmolLM3: /think (default) or /no_think from enable_thinking or the system message; /no_think "
+              "answers and generation prompt open <think>\\n\\n</think>\\n; reasoning_content never read; "
+              "tools only via xml_tools/python_tools kwargs",
+        example_turns=_t("Paris.<|im_end|>", "Rome.<|im_end|>"), end_markers=("<|im_end|>",)),
+    Family(
+        "gpt-oss", "gpt-oss.jinja", ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"),
+        "<|startoftext|>", "<|return|>", supports_tools=True, supports_system=True, reasoning="rendered_last_only",
+        layout_class="header_from_generation_prompt",
+        notes="gpt-oss harmony: reasoning from message.thinking, shown only for the last message (and tool-call "
+              "turns with no later answer); answers end <|end|>, the last <|return|>, calls <|call|>; "
+              "generation prompt <|start|>assistant",
+        example_turns=_t("<|channel|>final<|message|>Paris.<|end|>", "<|channel|>final<|message|>Rome.<|return|>"),
+        end_markers=("<|end|>", "<|return|>", "<|call|>"), reasoning_key="thinking"),
+]
+
+FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILY_LIST}
+
+
+def example_messages(name: str) -> list[dict]:
+    """A fresh copy of ``EXAMPLE`` for the family (without the system message where it has none)."""
+    messages = copy.deepcopy(EXAMPLE)
+    return messages if FAMILIES[name].supports_system else messages[1:]
+
+
+def family_tokenizer(base_tokenizer_dir: str | PathLike, name: str):
+    """The base tokenizer with the family's special tokens, bos/eos and chat template.
+
+    Tokens the base tokenizer already has as added tokens (``<|endoftext|>``,
+    ``<think>``) are kept as they are; the others are added as special tokens.
+    """
+    from transformers import AutoTokenizer
+
+    family = FAMILIES[name]
+    tok = AutoTokenizer.from_pretrained(base_tokenizer_dir)
+    added = tok.get_added_vocab()  # not get_vocab(): '<s>' is also an ordinary BPE piece of the Qwen vocabulary
+    wanted = [*family.special_tokens, *(t for t in (family.bos_token, family.eos_token) if t)]
+    new = [t for t in dict.fromkeys(wanted) if t not in added]
+    if new:
+        tok.add_special_tokens({"additional_special_tokens": new})
+    if family.bos_token:
+        tok.bos_token = family.bos_token
+    if family.eos_token:
+        tok.eos_token = family.eos_token
+    tok.chat_template = family.template_text
+    return tok
