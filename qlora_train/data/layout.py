@@ -63,6 +63,7 @@ class TemplateLayout:
     answer_open: str = ""  # generated marker between the reasoning block and the content ('' for most)
     reasoning_key: str | None = "reasoning_content"  # None: no probe found the reasoning rendered
     leads: tuple[str, ...] = ()  # other template text generated before the content (DeepSeek after tool output)
+    turn_start: str = ""  # the piece that opens a user turn (``<|im_start|>``): never inside a generated part
     last_turn_unmarked: bool = False  # the last turn ends with the text (GLM-4: turns end where the next begins)
 
     @property
@@ -137,13 +138,23 @@ def _snap(text: str, n: int, added: list[str]) -> int:
     return at
 
 
-def _end_markers(after_mid: str, after_last: str, added: list[str]) -> list[str]:
+def _end_markers(after_mid: str, after_last: str, added: list[str], next_open: str = "") -> list[str]:
     """What closes a turn, from the text after an earlier answer and after the last one.
 
-    The end is what both share (``<|im_end|>``, ``</s>``, ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``);
+    The end is what both share (``<|im_end|>``, ``</s>``, ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``), up to
+    ``next_open``, the piece that opens a user turn (a template whose every render ends with an open turn);
     when they share nothing (harmony: ``<|end|>`` mid-conversation, ``<|return|>`` at the end), each one's
     first piece.
     """
+    return [_before(m, next_open) for m in _shared_end(after_mid, after_last, added)]
+
+
+def _before(marker: str, next_open: str) -> str:
+    cut = marker.find(next_open) if next_open else -1
+    return marker[:cut].strip(_WS) if cut > 0 else marker
+
+
+def _shared_end(after_mid: str, after_last: str, added: list[str]) -> list[str]:
     last = after_last.strip(_WS)
     shared = after_mid[:_common_prefix(after_mid, after_last)].strip(_WS)
     if last and shared == last:
@@ -222,6 +233,23 @@ def _markup_tail(tail: str, added: list[str]) -> str:
     return markup if any(p in added for p in parts[n:]) else tail.lstrip(_WS)
 
 
+def _call(*names: str, as_string: bool = False) -> dict:
+    """A probe assistant turn calling ``names`` (arguments as a dict, or as a JSON string)."""
+    args = {"x": _ARG}
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": _CALL_ID, "function": {"name": n, "arguments": json.dumps(args) if as_string
+                                                          else args}} for n in names]}
+
+
+def _try_calls(tokenizer, build, **kw) -> tuple[str | None, bool]:
+    """Render ``build(as_string)`` with dict arguments, else string ones -> (text, as_string)."""
+    for as_string in (False, True):
+        text = _try(tokenizer, build(as_string), tools=[_PROBE_TOOL], **kw)
+        if text is not None and _ARG in text:
+            return text, as_string
+    return None, False
+
+
 def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: str,
              added: list[str]) -> list[tuple[str, str]]:
     """(opener, lead): the prompt-side text after the user message (and after a tool result) up to where the
@@ -231,11 +259,9 @@ def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: 
     end = _cut_open_think(prompted, u, _prompt_end(prompted, full), think_open)
     out.append((_markup_tail(prompted[u:end], added),
                 full[end:full.index(_ANSWER, end)] if _ANSWER in full[end:] else ""))
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "id": _CALL_ID, "function": {"name": "qlora_probe", "arguments": {"x": _ARG}}}]}
     result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
-    convo = user + [call, result]
-    p = _try(tokenizer, convo, tools=[_PROBE_TOOL], gen=True)
+    p, as_string = _try_calls(tokenizer, lambda s: user + [_call("qlora_probe", as_string=s), result], gen=True)
+    convo = user + [_call("qlora_probe", as_string=as_string), result]
     f = _try(tokenizer, convo + [{"role": "assistant", "content": _ANSWER}], tools=[_PROBE_TOOL])
     if p is not None and f is not None and _TOOL_RESULT in p and _ANSWER in f:
         t = p.rindex(_TOOL_RESULT) + len(_TOOL_RESULT)
@@ -245,18 +271,36 @@ def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: 
     return [(o, lead) for o, lead in dict.fromkeys(out) if o]
 
 
-def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str]) -> str | None:
-    """A marker that closes a tool-call turn when none of the known ones does (harmony's ``<|call|>``)."""
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "id": _CALL_ID, "function": {"name": "qlora_probe", "arguments": {"x": _ARG}}}]}
-    text = _try(tokenizer, user + [call], tools=[_PROBE_TOOL])
-    if text is None or _ARG not in text:
+def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], next_open: str) -> str | None:
+    """What closes a tool-call turn when none of the known markers does.
+
+    harmony closes it with ``<|call|>``; GLM writes nothing after the calls (``</tool_call>`` closes each call,
+    not the turn) and the model stops by writing the tool result's opener, ``<|observation|>``. A piece that
+    follows every call of a two-call turn closes a call, not the turn.
+    """
+    last, as_string = _try_calls(tokenizer, lambda s: user + [_call("qlora_probe", as_string=s)])
+    if last is None:
         return None
-    after = text[text.rindex(_ARG) + len(_ARG):]
+    after = last[last.rindex(_ARG) + len(_ARG):]
+    after = after[:after.find(next_open)] if next_open and next_open in after else after  # a dangling open turn
     if any(m in after for m in known):
         return None
-    last = _last_piece(after, added)
-    return last if last in added else None
+    two = _try(tokenizer, user + [_call("qlora_probe", "qlora_probe", as_string=as_string)], tools=[_PROBE_TOOL])
+    closer = None
+    if two is not None and two.count(_ARG) == 2:
+        first = two[two.index(_ARG) + len(_ARG):two.rindex(_ARG)]
+        closer = _last_piece(after, added) if _last_piece(after, added) in first else None
+    end = _last_piece(after, added)
+    if end in added and end != closer:
+        return end
+    result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
+    mid = _try(tokenizer, user + [_call("qlora_probe", as_string=as_string), result], tools=[_PROBE_TOOL])
+    if mid is None or _TOOL_RESULT not in mid:
+        return None
+    rest = mid[mid.rindex(_ARG) + len(_ARG):mid.rindex(_TOOL_RESULT)]
+    rest = rest[rest.find(closer) + len(closer):] if closer and closer in rest else rest
+    opener = _first_piece(rest, added)
+    return opener if opener in added else None
 
 
 def _template_key(tokenizer) -> str:
@@ -307,8 +351,10 @@ def probe_layout(tokenizer) -> TemplateLayout:
                                      {"role": "assistant", "content": _ANSWER2}])
     a1 = two.index(_ANSWER) + len(_ANSWER)
     after_last = two[two.rindex(_ANSWER2) + len(_ANSWER2):]
-    markers = _end_markers(two[a1:two.index(_USER2, a1)], after_last, added)
-    call_end = _call_end(tokenizer, user, markers, added)
+    user_open = _first_piece(plain[_snap(plain, len(tokenizer.bos_token or ""), added)
+                                   if plain.startswith(tokenizer.bos_token or "\0") else 0:plain.index(_USER)], added)
+    markers = _end_markers(two[a1:two.index(_USER2, a1)], after_last, added, user_open)
+    call_end = _call_end(tokenizer, user, markers, added, user_open)
     if call_end:
         markers.append(call_end)
     if not markers:
@@ -316,7 +362,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
                     "to stop")
     return TemplateLayout(assistant_header=header, turn_openers=tuple(openers), end_markers=tuple(markers),
                           think_open=think_open, think_close=think_close, answer_open=answer_open,
-                          reasoning_key=key, leads=tuple(dict.fromkeys(leads)),
+                          reasoning_key=key, leads=tuple(dict.fromkeys(leads)), turn_start=user_open,
                           last_turn_unmarked=bool(markers) and not after_last.strip(_WS))
 
 

@@ -180,17 +180,22 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
         if any(m in written for m in markers):
             raise _unverified(i, "tool call arguments contain the end-of-turn marker")
     e, marker = _first_of(text, markers, pos)
-    if e < 0 and layout.last_turn_unmarked and not calls and not text[pos:].strip(_WS):
+    if e < 0 and layout.last_turn_unmarked and not text[pos:].strip(_WS):
         return TurnSpan(i, start, pos, body_start, reasoning, None, dropped)  # the last turn: nothing closes it
     if e < 0:
         raise _unverified(i, f"end-of-turn marker {list(markers)} not found")
     between = text[pos:e]
+    if any(a in between for a in layout.anchors) or (layout.turn_start and layout.turn_start in between
+                                                      and layout.turn_start not in markers):
+        raise _unverified(i, "another turn opens before this turn's end-of-turn marker")
     if calls:
         at = 0
         for call in calls:
-            at = between.find(call["function"]["name"], at)
+            name = call["function"]["name"]
+            at = between.find(name, at)
             if at < 0:
-                raise _unverified(i, f"tool call {call['function']['name']!r} not rendered")
+                raise _unverified(i, f"tool call {name!r} not rendered (the template writes fewer calls)")
+            at += len(name)
     elif between.strip(_WS):
         raise _unverified(i, "unexpected text between content and end-of-turn marker")
     return TurnSpan(i, start, e + len(marker), body_start, reasoning, e, dropped)
