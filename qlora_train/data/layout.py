@@ -64,6 +64,7 @@ class TemplateLayout:
     reasoning_key: str | None = "reasoning_content"  # None: no probe found the reasoning rendered
     leads: tuple[str, ...] = ()  # other template text generated before the content (DeepSeek after tool output)
     turn_start: str = ""  # the piece that opens a user turn (``<|im_start|>``): never inside a generated part
+    tool_arguments_as_string: bool = False  # the template writes arguments as given and needs a JSON string
     last_turn_unmarked: bool = False  # the last turn ends with the text (GLM-4: turns end where the next begins)
 
     @property
@@ -355,6 +356,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
                                    if plain.startswith(tokenizer.bos_token or "\0") else 0:plain.index(_USER)], added)
     markers = _end_markers(two[a1:two.index(_USER2, a1)], after_last, added, user_open)
     call_end = _call_end(tokenizer, user, markers, added, user_open)
+    _, args_as_string = _try_calls(tokenizer, lambda as_string: user + [_call("qlora_probe", as_string=as_string)])
     if call_end:
         markers.append(call_end)
     if not markers:
@@ -363,6 +365,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
     return TemplateLayout(assistant_header=header, turn_openers=tuple(openers), end_markers=tuple(markers),
                           think_open=think_open, think_close=think_close, answer_open=answer_open,
                           reasoning_key=key, leads=tuple(dict.fromkeys(leads)), turn_start=user_open,
+                          tool_arguments_as_string=args_as_string,
                           last_turn_unmarked=bool(markers) and not after_last.strip(_WS))
 
 

@@ -65,16 +65,27 @@ class RenderedConversation(NamedTuple):
 
 
 def template_messages(messages: list[Message], layout: TemplateLayout) -> list[Message]:
-    """Messages as the template reads them: reasoning under the key it reads (``thinking`` for harmony)."""
+    """Messages as the template reads them: reasoning under the key it reads (``reasoning`` for some), tool
+    call arguments as a JSON string for templates that write them as given (DeepSeek)."""
     key = layout.reasoning_key
-    if key is None or key == "reasoning_content" or not any("reasoning_content" in m for m in messages):
+    rename = key is not None and key != "reasoning_content"
+    if not rename and not layout.tool_arguments_as_string:
         return messages
     out = []
     for m in messages:
-        if "reasoning_content" in m:
+        if rename and "reasoning_content" in m:
             m = {k: v for k, v in m.items() if k != "reasoning_content"} | {key: m["reasoning_content"]}
+        if layout.tool_arguments_as_string and m.get("tool_calls"):
+            m = {**m, "tool_calls": [_string_arguments(c) for c in m["tool_calls"]]}
         out.append(m)
     return out
+
+
+def _string_arguments(call: dict) -> dict:
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        return call
+    return {**call, "function": {**call["function"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
 def render_text(messages: list[Message], tokenizer, *, tools=None, add_generation_prompt=False) -> str:

@@ -1,0 +1,230 @@
+"""Verified masks on the layouts of 20 model families (stand-in templates in family_templates/).
+
+For every family: the mask of a fixed conversation equals the one written by hand
+(``Family.example_turns``), through the whole pipeline down to tokens; and over
+random conversations (system, multi-turn, reasoning, tool calls where the family
+has them, unicode and whitespace edges): no user/system/tool character is ever
+trained, every trained turn's content and end marker are trained, the prompt side
+(openers) never is, and, where the template renders each prefix the same way
+inside the whole conversation, the trained text equals an independent oracle: what
+each turn adds after the render of the conversation before it with the generation
+prompt.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows
+from qlora_train.data.layout import template_layout
+from qlora_train.data.render import render_conversation
+from tests.data.families import FAMILIES, example_messages, family_tokenizer
+
+NAMES = sorted(FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def toks(qwen_tokenizer_dir):
+    return {name: family_tokenizer(qwen_tokenizer_dir, name) for name in NAMES}
+
+
+def trained_chars(r) -> str:
+    return "".join(c for c, m in zip(r.text, r.char_mask) if m)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_mask_by_hand(toks, name):
+    tok, fam = toks[name], FAMILIES[name]
+    msgs = example_messages(name)
+    assert trained_chars(render_conversation(msgs, tok)) == fam.example_trained
+    out = process_rows([{"messages": msgs}], tok, DataConfig(max_length=4096))
+    assert out["drop_reason"] == [""], out["drop_detail"]
+    ids = [i for i, lab in zip(out["input_ids"][0], out["labels"][0]) if lab != IGNORE_INDEX]
+    assert tok.decode(ids) == fam.example_trained
+    assert out["input_ids"][0] == tok(tok.apply_chat_template(msgs, tokenize=False),
+                                      add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_end_markers_found_by_the_probe(toks, name):
+    # each documented end is found; a turn ending in A<|x|><|y|> may be probed as <|y|> (the span ends there too)
+    fam = FAMILIES[name]
+    probed = template_layout(toks[name]).end_markers
+    documented = fam.end_markers if fam.supports_tools else fam.end_markers[:1]  # a call turn's: with tools
+    assert all(any(end.endswith(p) for p in probed) for end in documented), probed
+
+
+# ------------------------------------------------------------------ properties over random conversations
+# Assistant text is lower-case (plus neutral characters); user, system and tool text upper-case. So "no
+# user/system/tool character is trained" == "no upper-case letter is trained" (no family marker has one
+# outside special tokens, which are stripped before the check).
+NEUTRAL = " \n0123456789.,!?-é中🙂"
+lower = st.text(alphabet="abcdefghijklmnopqrstuvwxyz" + NEUTRAL, min_size=1, max_size=24)
+upper = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ" + NEUTRAL, min_size=1, max_size=24).filter(
+    lambda s: any(c.isupper() for c in s))
+answer = lower.filter(lambda s: any(c.isalpha() for c in s.strip()))
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+
+
+def _call(k: int, as_string: bool) -> dict:
+    args = {"a": k}
+    return {"type": "function", "id": f"call{k:05d}", "function": {
+        "name": "add", "arguments": json.dumps(args) if as_string else args}}
+
+
+# a tool-call turn with empty content gets no header in Falcon3's template (its generated part cannot be told
+# from the user turn): such rows are refused, tested below, and left out of the random conversations
+NO_VERIFIABLE_TOOL_CALLS = {"falcon3"}
+
+
+@st.composite
+def conversations(draw, fam, *, reasoning: bool, tools: bool):
+    msgs = []
+    if fam.supports_system and draw(st.booleans()):
+        msgs.append({"role": "system", "content": draw(upper)})
+    for k in range(draw(st.integers(1, 3))):
+        msgs.append({"role": "user", "content": draw(upper)})
+        if tools and fam.supports_tools and fam.name not in NO_VERIFIABLE_TOOL_CALLS and draw(st.integers(0, 2)) == 0:
+            call = {"role": "assistant", "content": "", "tool_calls": [_call(k, fam.tool_arguments_as_string)]}
+            msgs += [call, {"role": "tool", "content": draw(upper), "tool_call_id": f"call{k:05d}"}]
+        m = {"role": "assistant", "content": draw(answer)}
+        if reasoning and draw(st.booleans()):
+            m["reasoning_content"] = draw(answer)
+        msgs.append(m)
+    return msgs
+
+
+def _specials_removed(text: str, tok) -> str:
+    for t in sorted(tok.get_added_vocab(), key=len, reverse=True):
+        text = text.replace(t, "")
+    return text
+
+
+def check_properties(tok, fam, msgs, *, tools) -> str:
+    r = render_conversation(msgs, tok, tools=tools)
+    assert r.text == tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+    trained = trained_chars(r)
+    layout = template_layout(tok)
+    assert not any(c.isupper() for c in _specials_removed(trained, tok)), trained  # no user/system/tool text
+    assistants = [m for m in msgs if m["role"] == "assistant"]
+    assert [t.index for t in r.turns] == [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    at = 0
+    for m, turn in zip(assistants, r.turns):  # content, then the end marker, inside each turn's span
+        span = r.text[turn.start:turn.end]
+        if m["content"].strip():
+            assert m["content"].strip() in span
+            at = trained.index(m["content"].strip(), at)
+        last = turn is r.turns[-1]
+        if layout.end_markers and not (last and layout.last_turn_unmarked):
+            assert any(span.endswith(e) for e in layout.end_markers), span
+    if name_has_private_openers(fam):
+        for opener in layout.turn_openers:  # the prompt side is never trained
+            assert opener not in trained
+    out = process_rows([{"messages": msgs, **({"tools": tools} if tools else {})}], tok,
+                       DataConfig(max_length=8192, reasoning_history="drop"))
+    assert out["drop_reason"] == [""], out["drop_detail"]
+    decoded = tok.decode([i for i, lab in zip(out["input_ids"][0], out["labels"][0]) if lab != IGNORE_INDEX])
+    assert "".join(decoded.split()) == "".join(trained.split())  # tokens: exact up to boundary whitespace
+    return trained
+
+
+def name_has_private_openers(fam) -> bool:
+    # harmony's reasoning closer re-opens the turn with its header (<|end|><|start|>assistant): trained there
+    return fam.name != "gpt-oss"
+
+
+def oracle(tok, msgs) -> str | None:
+    """What each assistant turn adds after the render of the conversation before it with the generation
+    prompt, through its end marker; None when some prefix renders differently inside the whole conversation
+    (reasoning dropped later, a system prompt moved, a header only the last turn gets)."""
+    layout = template_layout(tok)
+    full = tok.apply_chat_template(msgs, tokenize=False)
+    out = []
+    for k, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prompt = tok.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=True)
+        turn = tok.apply_chat_template(msgs[: k + 1], tokenize=False)
+        if not turn.startswith(prompt):
+            cut = len(prompt) - len(layout.think_open)
+            if not (prompt.endswith(layout.think_open + "\n") or prompt.endswith(layout.think_open)):
+                return None
+            prompt = prompt[: prompt.rindex(layout.think_open)]  # the generation prompt opened the reasoning
+            if cut < 0 or not turn.startswith(prompt):
+                return None
+        think = prompt.rfind(layout.think_open, len(tok.apply_chat_template(msgs[:k], tokenize=False)))
+        if think >= 0:  # a reasoning block the generation prompt writes is trained (the project's rule)
+            prompt = prompt[:think]
+        generated = turn[len(prompt):]
+        ends = [(generated.find(e), e) for e in layout.end_markers if e in generated]
+        if ends:
+            e, marker = min(ends)
+            generated = generated[: e + len(marker)]
+        elif k != len(msgs) - 1 or not layout.last_turn_unmarked:
+            return None
+        else:
+            generated = generated.rstrip()
+        if not full.startswith(prompt + generated):  # the turn is written differently once others follow
+            return None
+        out.append(generated)
+    return "".join(out)
+
+
+PROPS = settings(max_examples=25, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+EDGE = [{"role": "user", "content": " A "}, {"role": "assistant", "content": " \nx\n "},
+        {"role": "user", "content": "B\n\n"}, {"role": "assistant", "content": "é 中 🙂"}]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_property_masks(toks, name):
+    tok, fam = toks[name], FAMILIES[name]
+
+    @PROPS
+    @given(msgs=conversations(fam, reasoning=True, tools=True), data=st.data())
+    @example(msgs=EDGE, data=None)
+    def run(msgs, data):
+        check_properties(tok, fam, msgs, tools=TOOLS if any(m.get("tool_calls") for m in msgs) else None)
+    run()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_property_matches_the_prefix_oracle(toks, name):
+    tok, fam = toks[name], FAMILIES[name]
+    compared = []
+
+    @PROPS
+    @given(msgs=conversations(fam, reasoning=False, tools=False))
+    @example(msgs=EDGE)
+    def run(msgs):
+        expected = oracle(tok, msgs)
+        if expected is not None:
+            compared.append(1)
+            assert trained_chars(render_conversation(msgs, tok)) == expected
+    run()
+    if name not in ("glm4", "glm4.5", "command-r7b-tools", "mistral-v3", "mistral-tekken"):
+        assert compared, "the oracle applied to no conversation"
+
+
+def test_falcon3_tool_call_turn_without_a_header_is_refused(toks):
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": [_call(0, False)]},
+            {"role": "tool", "content": "R", "tool_call_id": "call00000"}, {"role": "assistant", "content": "a"}]
+    out = process_rows([{"messages": msgs, "tools": TOOLS}], toks["falcon3"], DataConfig())
+    assert out["drop_reason"] == ["mask_unverified"] and "messages[1]" in out["drop_detail"][0]
+
+
+def test_string_tool_arguments_for_templates_that_need_them(toks):
+    # DeepSeek writes arguments as given: the parse stage's dict arguments are handed over as a JSON string
+    tok = toks["deepseek-v3"]
+    assert template_layout(tok).tool_arguments_as_string
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": [_call(0, False)]},
+            {"role": "tool", "content": "R", "tool_call_id": "call00000"}, {"role": "assistant", "content": "a"}]
+    out = process_rows([{"messages": msgs, "tools": TOOLS}], tok, DataConfig())
+    assert out["drop_reason"] == [""], out["drop_detail"]
+    trained = tok.decode([i for i, lab in zip(out["input_ids"][0], out["labels"][0]) if lab != IGNORE_INDEX])
+    assert '```json\n{"a": 0}\n```' in trained and trained.endswith("a<｜end▁of▁sentence｜>")
