@@ -7,7 +7,9 @@ Pipeline, one stage per module::
     parse.canonicalize_row            raw row -> canonical messages, tools, ParseReport
     formats.*                         template-free rows (segments, text, pretokenized) -> text/ids + mask
     truncate.structured_truncate_messages   fit max_length, keep system + latest exchange
+    layout.template_layout            the template's layout, probed once: turn openers, reasoning block, end markers
     render.build_text_and_masks       one chat-template render + verified char mask
+    expand.expand_dropped_reasoning   reasoning_history: expand: prefix examples for reasoning the template drops
     tokenize.tokenize_with_char_mask  offsets project the char mask -> labels
     pipeline.process_rows             all of the above for a batch of rows
     dataset.build_datasets            per-source processing, dedup, blocks, eval split, mixing, report
