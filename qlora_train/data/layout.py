@@ -73,6 +73,17 @@ class TemplateLayout:
         return self.end_markers[0] if self.end_markers else ""
 
     @cached_property
+    def before_content(self) -> tuple[str, ...]:
+        """Generated markers that may stand between the reasoning block and the content."""
+        return tuple(m for m in (self.answer_open, *self.leads) if m)
+
+    @cached_property
+    def not_before_end(self) -> tuple[str, ...]:
+        """Text that cannot stand between a turn's content and its end marker: another turn opens there."""
+        start = (self.turn_start,) if self.turn_start and self.turn_start not in self.end_markers else ()
+        return self.anchors + start
+
+    @cached_property
     def anchors(self) -> tuple[str, ...]:
         """Texts that may open a turn's generated part: untrained content must not contain them."""
         return tuple(dict.fromkeys(a for a in (self.assistant_header, *self.turn_openers) if a))

@@ -226,20 +226,20 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     template_layout(tokenizer)  # a template that cannot be probed is a setup error, not a row's
     staged: list[_Staged] = []
     dropped_reasoning: list[tuple[int, str]] = []  # (row index, reasoning trained without being rendered)
+    reports: dict[int, ParseReport] = {}  # chat rows
     plain: list[tuple[int, str, np.ndarray, int | None]] = []  # (row index, text, char mask, max length)
     for i, row in enumerate(rows):
         try:
             schema = guarded(resolve_schema, row, cfg) if isinstance(row, (dict, list)) else "unknown"
             if schema in CHAT_SCHEMAS or schema == "unknown":
                 canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer)
-                outs[i]["parse_report"] = _report_json(canon.report)
+                reports[i] = canon.report  # written once, after the batch (the render and tokens add to it)
                 _check_length(content_chars(canon.messages), cfg)
                 if cfg.dedup:
                     outs[i]["content_hash"] = guarded(_hash, [canon.messages, canon.tools])
                 rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, **kw)
                 check_unicode(rendered.text, rendered.message_ends)
                 staged += _stage_chat_row(i, canon, rendered, tokenizer, cfg, kw, dropped_reasoning)
-                outs[i]["parse_report"] = _report_json(canon.report)
                 continue
             outs[i]["parse_report"] = _report_json(ParseReport(schema, {schema: 1}, rows=1))
             text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
@@ -257,7 +257,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     for k, enc in enumerate(encoded):  # staged chat rows first, then plain texts
         i = staged[k].row if k < len(staged) else plain[k - len(staged)][0]
         if k < len(staged) and staged[k].extra:
-            _extra_example(staged[k], enc, tokenizer, cfg, outs[i])
+            _extra_example(staged[k], enc, tokenizer, cfg, outs[i], reports[i])
             continue
         try:
             if isinstance(enc, RowRejected):
@@ -270,8 +270,10 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                 guarded(_template_free_example, outs[i], *enc, mask, cfg, max_length=max_length)
         except RowRejected as rej:
             outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
-    if dropped_reasoning:
-        _count_dropped_reasoning_tokens(dropped_reasoning, tokenizer, outs)
+    for (i, _), n in zip(dropped_reasoning, count_tokens([r for _, r in dropped_reasoning], tokenizer)):
+        reports[i].reasoning_dropped_tokens += n
+    for i, report in reports.items():
+        outs[i]["parse_report"] = _report_json(report)
     return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
 
 
@@ -301,7 +303,7 @@ def _stage_chat_row(i: int, canon, rendered, tokenizer, cfg: DataConfig, kw: dic
     return staged
 
 
-def _extra_example(st: _Staged, enc, tokenizer, cfg: DataConfig, out: dict) -> None:
+def _extra_example(st: _Staged, enc, tokenizer, cfg: DataConfig, out: dict, report: ParseReport) -> None:
     """An extra example (``reasoning_history: expand``) -> appended to its row's ``expanded_*`` columns.
 
     One that cannot be made (its row dropped, or it is refused itself) leaves its turns' reasoning counted
@@ -312,25 +314,10 @@ def _extra_example(st: _Staged, enc, tokenizer, cfg: DataConfig, out: dict) -> N
             raise enc
         guarded(_example, st.messages, st.tools, st.rendered, *enc, tokenizer, cfg, ex)
     except RowRejected:
-        report = ParseReport.from_dict(json.loads(out["parse_report"]))
-        n = len(st.rendered.turns)
-        report.reasoning_dropped_rows, report.reasoning_dropped_turns = 1, report.reasoning_dropped_turns + n
-        out["parse_report"] = _report_json(report)
+        report.reasoning_dropped_rows = 1
+        report.reasoning_dropped_turns += len(st.rendered.turns)
         return
     out["expanded_input_ids"].append(ex["input_ids"])
     out["expanded_labels"].append(ex["labels"])
     out["expanded_tokens"] += ex["num_tokens"]
     out["expanded_trained_tokens"] += ex["num_trained_tokens"]
-
-
-def _count_dropped_reasoning_tokens(dropped: list[tuple[int, str]], tokenizer, outs: list[dict]) -> None:
-    """Tokens of the reasoning each row trains without (one tokenizer call for the batch)."""
-    lengths = count_tokens([r for _, r in dropped], tokenizer)
-    per_row: dict[int, int] = {}
-    for (i, _), n in zip(dropped, lengths):
-        per_row[i] = per_row.get(i, 0) + n
-    for i, n in per_row.items():
-        report = ParseReport.from_dict(json.loads(outs[i]["parse_report"]))
-        report.reasoning_dropped_tokens = n
-        outs[i]["parse_report"] = _report_json(report)
-

@@ -110,6 +110,9 @@ def _unverified(i: int, what: str) -> RowRejected:
 
 def _first_of(text: str, needles, start: int, end: int | None = None) -> tuple[int, str]:
     """Earliest occurrence of any needle in ``text[start:end]`` (the longest on a tie) -> (position, needle)."""
+    if len(needles) == 1:
+        n = needles[0]
+        return (text.find(n, start) if end is None else text.find(n, start, end)), n
     best, found = -1, ""
     for n in needles:
         k = text.find(n, start) if end is None else text.find(n, start, end)
@@ -169,11 +172,12 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
             raise _unverified(i, "rendered reasoning differs from the message's reasoning_content")
         pos = k + len(layout.think_close)
         body_start = _skip_ws(text, pos)
-    j = _skip_ws(text, pos)
-    for lead in (layout.answer_open, *layout.leads):
-        if lead and text.startswith(lead, j):
-            pos = j + len(lead)
-            break
+    if layout.before_content:
+        j = _skip_ws(text, pos)
+        for lead in layout.before_content:
+            if text.startswith(lead, j):
+                pos = j + len(lead)
+                break
     if content:
         c = _skip_ws(text, pos)
         if not text.startswith(content, c):
@@ -196,8 +200,7 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
     if e < 0:
         raise _unverified(i, f"end-of-turn marker {list(markers)} not found")
     between = text[pos:e]
-    if any(a in between for a in layout.anchors) or (layout.turn_start and layout.turn_start in between
-                                                      and layout.turn_start not in markers):
+    if any(a in between for a in layout.not_before_end):
         raise _unverified(i, "another turn opens before this turn's end-of-turn marker")
     if calls:
         at = 0
