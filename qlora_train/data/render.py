@@ -200,7 +200,7 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
     if e < 0:
         raise _unverified(i, f"end-of-turn marker {list(markers)} not found")
     between = text[pos:e]
-    if any(a in between for a in layout.not_before_end):
+    if between and any(a in between for a in layout.not_before_end):
         raise _unverified(i, "another turn opens before this turn's end-of-turn marker")
     if calls:
         at = 0
@@ -319,7 +319,7 @@ def render_conversation(
             ends.append(cursor)
             continue
         content = msg["content"].strip(_WS)
-        if any(a in msg["content"] for a in anchors):
+        if (anchors[0] in msg["content"]) if len(anchors) == 1 else any(a in msg["content"] for a in anchors):
             raise _unverified(i, f"{msg['role']} content contains the assistant turn opener text")
         located = None
         if msg["role"] == "assistant":  # an untrained assistant turn: walk past its opener and tool calls too
