@@ -17,10 +17,13 @@ template), so an unchanged run reuses the cache and a changed option recomputes.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import datasets
 import pyarrow.compute as pc
@@ -142,8 +145,21 @@ def _domain(row, key: str | None) -> str:
     return "" if value is None else str(value)
 
 
-def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig) -> dict:
-    """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source, location, domain."""
+@functools.cache
+def pipeline_code_hash() -> str:
+    """A hash of the data package's source: ``datasets`` fingerprints a module-level map function by name, not
+    by code, so without it a cache made by older masking code would be reused for the same rows and config."""
+    h = hashlib.blake2b(digest_size=16)
+    for path in sorted(Path(__file__).parent.rglob("*")):
+        if path.suffix in (".py", ".jinja"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig, code: str = "") -> dict:
+    """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source, location, domain.
+
+    ``code`` (``pipeline_code_hash``) only feeds the cache fingerprint."""
     ok = [i for i, err in enumerate(batch["load_error"]) if not err]
     rows = [json.loads(batch["row"][i]) for i in ok]
     good = process_rows(rows, tokenizer, cfg, locations=[batch["location"][i] for i in ok])
@@ -231,7 +247,7 @@ def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datase
     """Raw rows -> every row processed (kept rows have tokens, dropped rows a reason)."""
     return raw.map(
         _process_raw_batch, batched=True, batch_size=cfg.batch_size, num_proc=cfg.num_proc,
-        fn_kwargs={"tokenizer": tokenizer, "cfg": cfg}, remove_columns=raw.column_names,
+        fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "code": pipeline_code_hash()}, remove_columns=raw.column_names,
         features=processed_features(), desc="preprocessing",
     )
 

@@ -8,7 +8,7 @@ import pytest
 
 from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data.dataset import EmptyDatasetError, build_datasets
-from qlora_train.data.sources import SourceError, load_source
+from qlora_train.data.sources import SourceError, load_labelled_source, load_source
 
 GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 TOOL_ROW = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
@@ -76,3 +76,18 @@ def test_too_long_rows_are_truncated_or_refused(tmp_path, qwen3_tok):
     cfg = DataConfig(datasets=[DatasetSource(path=str(path))], max_length=40, truncate_side="right")
     _, _, report = build_datasets(cfg, qwen3_tok)  # the right cut leaves the answer out
     assert report.dropped == {"no_trained_token_after_truncation": 1}
+
+
+def test_a_change_to_the_masking_code_is_a_new_cache_fingerprint(tmp_path, qwen3_tok, monkeypatch):
+    # datasets fingerprints the map function by name, not code: the source hash must reach the fingerprint
+    from qlora_train.data import dataset
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n")
+    cfg = DataConfig(datasets=[DatasetSource(path=str(path))], cache_dir=str(tmp_path / "cache"))
+    raw = load_labelled_source(0, cfg.datasets[0], cache_dir=cfg.cache_dir)
+    assert len(dataset.pipeline_code_hash()) == 32
+    first = dataset.process_dataset(raw, qwen3_tok, cfg)._fingerprint
+    assert dataset.process_dataset(raw, qwen3_tok, cfg)._fingerprint == first  # same code: cache reused
+    monkeypatch.setattr(dataset, "pipeline_code_hash", lambda: "other code")
+    assert dataset.process_dataset(raw, qwen3_tok, cfg)._fingerprint != first
