@@ -298,11 +298,10 @@ def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], n
     if any(m in after for m in known):
         return None
     two = _try(tokenizer, user + [_call("qlora_probe", "qlora_probe", as_string=as_string)], tools=[_PROBE_TOOL])
-    closer = None
-    if two is not None and two.count(_ARG) == 2:
-        first = two[two.index(_ARG) + len(_ARG):two.rindex(_ARG)]
-        closer = _last_piece(after, added) if _last_piece(after, added) in first else None
     end = _last_piece(after, added)
+    closer = None
+    if two is not None and two.count(_ARG) == 2 and end in two[two.index(_ARG) + len(_ARG):two.rindex(_ARG)]:
+        closer = end  # it follows the first call too: it closes a call
     if end in added and end != closer:
         return end
     result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
@@ -363,8 +362,8 @@ def probe_layout(tokenizer) -> TemplateLayout:
                                      {"role": "assistant", "content": _ANSWER2}])
     a1 = two.index(_ANSWER) + len(_ANSWER)
     after_last = two[two.rindex(_ANSWER2) + len(_ANSWER2):]
-    user_open = _first_piece(plain[_snap(plain, len(tokenizer.bos_token or ""), added)
-                                   if plain.startswith(tokenizer.bos_token or "\0") else 0:plain.index(_USER)], added)
+    head, bos = plain[:plain.index(_USER)], tokenizer.bos_token or ""
+    user_open = _first_piece(head[len(bos):] if bos and head.startswith(bos) else head, added)
     markers = _end_markers(two[a1:two.index(_USER2, a1)], after_last, added, user_open)
     call_end = _call_end(tokenizer, user, markers, added, user_open)
     _, args_as_string = _try_calls(tokenizer, lambda as_string: user + [_call("qlora_probe", as_string=as_string)])
