@@ -34,6 +34,7 @@ import logging
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -245,25 +246,29 @@ def _markup_tail(tail: str, added: list[str]) -> str:
     return markup if any(p in added for p in parts[n:]) else tail.lstrip(_WS)
 
 
-def _call(*names: str, as_string: bool = False) -> dict:
-    """A probe assistant turn calling ``names`` (arguments as a dict, or as a JSON string)."""
-    args = {"x": _ARG}
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "id": _CALL_ID, "function": {"name": n, "arguments": json.dumps(args) if as_string
-                                                          else args}} for n in names]}
+class _CallStyle(NamedTuple):
+    """How the template takes a tool call's arguments: a dict, or a JSON string (DeepSeek joins strings)."""
+
+    as_string: bool = False
+
+    def call(self, *names: str) -> dict:
+        args = {"x": _ARG}
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": _CALL_ID, "function": {
+                "name": n, "arguments": json.dumps(args) if self.as_string else args}} for n in names]}
 
 
-def _try_calls(tokenizer, build, **kw) -> tuple[str | None, bool]:
-    """Render ``build(as_string)`` with dict arguments, else string ones -> (text, as_string)."""
-    for as_string in (False, True):
-        text = _try(tokenizer, build(as_string), tools=[_PROBE_TOOL], **kw)
+def _call_style(tokenizer, user: list[dict]) -> _CallStyle | None:
+    """The first style in which the template writes a probe tool call; None when it writes none."""
+    for style in (_CallStyle(), _CallStyle(True)):
+        text = _try(tokenizer, user + [style.call("qlora_probe")], tools=[_PROBE_TOOL])
         if text is not None and _ARG in text:
-            return text, as_string
-    return None, False
+            return style
+    return None
 
 
 def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: str,
-             added: list[str]) -> list[tuple[str, str]]:
+             added: list[str], style: _CallStyle | None) -> list[tuple[str, str]]:
     """(opener, lead): the prompt-side text after the user message (and after a tool result) up to where the
     answer's generated part starts, and what that part writes before the answer."""
     out = []
@@ -272,9 +277,9 @@ def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: 
     out.append((_markup_tail(prompted[u:end], added),
                 full[end:full.index(_ANSWER, end)] if _ANSWER in full[end:] else ""))
     result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
-    p, as_string = _try_calls(tokenizer, lambda s: user + [_call("qlora_probe", as_string=s), result], gen=True)
-    convo = user + [_call("qlora_probe", as_string=as_string), result]
-    f = _try(tokenizer, convo + [{"role": "assistant", "content": _ANSWER}], tools=[_PROBE_TOOL])
+    convo = user + [style.call("qlora_probe"), result] if style else []
+    p = _try(tokenizer, convo, tools=[_PROBE_TOOL], gen=True) if style else None
+    f = _try(tokenizer, convo + [{"role": "assistant", "content": _ANSWER}], tools=[_PROBE_TOOL]) if style else None
     if p is not None and f is not None and _TOOL_RESULT in p and _ANSWER in f:
         t = p.rindex(_TOOL_RESULT) + len(_TOOL_RESULT)
         end = _cut_open_think(p, t, _prompt_end(p, f), think_open)
@@ -283,21 +288,22 @@ def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: 
     return [(o, lead) for o, lead in dict.fromkeys(out) if o]
 
 
-def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], next_open: str) -> str | None:
+def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], next_open: str,
+              style: _CallStyle | None) -> str | None:
     """What closes a tool-call turn when none of the known markers does.
 
     harmony closes it with ``<|call|>``; GLM writes nothing after the calls (``</tool_call>`` closes each call,
     not the turn) and the model stops by writing the tool result's opener, ``<|observation|>``. A piece that
     follows every call of a two-call turn closes a call, not the turn.
     """
-    last, as_string = _try_calls(tokenizer, lambda s: user + [_call("qlora_probe", as_string=s)])
+    last = _try(tokenizer, user + [style.call("qlora_probe")], tools=[_PROBE_TOOL]) if style else None
     if last is None:
         return None
     after = last[last.rindex(_ARG) + len(_ARG):]
     after = after[:after.find(next_open)] if next_open and next_open in after else after  # a dangling open turn
     if any(m in after for m in known):
         return None
-    two = _try(tokenizer, user + [_call("qlora_probe", "qlora_probe", as_string=as_string)], tools=[_PROBE_TOOL])
+    two = _try(tokenizer, user + [style.call("qlora_probe", "qlora_probe")], tools=[_PROBE_TOOL])
     end = _last_piece(after, added)
     closer = None
     if two is not None and two.count(_ARG) == 2 and end in two[two.index(_ARG) + len(_ARG):two.rindex(_ARG)]:
@@ -305,7 +311,7 @@ def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], n
     if end in added and end != closer:
         return end
     result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
-    mid = _try(tokenizer, user + [_call("qlora_probe", as_string=as_string), result], tools=[_PROBE_TOOL])
+    mid = _try(tokenizer, user + [style.call("qlora_probe"), result], tools=[_PROBE_TOOL])
     if mid is None or _TOOL_RESULT not in mid:
         return None
     rest = mid[mid.rindex(_ARG) + len(_ARG):mid.rindex(_TOOL_RESULT)]
@@ -350,7 +356,8 @@ def probe_layout(tokenizer) -> TemplateLayout:
     key, think_open, think_close, answer_open = reasoning or (None, THINK_OPEN, THINK_CLOSE, "")
     base = _snap(prompted, _common_prefix(prompted, plain), added)  # where the generation prompt's text starts
     header = prompted[base:_cut_open_think(prompted, base, end, think_open)] if end > base else ""
-    found = _openers(tokenizer, user, prompted, full, think_open, added)
+    style = _call_style(tokenizer, user)
+    found = _openers(tokenizer, user, prompted, full, think_open, added, style)
     if header:  # the header opens every turn; an opener that does not end with it is a turn without one
         found = [(header, lead)] + [(o, lead2) for o, lead2 in found[1:] if not o.endswith(header)]
     if not found:
@@ -365,8 +372,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
     head, bos = plain[:plain.index(_USER)], tokenizer.bos_token or ""
     user_open = _first_piece(head[len(bos):] if bos and head.startswith(bos) else head, added)
     markers = _end_markers(two[a1:two.index(_USER2, a1)], after_last, added, user_open)
-    call_end = _call_end(tokenizer, user, markers, added, user_open)
-    _, args_as_string = _try_calls(tokenizer, lambda as_string: user + [_call("qlora_probe", as_string=as_string)])
+    call_end = _call_end(tokenizer, user, markers, added, user_open, style)
     if call_end:
         markers.append(call_end)
     if not markers:
@@ -375,7 +381,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
     return TemplateLayout(assistant_header=header, turn_openers=tuple(openers), end_markers=tuple(markers),
                           think_open=think_open, think_close=think_close, answer_open=answer_open,
                           reasoning_key=key, leads=tuple(dict.fromkeys(leads)), turn_start=user_open,
-                          tool_arguments_as_string=args_as_string,
+                          tool_arguments_as_string=bool(style and style.as_string),
                           last_turn_unmarked=bool(markers) and not after_last.strip(_WS))
 
 
