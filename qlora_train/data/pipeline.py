@@ -306,8 +306,8 @@ def _stage_chat_row(i: int, canon, rendered, tokenizer, cfg: DataConfig, kw: dic
 def _extra_example(st: _Staged, enc, tokenizer, cfg: DataConfig, out: dict, report: ParseReport) -> None:
     """An extra example (``reasoning_history: expand``) -> appended to its row's ``expanded_*`` columns.
 
-    One that cannot be made (its row dropped, or it is refused itself) leaves its turns' reasoning counted
-    as dropped."""
+    One that is refused itself (it is verified like any example) is left out: its turns, untrained in the full
+    conversation, are then trained nowhere, and are counted under ``reasoning_dropped_turns``."""
     ex = empty_output()
     try:
         if isinstance(enc, RowRejected):

@@ -40,8 +40,6 @@ from qlora_train.data.messages import KNOWN_ROLES, DropReason, Message, RowRejec
 log = logging.getLogger(__name__)
 
 _WS = " \t\r\n"
-__all__ = ["RenderedConversation", "TemplateLayout", "TurnSpan", "build_text_and_masks", "is_trained",
-           "render_conversation", "render_text", "template_layout"]
 
 
 class TurnSpan(NamedTuple):
@@ -97,8 +95,8 @@ def render_text(messages: list[Message], tokenizer, *, tools=None, add_generatio
     )
 
 
-def _skip_ws(text: str, pos: int, end: int | None = None) -> int:
-    end = len(text) if end is None else end
+def _skip_ws(text: str, pos: int) -> int:
+    end = len(text)
     while pos < end and text[pos] in _WS:
         pos += 1
     return pos
@@ -108,14 +106,13 @@ def _unverified(i: int, what: str) -> RowRejected:
     return RowRejected(DropReason.MASK_UNVERIFIED, f"messages[{i}]: {what}")
 
 
-def _first_of(text: str, needles, start: int, end: int | None = None) -> tuple[int, str]:
-    """Earliest occurrence of any needle in ``text[start:end]`` (the longest on a tie) -> (position, needle)."""
+def _first_of(text: str, needles, start: int) -> tuple[int, str]:
+    """Earliest occurrence of any needle in ``text[start:]`` (the longest on a tie) -> (position, needle)."""
     if len(needles) == 1:
-        n = needles[0]
-        return (text.find(n, start) if end is None else text.find(n, start, end)), n
+        return text.find(needles[0], start), needles[0]
     best, found = -1, ""
     for n in needles:
-        k = text.find(n, start) if end is None else text.find(n, start, end)
+        k = text.find(n, start)
         if k >= 0 and (best < 0 or k < best or (k == best and len(n) > len(found))):
             best, found = k, n
     return best, found
@@ -243,16 +240,12 @@ def _eot_after(text: str, cursor: int, nxt: Message | None, layout: TemplateLayo
     return e, e + len(layout.end_of_turn)
 
 
-def _find_untrained(text: str, content: str, cursor: int, limit: int | None) -> tuple[int, int] | None:
+def _find_untrained(text: str, content: str, cursor: int, limit: int) -> tuple[int, int] | None:
     """Where an untrained message's content is written, verbatim or JSON-escaped, before ``limit``."""
-    p = text.find(content, cursor) if limit is None else text.find(content, cursor, limit)
-    if p >= 0:
-        return p, p + len(content)
-    escaped = json.dumps(content, ensure_ascii=False)[1:-1]
-    if escaped != content:
-        p = text.find(escaped, cursor) if limit is None else text.find(escaped, cursor, limit)
+    for written in dict.fromkeys((content, json.dumps(content, ensure_ascii=False)[1:-1])):
+        p = text.find(written, cursor, limit)
         if p >= 0:
-            return p, p + len(escaped)
+            return p, p + len(written)
     return None
 
 
@@ -334,7 +327,7 @@ def render_conversation(
                 spans.append((located.eot_start, located.end))
         elif content and msg["role"] != "assistant":
             limit, _ = _first_of(text, anchors, cursor)  # it is written before the next turn opens
-            where = _find_untrained(text, content, cursor, limit if limit >= 0 else None)
+            where = _find_untrained(text, content, cursor, limit if limit >= 0 else len(text))
             if where is None:
                 role = _not_written(tokenizer, msg, i)
                 if role is not None:

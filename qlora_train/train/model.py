@@ -10,7 +10,7 @@ import torch
 
 from qlora_train.config import Config, ConfigError, ModelConfig
 from qlora_train.data.chat_templates import get_chat_template
-from qlora_train.data.render import template_layout
+from qlora_train.data.layout import template_layout
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
