@@ -272,6 +272,7 @@ class _MessageRules:
     schema: str
     props: dict[str, dict[str, str]]  # style -> {canonical key: key in the data}
     renames: dict[str, dict[str, str]]  # style -> the props whose key differs from the canonical one
+    consumed: dict[str, frozenset[str]]  # style -> data keys read by a rename (dropped under their own name)
     aliases: dict[str, str]
     reasoning_keys: tuple[str, ...]
     think_roles: frozenset[str]  # roles whose inline <think> blocks are extracted
@@ -281,7 +282,8 @@ class _MessageRules:
         props = {style: {**DEFAULT_PROPERTIES[style], **cfg.message_property_mappings}
                  for style in ("messages", "sharegpt")}
         renames = {style: {c: k for c, k in p.items() if c != k} for style, p in props.items()}
-        return cls(schema, props, renames, _role_aliases(schema, cfg), tuple(cfg.reasoning_keys),
+        consumed = {style: frozenset(r.values()) - frozenset(r) for style, r in renames.items()}
+        return cls(schema, props, renames, consumed, _role_aliases(schema, cfg), tuple(cfg.reasoning_keys),
                    frozenset(cfg.assistant_roles) if cfg.extract_think_tags else frozenset())
 
 
@@ -293,8 +295,9 @@ def _message(raw: Any, i: int, rules: _MessageRules, report: ParseReport) -> Mes
         raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: expected a mapping, got {type(raw).__name__}")
     style = "sharegpt" if rules.schema == "sharegpt" or ("role" not in raw and "from" in raw) else "messages"
     renames = rules.renames[style]
-    if renames:
-        raw = {**raw, **{canon: raw[key] for canon, key in renames.items() if key in raw}}
+    if renames:  # a field a mapping consumes is not also kept under its own name (content from 'name')
+        mapped = {canon: raw[key] for canon, key in renames.items() if key in raw}
+        raw = {**{k: v for k, v in raw.items() if k not in rules.consumed[style]}, **mapped}
     role, content = raw.get("role"), raw.get("content")
     if style == "sharegpt" and "content" not in raw and "value" in raw:
         content = raw["value"]

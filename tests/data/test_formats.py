@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
@@ -153,6 +153,7 @@ TEXT = st.text(alphabet="abc xyz", min_size=1, max_size=10).filter(str.strip)
 
 
 @settings(max_examples=100, deadline=None)
+@example(role_key="a", content_key="name", user_names=["a"], bot_names=["b"], turns=[("a", "a", 0)])  # found in CI
 @given(role_key=KEY, content_key=KEY, user_names=st.lists(KEY, min_size=1, max_size=3, unique=True),
        bot_names=st.lists(KEY, min_size=1, max_size=3, unique=True),
        turns=st.lists(st.tuples(TEXT, TEXT, st.integers(0, 10)), min_size=1, max_size=3))
