@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qlora_train.config import DataConfig  # noqa: E402
 from qlora_train.data import canonicalize_row, process_rows  # noqa: E402
-from qlora_train.data.packing import best_fit_decreasing, packing_efficiency, padded_efficiency  # noqa: E402
+from qlora_train.data.packing import PackingStats, best_fit_decreasing, padded_efficiency  # noqa: E402
 from qlora_train.data.render import render_text  # noqa: E402
 from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, project_char_mask  # noqa: E402
 from qlora_train.tiny import build_qwen_tokenizer  # noqa: E402
@@ -273,7 +273,7 @@ def main_tables(args) -> None:
     bins = best_fit_decreasing(example_lengths, args.pack_length)
     print(f"\n3. packing efficiency (real tokens / tokens processed), {len(example_lengths)} examples, "
           f"mean {sum(example_lengths) / len(example_lengths):.0f} tokens")
-    print(f"packing into {args.pack_length}: {packing_efficiency(example_lengths, bins, args.pack_length):.1%} "
+    print(f"packing into {args.pack_length}: {PackingStats.of(example_lengths, bins, args.pack_length).efficiency:.1%} "
           f"({len(bins)} sequences)")
     for b in (1, 4, 8, 16):
         print(f"padding to the longest of batches of {b:>2} (random order): {padded_efficiency(shuffled, b):.1%}")

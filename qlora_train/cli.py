@@ -74,7 +74,7 @@ def run_guarded(cfg, job) -> int:
     from qlora_train.data.dataset import EmptyDatasetError
     from qlora_train.data.messages import BadRowError
     from qlora_train.data.sources import SourceError
-    from qlora_train.train.model import ModelLoadError
+    from qlora_train.errors import ModelLoadError
     from qlora_train.train.run import oom_advice
     from qlora_train.train.signals import TrainingInterrupted
 

@@ -15,6 +15,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from qlora_train.chat_templates import ALIASES, shipped_templates, template_kwargs_problems
+from qlora_train.errors import ConfigError
+from qlora_train.locations import is_glob, looks_like_hub_id
+
 DEFAULT_REASONING_KEYS = ("reasoning", "reasoning_content", "thinking", "reason")
 DEFAULT_TOOLS_COLUMNS = ("tools", "tool_schemas", "functions", "function_schemas")
 
@@ -257,7 +261,6 @@ class ModelConfig(_Section):
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("load_in_8bit: cannot be true together with load_in_4bit (pick one)")
         if self.chat_template_kwargs:
-            from qlora_train.data.chat_templates import template_kwargs_problems
 
             problems = template_kwargs_problems(self.chat_template_kwargs)
             if problems:
@@ -349,13 +352,10 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
 
-
-class ConfigError(Exception):
-    """Every problem of a config, one line each, naming the key path."""
-
-    def __init__(self, problems: list[str], source: str = "config"):
-        self.problems = problems
-        super().__init__(f"{source}: " + "; ".join(problems))
+    @property
+    def packing_length(self) -> int:
+        """Tokens per packed sequence: ``train.packing_length``, else ``data.max_length``."""
+        return self.train.packing_length or self.data.max_length
 
 
 def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -393,20 +393,6 @@ def _describe(err: dict) -> str:
     return f"{path}: {msg}"
 
 
-_GLOB_CHARS = "*?["
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
-
-
-def looks_like_hub_id(value: str) -> bool:
-    """``"Qwen/Qwen3-1.7B"`` -> True; ``"./m"``, ``"/abs/m"``, ``".cache/m"``, ``"a/b/c"``, ``"d/x.jsonl"`` -> False.
-
-    A hub id is ``name`` or ``org/name``; anything with a leading ``.``, ``/`` or
-    ``~``, more than one ``/``, or a data-file extension is a local path.
-    """
-    return bool(_HUB_ID.match(value)) and not value.lower().endswith(_DATA_SUFFIXES)
-
-
 def _local_dir_problem(key: str, value: Any) -> list[str]:
     if not isinstance(value, str) or looks_like_hub_id(value) or Path(value).expanduser().is_dir():
         return []
@@ -425,7 +411,7 @@ def _dataset_problems(data: dict) -> list[str]:
             if not isinstance(path, str):
                 continue
             where = f"{key}.path" + (f"[{j}]" if listed else "")
-            if any(ch in path for ch in _GLOB_CHARS):
+            if is_glob(path):
                 if not globlib.glob(path, recursive=True):
                     problems.append(f"{where}: no file matches the glob {path}")
             elif not Path(path).exists() and not looks_like_hub_id(path):
@@ -434,8 +420,6 @@ def _dataset_problems(data: dict) -> list[str]:
 
 
 def _chat_template_problem(value: Any) -> list[str]:
-    from qlora_train.data.chat_templates import ALIASES, shipped_templates
-
     names = shipped_templates()
     if not isinstance(value, str) or value == "tokenizer" or ALIASES.get(value, value) in names:
         return []
@@ -483,7 +467,7 @@ def _resolve_relative(p: Any, base: Path) -> Any:
     """A dataset path relative to the YAML's directory, when it exists there (else as written)."""
     if not isinstance(p, str) or Path(p).is_absolute():
         return p
-    if (base / p).exists() or any(ch in p for ch in "*?[") and globlib.glob(str(base / p)):
+    if (base / p).exists() or is_glob(p) and globlib.glob(str(base / p)):
         return str(base / p)
     return p
 

@@ -35,7 +35,7 @@ def build_qwen_tokenizer(chat_template: str = "qwen3"):
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from qlora_train.data.chat_templates import get_chat_template
+    from qlora_train.chat_templates import get_chat_template
 
     ranks = Path(qt.__file__).parent / "resources" / "qwen.tiktoken"
     backend = TikTokenConverter(vocab_file=str(ranks), pattern=qt.PAT_STR).converted()

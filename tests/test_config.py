@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qlora_train.chat_templates import resolve_chat_template
 from qlora_train.config import config_reference_markdown, load_config
-from qlora_train.data.chat_templates import resolve_chat_template
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,20 +16,28 @@ Pipeline, one stage per module::
     packing.pack_dataset              optional: whole examples into max_length sequences (best fit decreasing)
 """
 
-from qlora_train.config import DataConfig
-from qlora_train.data.chat_templates import get_chat_template, shipped_templates
-from qlora_train.data.handlers import register_row_handler
-from qlora_train.data.layout import template_layout
-from qlora_train.data.messages import DropReason, Message, RowRejected
-from qlora_train.data.parse import CanonicalRow, ParseReport, canonicalize_row
-from qlora_train.data.pipeline import process_rows
-from qlora_train.data.render import build_text_and_masks, render_conversation
-from qlora_train.data.tokenize import IGNORE_INDEX, make_labels, tokenize_with_char_mask
-from qlora_train.data.truncate import TruncationResult, structured_truncate_messages
+# Public names, imported on first use: importing one stage (``qlora_train.data.layout``) does not import the others
+# or ``datasets``.
+_EXPORTS = {
+    "DataConfig": "qlora_train.config", "get_chat_template": "qlora_train.chat_templates",
+    "shipped_templates": "qlora_train.chat_templates", "register_row_handler": "qlora_train.data.handlers",
+    "template_layout": "qlora_train.data.layout", "DropReason": "qlora_train.data.messages",
+    "Message": "qlora_train.data.messages", "RowRejected": "qlora_train.data.messages",
+    "CanonicalRow": "qlora_train.data.parse", "ParseReport": "qlora_train.data.parse",
+    "canonicalize_row": "qlora_train.data.parse", "process_rows": "qlora_train.data.pipeline",
+    "build_text_and_masks": "qlora_train.data.render", "render_conversation": "qlora_train.data.render",
+    "IGNORE_INDEX": "qlora_train.data.tokenize", "make_labels": "qlora_train.data.tokenize",
+    "tokenize_with_char_mask": "qlora_train.data.tokenize", "TruncationResult": "qlora_train.data.truncate",
+    "structured_truncate_messages": "qlora_train.data.truncate",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "CanonicalRow", "DataConfig", "DropReason", "IGNORE_INDEX", "Message", "ParseReport", "RowRejected",
-    "TruncationResult", "build_text_and_masks", "canonicalize_row", "get_chat_template", "make_labels",
-    "process_rows", "register_row_handler", "render_conversation", "shipped_templates", "structured_truncate_messages",
-    "template_layout", "tokenize_with_char_mask",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qlora_train.data' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

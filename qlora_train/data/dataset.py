@@ -150,9 +150,10 @@ def pipeline_code_hash() -> str:
     """A hash of the data package's source: ``datasets`` fingerprints a module-level map function by name, not
     by code, so without it a cache made by older masking code would be reused for the same rows and config."""
     h = hashlib.blake2b(digest_size=16)
-    for path in sorted(Path(__file__).parent.rglob("*")):
-        if path.suffix in (".py", ".jinja"):
-            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    package = Path(__file__).parent.parent
+    files = [*(package / "data").rglob("*.py"), package / "chat_templates.py", *(package / "templates").glob("*.jinja")]
+    for path in sorted(files):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 

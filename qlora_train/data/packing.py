@@ -117,21 +117,6 @@ def pack_examples(examples: list[dict], pieces: list[Piece] | None = None) -> di
     return {"input_ids": ids, "labels": labels, "position_ids": positions, "seq_lens": seq_lens}
 
 
-def packing_efficiency(lengths: list[int], bins: list[list[Piece]], capacity: int) -> float:
-    """Real tokens / tokens processed when every bin is one sequence of ``capacity`` tokens."""
-    return sum(lengths) / (len(bins) * capacity) if bins else 1.0
-
-
-def padded_efficiency(lengths: list[int], batch_size: int) -> float:
-    """Real tokens / tokens processed when batches of ``batch_size`` (in order) are padded to their longest."""
-    processed = sum(max(lengths[s:s + batch_size]) * len(lengths[s:s + batch_size])
-                    for s in range(0, len(lengths), batch_size))
-    return sum(lengths) / processed if processed else 1.0
-
-
-# --- datasets glue: the same functions applied to a processed dataset, streamed through Arrow ---
-
-
 @dataclass(frozen=True)
 class PackingStats:
     """What packing did to a dataset."""
@@ -140,6 +125,11 @@ class PackingStats:
     sequences: int
     tokens: int
     capacity: int
+
+    @classmethod
+    def of(cls, lengths: list[int], bins: list[list[Piece]], capacity: int) -> PackingStats:
+        """The examples' ``lengths`` packed into ``bins`` of ``capacity`` tokens."""
+        return cls(len(lengths), len(bins), sum(lengths), capacity)
 
     @property
     def efficiency(self) -> float:
@@ -150,6 +140,16 @@ class PackingStats:
     def line(self) -> str:
         return (f"packing {self.examples} examples into {self.sequences} sequences of <= {self.capacity} tokens: "
                 f"{self.efficiency:.1%} real tokens")
+
+
+def padded_efficiency(lengths: list[int], batch_size: int) -> float:
+    """Real tokens / tokens processed when batches of ``batch_size`` (in order) are padded to their longest."""
+    processed = sum(max(lengths[s:s + batch_size]) * len(lengths[s:s + batch_size])
+                    for s in range(0, len(lengths), batch_size))
+    return sum(lengths) / processed if processed else 1.0
+
+
+# --- datasets glue: the same functions applied to a processed dataset, streamed through Arrow ---
 
 
 def example_lengths(ds) -> list[int]:
@@ -197,4 +197,4 @@ def pack_dataset(ds, capacity: int, *, split_long: bool = False, batch_size: int
     fingerprint = datasets.fingerprint.Hasher.hash((ds._fingerprint, capacity, split_long, "pack-v1"))
     packed = plan.map(_pack_bins, batched=True, batch_size=batch_size, fn_kwargs={"source": source},
                       remove_columns=plan.column_names, new_fingerprint=fingerprint, desc="packing")
-    return packed, PackingStats(len(lengths), len(bins), sum(lengths), capacity)
+    return packed, PackingStats.of(lengths, bins, capacity)

@@ -24,15 +24,14 @@ from __future__ import annotations
 import glob as globlib
 import json
 import os
-import re
 from pathlib import Path
 
 import datasets
 
 from qlora_train.config import DatasetSource
 from qlora_train.data.handlers import apply_row_handlers, row_json
+from qlora_train.locations import BUILDERS, is_glob, looks_like_hub_id
 
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 FEATURES = datasets.Features(
     {"row": datasets.Value("string"), "location": datasets.Value("string"), "load_error": datasets.Value("string")}
 )
@@ -40,14 +39,6 @@ FEATURES = datasets.Features(
 
 class SourceError(Exception):
     """A data source cannot be read at all (missing file, unknown format)."""
-
-
-_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
-
-
-def _is_hub_id(path: str) -> bool:
-    """Not on disk, no glob, and shaped like ``owner/name`` or ``name`` without a data-file extension."""
-    return bool(_HUB_ID.match(path)) and Path(path).suffix.lower() not in BUILDERS and not Path(path).exists()
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -67,7 +58,7 @@ def _data_file_patterns(src: DatasetSource) -> list[str]:
 def _files(path: str, src: DatasetSource) -> list[Path]:
     """One local path (file, directory, glob) -> its data files, sorted."""
     p = Path(path)
-    if any(ch in path for ch in "*?["):
+    if is_glob(path):
         files = sorted(Path(f) for f in globlib.glob(path, recursive=True) if Path(f).is_file())
     elif p.is_dir():
         patterns = _data_file_patterns(src)
@@ -154,7 +145,7 @@ def _load_hub(path: str, src: DatasetSource, cache_dir: str | None) -> datasets.
 
 def _load_path(path: str, src: DatasetSource, cache_dir: str | None) -> list[datasets.Dataset]:
     """One path of a source -> raw-row datasets (JSON files read together, others one per file)."""
-    if _is_hub_id(path):
+    if not Path(path).exists() and looks_like_hub_id(path):
         return [_load_hub(path, src, cache_dir)]
     if _is_saved_dataset(Path(path)):
         return [_as_raw(datasets.load_from_disk(path), path)]

@@ -78,7 +78,7 @@ def debug_report(raw, processed, tokenizer, opts: DebugOptions, *, out_dir: Path
 def diagnose(cfg: Config, *, stats: bool, debug: DebugOptions, out_dir: str | Path | None = None,
              stream: TextIO | None = None) -> dict:
     """Run the requested diagnostics; returns ``{"stats": …, "samples": …}`` for what ran."""
-    from qlora_train.train.model import load_tokenizer
+    from qlora_train.tokenizer import load_tokenizer
 
     stream = stream or sys.stdout
     out = Path(out_dir or cfg.train.output_dir)

@@ -1,4 +1,4 @@
-"""Load the tokenizer, and the base model in 4-bit (nf4, double quant) with a LoRA adapter."""
+"""Load the base model in 4-bit (nf4, double quant) with a LoRA adapter (the tokenizer: ``qlora_train.tokenizer``)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from qlora_train.config import Config, ConfigError, ModelConfig
-from qlora_train.data.chat_templates import get_chat_template
-from qlora_train.data.layout import template_layout
+from qlora_train.config import Config, ModelConfig
+from qlora_train.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CUDA_ONLY_OPTIMIZERS = ("paged_", "8bit", "bnb")
-
-
-class ModelLoadError(Exception):
-    """The tokenizer or model named in the config cannot be loaded (missing files, no network for a hub id)."""
 
 
 @dataclass(frozen=True)
@@ -50,30 +45,15 @@ def resolve_runtime(cfg: Config) -> Runtime:
     return Runtime("cpu", local_rank, torch.float32, optim, False, False, note)
 
 
-def load_tokenizer(cfg: ModelConfig):
-    """Tokenizer with the configured chat template (the tokenizer's own by default) and
-    ``cfg.chat_template_kwargs`` baked in; pad token falls back to EOS.
+def load_model_config(cfg: ModelConfig):
+    """The model's ``config.json`` alone (no weights): what the setup checks read before anything loads."""
+    from transformers import AutoConfig
 
-    Raises ``ConfigError`` naming ``model.chat_template`` when the tokenizer has no
-    template and none is named, or when the template cannot be probed.
-    """
-    from transformers import AutoTokenizer
-
-    name = cfg.tokenizer or cfg.name_or_path
     try:
-        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except OSError as exc:
-        raise ModelLoadError(f"cannot load the tokenizer {name}: {' '.join(str(exc).split())}") from None
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    try:
-        tok = get_chat_template(tok, cfg.chat_template, cfg.chat_template_kwargs)
-        template_layout(tok)  # probed once here: a template that cannot be used is a config error, not a row's
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError([f"model.chat_template: {type(exc).__name__}: {exc}"]) from None
-    return tok
+        raise ModelLoadError(f"cannot load the model config of {cfg.name_or_path}: {' '.join(str(exc).split())}") \
+            from None
 
 
 def load_model(cfg: Config, runtime: Runtime):

@@ -29,8 +29,9 @@ from qlora_train.config import Config, ConfigError
 from qlora_train.data.dataset import build_datasets
 from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
 from qlora_train.files import write_atomic
+from qlora_train.tokenizer import load_tokenizer
 from qlora_train.train.collator import PackedCollator, PadCollator
-from qlora_train.train.model import count_parameters, load_model, load_tokenizer, resolve_runtime
+from qlora_train.train.model import count_parameters, load_model, load_model_config, resolve_runtime
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
 
 log = logging.getLogger("qlora_train")
@@ -91,7 +92,7 @@ def pack_or_group(cfg: Config, train_ds, eval_ds):
     length-grouped sampler reads. Returns (train, eval, PackingStats of train or None)."""
     t = cfg.train
     if t.packing:
-        length = t.packing_length or cfg.data.max_length
+        length = cfg.packing_length
         try:
             train_ds, stats = pack_dataset(train_ds, length, split_long=t.split_long)
             if eval_ds is not None:
@@ -107,7 +108,8 @@ def pack_or_group(cfg: Config, train_ds, eval_ds):
 def check_packing_support(model_config, packing_length: int) -> None:
     """Refuse packing where a block-diagonal mask would not keep examples apart: recurrent / linear-attention
     layers (their state flows along the row) and sliding windows shorter than a packed sequence (one 4D mask
-    serves every layer, so it would widen the window)."""
+    serves every layer, so it would widen the window). Reads the model's config only: checked before the data
+    is processed or any weight loads."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     kinds = set(getattr(text, "layer_types", None) or ())
     other = sorted(kinds - {"full_attention", "sliding_attention"})
@@ -125,7 +127,6 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
     flash-attention (CUDA) reads restarting position ids, SDPA a boolean 4D mask, eager an additive one."""
     if not cfg.train.packing:
         return PadCollator(tokenizer.pad_token_id)
-    check_packing_support(model.config, cfg.train.packing_length or cfg.data.max_length)
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if "flash" in attn and runtime.device == "cuda":
         return PackedCollator(tokenizer.pad_token_id, attention="position_ids")
@@ -245,6 +246,8 @@ def train(cfg: Config, *, callbacks: list | None = None):
     log.info(runtime.note)
     has_eval = cfg.data.eval_fraction > 0 or bool(cfg.data.eval_datasets)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
+    if cfg.train.packing:
+        check_packing_support(load_model_config(cfg.model), cfg.packing_length)
     tokenizer = load_tokenizer(cfg.model)
 
     with args.main_process_first(desc="preprocessing"):

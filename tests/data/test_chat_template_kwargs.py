@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from qlora_train.chat_templates import jinja_literal, split_template_kwargs, with_template_kwargs
 from qlora_train.config import ConfigError
 from qlora_train.data import build_text_and_masks, get_chat_template, shipped_templates, template_layout
-from qlora_train.data.chat_templates import jinja_literal, split_template_kwargs, with_template_kwargs
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = USER + [{"role": "assistant", "content": "yo", "reasoning_content": "think"},

@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qlora_train.data.packing import (
+    PackingStats,
     Piece,
     best_fit_decreasing,
     pack_dataset,
     pack_examples,
-    packing_efficiency,
     padded_efficiency,
     split_pieces,
 )
@@ -62,7 +62,7 @@ def test_pack_examples_by_hand():
 
 def test_efficiencies_by_hand():
     bins = best_fit_decreasing([5, 3, 4, 2], capacity=8)
-    assert packing_efficiency([5, 3, 4, 2], bins, 8) == 14 / 16
+    assert PackingStats.of([5, 3, 4, 2], bins, 8).efficiency == 14 / 16
     # batches of 2 in order: (5, 3) padded to 5, (4, 2) padded to 4 -> 14 / 18
     assert padded_efficiency([5, 3, 4, 2], batch_size=2) == 14 / 18
 

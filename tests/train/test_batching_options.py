@@ -68,6 +68,23 @@ def test_packing_refuses_models_whose_layers_would_mix_examples():
         check_packing_support(sliding, 2048)
 
 
+def test_packing_support_is_checked_from_the_model_config_before_the_data_or_any_weight(tmp_path, monkeypatch):
+    """A model directory holding only config.json: train() refuses packing before it reads data or weights."""
+    from transformers import Qwen3Config
+
+    from qlora_train.train import run
+
+    Qwen3Config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]).save_pretrained(tmp_path)
+    loaded = []
+    for name in ("load_tokenizer", "build_datasets", "load_model"):
+        monkeypatch.setattr(run, name, lambda *a, name=name, **k: loaded.append(name))
+    cfg = Config.model_validate({"model": {"name_or_path": str(tmp_path)}, "data": {"max_length": 64},
+                                 "train": {"report_to": "none", "packing": True, "output_dir": str(tmp_path / "o")}})
+    with pytest.raises(ConfigError, match="linear_attention layers"):
+        run.train(cfg)
+    assert loaded == []
+
+
 def test_collator_follows_the_attention_implementation():
     runtime = resolve_runtime(config())
     tok = type("T", (), {"pad_token_id": 0})()

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from qlora_train.chat_templates import resolve_chat_template, shipped_templates, with_template_kwargs
 from qlora_train.cli import main
 from qlora_train.config import Config, ModelConfig
-from qlora_train.data.chat_templates import resolve_chat_template, shipped_templates, with_template_kwargs
-from qlora_train.train.model import load_tokenizer
+from qlora_train.tokenizer import load_tokenizer
 from qlora_train.train.run import save_final_outputs, template_note
 
 REPO = Path(__file__).resolve().parents[2]

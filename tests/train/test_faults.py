@@ -149,7 +149,8 @@ def test_trust_remote_code_is_passed_as_configured(monkeypatch, trust):
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", record("tokenizer"))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", record("model"))
-    from qlora_train.train.model import load_model, load_tokenizer, resolve_runtime
+    from qlora_train.tokenizer import load_tokenizer
+    from qlora_train.train.model import load_model, resolve_runtime
 
     cfg = Config(model=ModelConfig(name_or_path="org/m", trust_remote_code=trust))
     with pytest.raises(Stop):

@@ -73,7 +73,7 @@ def test_cli_trains_and_writes_outputs(tmp_path, tiny_model_dir):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model = PeftModel.from_pretrained(base, out)
     tok = AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template == (REPO / "qlora_train/data/templates/qwen3.jinja").read_text()
+    assert tok.chat_template == (REPO / "qlora_train/templates/qwen3.jinja").read_text()
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)
     gen = model.generate(**prompt, max_new_tokens=3, do_sample=False)

@@ -29,7 +29,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from qlora_train.config import ConfigError
+from qlora_train.errors import ConfigError
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 ALIASES = {"qwen2": "qwen2.5", "qwen3_5": "qwen3.5", "llama3.1": "llama3", "gemma2": "gemma", "gemma3": "gemma"}

@@ -1,0 +1,84 @@
+"""The package's layers: a module imports only from its own layer or a lower one, and validating a config
+imports neither ``datasets`` nor ``torch``."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "qlora_train"
+# lowest first; packages on one layer (diagnostics, train, export) are siblings and do not import each other
+LAYERS = [
+    {"qlora_train", "qlora_train.errors", "qlora_train.files", "qlora_train.locations", "qlora_train.chat_templates"},
+    {"qlora_train.config"},
+    {"qlora_train.data"},
+    {"qlora_train.tokenizer"},
+    {"qlora_train.diagnostics", "qlora_train.train", "qlora_train.export"},
+    {"qlora_train.cli", "qlora_train.tiny"},
+]
+
+
+def unit(module: str) -> str:
+    """``qlora_train.data.render`` -> ``qlora_train.data``: the package or top-level module that owns it."""
+    return ".".join(module.split(".")[:2])
+
+
+def layer(module: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if unit(module) in names)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every ``qlora_train`` module a file imports, at the top or inside a function."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qlora_train"):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("qlora_train")}
+    return out
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
+
+
+def test_every_module_has_a_layer():
+    assert [m for m, _ in modules() if not any(unit(m) in names for names in LAYERS)] == []
+
+
+def test_no_module_imports_a_higher_layer_or_a_sibling():
+    wrong = []
+    for name, path in modules():
+        for imported in imports_of(path):
+            if layer(imported) > layer(name) or (layer(imported) == layer(name) and unit(imported) != unit(name)
+                                                 and layer(name) != 0):
+                wrong.append(f"{name} imports {imported}")
+    assert wrong == []
+
+
+def test_the_layer_check_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from qlora_train.train.run import train\n")
+    assert imports_of(bad) == {"qlora_train.train.run"}
+    assert layer("qlora_train.train.run") > layer("qlora_train.config")
+
+
+@pytest.mark.parametrize("code", [
+    # a missing local model (no tiny model built yet) is a ConfigError after the whole validation ran
+    "from qlora_train.config import ConfigError, load_config\n"
+    "for p in sorted(pathlib.Path('configs').glob('*.yaml')):\n"
+    "    try: load_config(p)\n"
+    "    except ConfigError: pass",
+    "import qlora_train.data.layout, qlora_train.tokenizer, qlora_train.chat_templates",
+])
+def test_validating_a_config_imports_neither_datasets_nor_torch(code):
+    probe = f"import pathlib, sys\n{code}\nprint(sorted(m for m in ('datasets', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
