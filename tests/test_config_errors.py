@@ -156,8 +156,10 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
 
 
 def test_hub_ids_and_local_paths_are_told_apart():
-    from qlora_train.config import looks_like_hub_id
+    """One rule for the config check and the loader (``locations``): the loader used to take ``_x/y`` and
+    ``.cache/m`` for hub ids that the validator called local paths."""
+    from qlora_train.locations import looks_like_hub_id
 
     assert [looks_like_hub_id(v) for v in ("Qwen/Qwen3-1.7B", "gpt2", "HuggingFaceH4/ultrachat_200k")] == [True] * 3
-    assert [looks_like_hub_id(v) for v in (".cache/tiny-qwen3", "./m", "/abs/m", "~/m", "a/b/c", "data/x.jsonl")] \
-        == [False] * 6
+    assert [looks_like_hub_id(v) for v in (".cache/tiny-qwen3", "./m", "/abs/m", "~/m", "a/b/c", "data/x.jsonl",
+                                           "_x/y", "x/_y", "d/x.PARQUET")] == [False] * 9

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
+from qlora_train.data.messages import THINK_CLOSE, THINK_OPEN
+
 log = logging.getLogger(__name__)
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # keys templates read reasoning from
 _USER, _USER2 = "qlora-train probe question", "qlora-train probe follow-up"
 _ANSWER, _ANSWER2 = "qlora-train probe answer", "qlora-train probe reply"

@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any, NotRequired, TypedDict
 
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
+# the inline reasoning block of assistant content in data, and the block a template writes when the probe finds no other
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class Message(TypedDict):

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from qlora_train.config import DataConfig
-from qlora_train.data.messages import KNOWN_ROLES, DropReason, Message, RowRejected
+from qlora_train.data.messages import KNOWN_ROLES, THINK_CLOSE, THINK_OPEN, DropReason, Message, RowRejected
 
 log = logging.getLogger(__name__)
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SHAREGPT_ROLES = {
     "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
     "bot": "assistant", "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
