@@ -209,12 +209,6 @@ class DataConfig(_Section):
         update = {k: getattr(src, k) for k in FORMAT_OVERRIDES if getattr(src, k) is not None}
         return self.model_copy(update={**update, "datasets": [], "eval_datasets": [], "mixing": MixingConfig()})
 
-    def trains_role(self, role: str) -> bool:
-        """Whether messages of ``role`` are trained by the role rules (before per-message overrides)."""
-        if self.mask is not None:
-            return self.mask.get(role, self.mask_default) == "train"
-        return role in self.assistant_roles
-
     # Section checks name their key first ("key: why"); _describe joins it to the section's path.
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -28,7 +28,7 @@ _EXPORTS = {
     "build_text_and_masks": "qlora_train.data.render", "render_conversation": "qlora_train.data.render",
     "IGNORE_INDEX": "qlora_train.data.tokenize", "make_labels": "qlora_train.data.tokenize",
     "tokenize_with_char_mask": "qlora_train.data.tokenize", "TruncationResult": "qlora_train.data.truncate",
-    "structured_truncate_messages": "qlora_train.data.truncate",
+    "structured_truncate_messages": "qlora_train.data.truncate", "LossPolicy": "qlora_train.data.policy",
 }
 __all__ = sorted(_EXPORTS)
 

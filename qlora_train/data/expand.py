@@ -1,8 +1,8 @@
 """``data.reasoning_history: expand``: train every turn's reasoning once, as the model sees the turn at inference.
 
-    >>> ex = expand_dropped_reasoning(msgs, rendered, tok, max_examples=16)   # Qwen3, 2 exchanges
-    >>> [len(m) for m, _ in ex.extra], ex.moved, ex.still_dropped
-    ([2], (1,), ())
+For example, a Qwen3 conversation of two exchanges, both answers with reasoning: the full render drops the first
+answer's reasoning, so the expansion adds one extra example (the first exchange, 2 messages, its answer trained
+with its reasoning), moves turn 1 there (``moved == (1,)``) and leaves nothing dropped (``still_dropped == ()``).
 
 Templates such as Qwen3's drop the reasoning of assistant turns before the
 last user query. In the one render of a conversation such a turn would be
@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qlora_train.data.messages import Message, RowRejected
+from qlora_train.data.policy import LossPolicy
 from qlora_train.data.render import RenderedConversation, render_conversation
 
 
@@ -38,24 +39,23 @@ def _flagged(messages: list[Message], trained: set[int]) -> list[Message]:
 
 
 def expand_dropped_reasoning(messages: list[Message], rendered: RenderedConversation, tokenizer, *,
-                             max_examples: int, tools=None, **render_kw) -> Expansion:
-    """Messages + their render -> extra prefix examples for the turns whose reasoning the render dropped.
+                             policy: LossPolicy, tools=None) -> Expansion:
+    """Marked messages + their render -> extra prefix examples for the turns whose reasoning the render dropped.
 
-    ``render_kw`` are ``render_conversation``'s options (think_loss, train_on_eos, assistant_roles). At most
-    ``max_examples`` extra examples; the latest dropped turn is served first.
+    At most ``policy.reasoning_history_max_examples`` extra examples; the latest dropped turn is served first.
     """
     pending = [t.index for t in rendered.turns if t.reasoning_dropped]
     extra, moved = [], set()
-    while pending and len(extra) < max_examples:
+    while pending and len(extra) < policy.reasoning_history_max_examples:
         j = pending[-1]
         candidates = {i for i in pending if i <= j}
         prefix = _flagged(messages[: j + 1], candidates)
         try:
-            r = render_conversation(prefix, tokenizer, tools=tools, **render_kw)
+            r = render_conversation(prefix, tokenizer, tools=tools, policy=policy)
             kept = {t.index for t in r.turns if not t.reasoning_dropped}
             if j in kept and kept != candidates:  # some earlier candidates still drop it here: untrain them
                 prefix = _flagged(messages[: j + 1], kept)
-                r = render_conversation(prefix, tokenizer, tools=tools, **render_kw)
+                r = render_conversation(prefix, tokenizer, tools=tools, policy=policy)
         except RowRejected:
             kept = set()
         if j not in kept:  # not even as the last turn: the template never writes this reasoning
@@ -71,6 +71,6 @@ def expand_dropped_reasoning(messages: list[Message], rendered: RenderedConversa
         (head, r), *rest = extra
         return Expansion(r, head, rest, tuple(sorted(moved)), ())
     full = _flagged(messages, was_trained - moved)
-    primary = render_conversation(full, tokenizer, tools=tools, **render_kw)
+    primary = render_conversation(full, tokenizer, tools=tools, policy=policy)
     return Expansion(primary, full, extra, tuple(sorted(moved)),
                      tuple(t.index for t in primary.turns if t.reasoning_dropped))

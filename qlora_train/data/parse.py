@@ -1,8 +1,8 @@
 """Stage 1: a raw row of any common schema -> canonical messages + tools + a ParseReport.
 
     >>> canonicalize_row({"prompt": "2+2?", "response": "<think>add</think>4"}).messages
-    [{'role': 'user', 'content': '2+2?'},
-     {'role': 'assistant', 'content': '4', 'reasoning_content': 'add'}]
+    [{'role': 'user', 'content': '2+2?', 'train': False},
+     {'role': 'assistant', 'content': '4', 'reasoning_content': 'add', 'train': True}]
 
 Pure: the input row is never mutated. Problems that make a row unusable raise
 ``RowRejected`` with a reason and the offending key or message index.
@@ -17,6 +17,7 @@ from typing import Any
 
 from qlora_train.config import DataConfig
 from qlora_train.data.messages import KNOWN_ROLES, THINK_CLOSE, THINK_OPEN, DropReason, Message, RowRejected
+from qlora_train.data.policy import LossPolicy
 
 log = logging.getLogger(__name__)
 
@@ -364,32 +365,18 @@ def _cap_reasoning(text: str, max_tokens: int, tokenizer) -> str:
     return text[: enc["offset_mapping"][max_tokens - 1][1]]
 
 
-def training_flags(messages: list[Message], cfg: DataConfig) -> list[bool]:
-    """Which messages are trained: the role rules, then a message's own override, then ``last_turn_only``.
-
-    >>> training_flags([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-    ...                 {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}],
-    ...                DataConfig(last_turn_only=True))
-    [False, False, False, True]
-    """
-    flags = [m.get("train", cfg.trains_role(m["role"])) for m in messages]
-    if cfg.last_turn_only and any(flags):
-        last = max(i for i, f in enumerate(flags) if f)
-        flags = [i == last for i in range(len(flags))]
-    return flags
-
-
-def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokenizer=None) -> CanonicalRow:
+def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokenizer=None,
+                     policy: LossPolicy | None = None) -> CanonicalRow:
     """Raw row -> ``CanonicalRow(messages, tools, report)``.
 
     Applies ``field_mappings``, detects the schema (or uses
     ``cfg.dataset_schema``), maps message keys and roles, moves reasoning
     fields into ``reasoning_content``, extracts inline think blocks, applies
     ``think_mode`` / ``think_max_tokens`` (needs ``tokenizer``), finds tools in
-    the first matching tools column, and decides which messages are trained
-    (``training_flags``): a message whose decision differs from
-    ``role in assistant_roles`` carries it as ``train``. A bare list is a list
-    of messages.
+    the first matching tools column, and marks every message with its ``train``
+    flag (``LossPolicy.mark``; ``policy`` defaults to ``LossPolicy.of(cfg)``):
+    the one place that decides which messages are trained. A bare list is a
+    list of messages.
     """
     cfg = cfg or DataConfig()
     if isinstance(row, list):
@@ -419,12 +406,8 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
                 if capped != m["reasoning_content"]:
                     m["reasoning_content"] = capped
                     report.think_capped_messages += 1
-    flags = training_flags(messages, cfg)
-    for m, flag in zip(messages, flags):
-        m.pop("train", None)
-        if flag != (m["role"] in cfg.assistant_roles):
-            m["train"] = flag
-    trained = [i for i, f in enumerate(flags) if f]
+    messages = (policy or LossPolicy.of(cfg)).mark(messages)
+    trained = [i for i, m in enumerate(messages) if m["train"]]
     if not trained:
         rule = f"mask rules {cfg.mask}" if cfg.mask is not None else f"a role in {list(cfg.assistant_roles)}"
         raise RowRejected(DropReason.NO_ASSISTANT_TURN, f"no trained message ({rule})")

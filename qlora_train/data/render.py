@@ -1,11 +1,11 @@
-"""Stage 3: render the whole conversation ONCE and mark, per character, what is trained.
+"""Stage 2: render the whole conversation ONCE and mark, per character, what is trained.
 
     >>> text, mask = build_text_and_masks(
     ...     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tok)
-    >>> text
-    '<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\nyo<|im_end|>\\n'
+    >>> text  # Qwen3 writes an empty reasoning block in the last assistant turn
+    '<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\nyo<|im_end|>\\n'
     >>> "".join(c for c, m in zip(text, mask) if m)
-    'yo<|im_end|>'
+    '<think>\\n\\n</think>\\n\\nyo<|im_end|>'
 
 How spans are found (no prefix re-rendering, no guessed masks):
 
@@ -36,6 +36,7 @@ import numpy as np
 
 from qlora_train.data.layout import TemplateLayout, role_is_rendered, template_layout
 from qlora_train.data.messages import KNOWN_ROLES, DropReason, Message, RowRejected
+from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy, is_trained
 
 log = logging.getLogger(__name__)
 
@@ -272,25 +273,18 @@ def _check_spans(text: str, spans: list[tuple[int, int]]) -> None:
         at = b
 
 
-def is_trained(msg: Message, assistant_roles) -> bool:
-    """A message is trained when it says so (``train``), else when its role is in ``assistant_roles``."""
-    return msg.get("train", msg["role"] in assistant_roles)
-
-
 def render_conversation(
     messages: list[Message],
     tokenizer,
     *,
     tools: list[dict] | None = None,
-    assistant_roles=("assistant",),
-    think_loss: str = "all",
-    train_on_eos: str = "turn",
+    policy: LossPolicy = DEFAULT_POLICY,
 ) -> RenderedConversation:
-    """Messages -> one render with a verified per-character training mask.
+    """Marked messages (each with its ``train`` flag) -> one render with a verified per-character training mask.
 
-    ``train_on_eos``: which end-of-turn markers are trained: those of trained
-    turns (``turn``), also those closing every other message (``all``), only
-    the last trained turn's (``last``), or none (``none``).
+    Of ``policy`` only ``think_loss`` and ``train_on_eos`` are read: which end-of-turn markers are trained:
+    those of trained turns (``turn``), also those closing every other message (``all``), only the last trained
+    turn's (``last``), or none (``none``). Which messages are trained was decided when they were marked.
     """
     layout = template_layout(tokenizer)
     try:
@@ -300,14 +294,14 @@ def render_conversation(
     mask = np.zeros(len(text), dtype=np.uint8)
     ends, turns, spans, unrendered, cursor = [], [], [], [], 0
     anchors = layout.anchors
-    trained = [is_trained(msg, assistant_roles) for msg in messages]
+    trained = [is_trained(msg, i) for i, msg in enumerate(messages)]
+    train_on_eos = policy.train_on_eos
     last_trained = max((i for i, t in enumerate(trained) if t), default=-1)
     for i, msg in enumerate(messages):
         if trained[i]:
             turn = _locate_turn(text, cursor, msg, i, layout)
             turns.append(turn)
-            with_eot = train_on_eos in ("turn", "all") or (train_on_eos == "last" and i == last_trained)
-            spans += _trained_spans(turn, think_loss, with_eot=with_eot)
+            spans += _trained_spans(turn, policy.think_loss, with_eot=policy.trains_eot(i, last_trained))
             cursor = turn.end
             ends.append(cursor)
             continue
@@ -347,22 +341,18 @@ def render_conversation(
 
 
 def build_text_and_masks(
-    messages: list[Message],
+    messages: list[dict],
     tokenizer,
     *,
     tools: list[dict] | None = None,
-    assistant_roles=("assistant",),
-    think_loss: str = "all",
-    train_on_eos: str = "turn",
+    policy: LossPolicy = DEFAULT_POLICY,
 ) -> tuple[str, np.ndarray]:
     """Messages -> ``(text, char_mask)``: the template's render and a 0/1 entry per character.
 
-    Trained (1): for each trained message (``is_trained``: its ``train`` flag,
-    else its role in ``assistant_roles``), its reasoning block (per
-    ``think_loss``), content, tool calls and end-of-turn marker (per
-    ``train_on_eos``). Everything else is 0. Raises ``RowRejected`` when the
-    template fails or the spans cannot be verified.
+    The messages are marked by ``policy`` first (``LossPolicy.mark``: a message's own ``train``, else the role
+    rules, then ``last_turn_only``). Trained (1): for each trained message, its reasoning block (per
+    ``think_loss``), content, tool calls and end-of-turn marker (per ``train_on_eos``). Everything else is 0.
+    Raises ``RowRejected`` when the template fails or the spans cannot be verified.
     """
-    r = render_conversation(messages, tokenizer, tools=tools, assistant_roles=assistant_roles,
-                            think_loss=think_loss, train_on_eos=train_on_eos)
+    r = render_conversation(policy.mark(messages), tokenizer, tools=tools, policy=policy)
     return r.text, r.char_mask

@@ -1,8 +1,8 @@
-"""Stage 2: fit a conversation into ``max_length`` tokens while keeping what matters.
+"""Stage 4: fit a conversation into ``max_length`` tokens while keeping what matters.
 
-    >>> r = structured_truncate_messages(msgs, tok, max_length=512)
-    >>> r.dropped_turns, r.reasoning_trimmed_tokens, r.needs_token_fallback
-    (2, 0, False)
+It runs on the render and tokens of stages 2 and 3, only for a conversation over ``max_length``; the result
+(``TruncationResult``) says how many exchanges were dropped, how many reasoning tokens trimmed, and whether the
+token-level cut is still needed.
 
 Order of actions, each only if the previous was not enough:
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qlora_train.data.messages import Message
+from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy
 from qlora_train.data.render import RenderedConversation, render_conversation
 from qlora_train.data.tokenize import Offsets, encode_batch
 
@@ -60,12 +61,8 @@ class TruncationResult:
     final: Measured | None = field(default=None, repr=False)  # the render of ``messages``
 
 
-def measure(messages, tokenizer, *, tools=None, assistant_roles=("assistant",), think_loss="all",
-            train_on_eos="turn") -> Measured:
-    rendered = render_conversation(
-        messages, tokenizer, tools=tools, assistant_roles=assistant_roles, think_loss=think_loss,
-        train_on_eos=train_on_eos,
-    )
+def measure(messages, tokenizer, *, tools=None, policy: LossPolicy = DEFAULT_POLICY) -> Measured:
+    rendered = render_conversation(messages, tokenizer, tools=tools, policy=policy)
     (ids, offsets), = encode_batch([rendered.text], tokenizer)
     return Measured(rendered, ids, offsets)
 
@@ -98,19 +95,18 @@ def structured_truncate_messages(
     *,
     max_length: int,
     tools: list[dict] | None = None,
-    assistant_roles=("assistant",),
-    think_loss: str = "all",
-    train_on_eos: str = "turn",
+    policy: LossPolicy = DEFAULT_POLICY,
     measured: Measured | None = None,
 ) -> TruncationResult:
-    """Messages -> ``TruncationResult`` whose messages render to <= ``max_length`` tokens when possible.
+    """Marked messages -> ``TruncationResult`` whose messages render to <= ``max_length`` tokens when possible.
+
+    Kept messages keep their ``train`` flags: dropping an exchange never changes which turns are trained.
 
     ``measured`` may pass in the render + tokenization of ``messages`` already
     made by the caller, so the common no-truncation case costs nothing extra.
     The input list and its messages are never mutated.
     """
-    kw = dict(tools=tools, assistant_roles=assistant_roles, think_loss=think_loss, train_on_eos=train_on_eos)
-    current = measured or measure(messages, tokenizer, **kw)
+    current = measured or measure(messages, tokenizer, tools=tools, policy=policy)
     before = current.num_tokens
     result = TruncationResult(list(messages), before, before, final=current)
     if before <= max_length:
@@ -129,13 +125,13 @@ def structured_truncate_messages(
         result.dropped_turns += 1
     kept = [m for i, m in enumerate(messages) if i not in drop]
     if drop:
-        current = measure(kept, tokenizer, **kw)
+        current = measure(kept, tokenizer, tools=tools, policy=policy)
         remaining = [g for g in groups if not drop.issuperset(g)]
         while current.num_tokens > max_length and remaining:  # estimate was short: drop one more
             drop.update(remaining.pop(0))
             result.dropped_turns += 1
             kept = [m for i, m in enumerate(messages) if i not in drop]
-            current = measure(kept, tokenizer, **kw)
+            current = measure(kept, tokenizer, tools=tools, policy=policy)
     result.dropped_messages = len(drop)
 
     # 3. trim rendered reasoning of kept turns, longest first
@@ -163,7 +159,7 @@ def structured_truncate_messages(
             msg.pop("reasoning_content")
         kept = kept[: turn.index] + [msg] + kept[turn.index + 1:]
         result.reasoning_trimmed_tokens += n_reason - keep
-        current = measure(kept, tokenizer, **kw)
+        current = measure(kept, tokenizer, tools=tools, policy=policy)
 
     result.messages = kept
     result.final = current

@@ -50,7 +50,10 @@ def test_bad_data_configs_name_the_key(tmp_path, text, problem):
 
 
 def test_mask_rules_decide_roles():
-    assert DataConfig().trains_role("assistant") and not DataConfig().trains_role("user")
-    cfg = DataConfig(mask={"user": "train", "system": "mask"}, mask_default="train")
-    assert [cfg.trains_role(r) for r in ("user", "system", "assistant", "knowledge")] == [True, False, True, True]
+    from qlora_train.data.policy import LossPolicy
+
+    default = LossPolicy.of(DataConfig())
+    assert default.trains_role("assistant") and not default.trains_role("user")
+    policy = LossPolicy.of(DataConfig(mask={"user": "train", "system": "mask"}, mask_default="train"))
+    assert [policy.trains_role(r) for r in ("user", "system", "assistant", "knowledge")] == [True, False, True, True]
     assert DatasetSource(path="x").paths == ["x"] and DatasetSource(path=["x", "y"]).paths == ["x", "y"]

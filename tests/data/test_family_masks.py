@@ -21,8 +21,11 @@ from hypothesis import strategies as st
 
 from qlora_train.data import IGNORE_INDEX, DataConfig, RowRejected, process_rows
 from qlora_train.data.layout import template_layout
+from qlora_train.data.policy import LossPolicy
 from qlora_train.data.render import render_conversation
 from tests.data.families import FAMILIES, example_messages, family_tokenizer
+
+mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 
 NAMES = sorted(FAMILIES)
 
@@ -40,7 +43,7 @@ def trained_chars(r) -> str:
 def test_example_mask_by_hand(toks, name):
     tok, fam = toks[name], FAMILIES[name]
     msgs = example_messages(name)
-    assert trained_chars(render_conversation(msgs, tok)) == fam.example_trained
+    assert trained_chars(render_conversation(mark(msgs), tok)) == fam.example_trained
     out = process_rows([{"messages": msgs}], tok, DataConfig(max_length=4096))
     assert out["drop_reason"] == [""], out["drop_detail"]
     ids = [i for i, lab in zip(out["input_ids"][0], out["labels"][0]) if lab != IGNORE_INDEX]
@@ -111,10 +114,10 @@ def _specials_removed(text: str, tok) -> str:
 def check_properties(tok, fam, msgs, *, tools) -> str | None:
     if fam.name in KNOWN_REFUSALS and KNOWN_REFUSALS[fam.name](msgs):
         with pytest.raises(RowRejected) as err:
-            render_conversation(msgs, tok, tools=tools)
+            render_conversation(mark(msgs), tok, tools=tools)
         assert err.value.reason == "mask_unverified"
         return None
-    r = render_conversation(msgs, tok, tools=tools)
+    r = render_conversation(mark(msgs), tok, tools=tools)
     assert r.text == tok.apply_chat_template(msgs, tools=tools, tokenize=False)
     trained = trained_chars(r)
     layout = template_layout(tok)
@@ -214,7 +217,7 @@ def test_property_matches_the_prefix_oracle(toks, name):
         expected = oracle(tok, msgs)
         if expected is not None:
             compared.append(1)
-            assert trained_chars(render_conversation(msgs, tok)) == expected
+            assert trained_chars(render_conversation(mark(msgs), tok)) == expected
     run()
     if name not in ("glm4", "glm4.5", "command-r7b-tools", "mistral-v3", "mistral-tekken"):
         assert compared, "the oracle applied to no conversation"

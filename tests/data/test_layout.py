@@ -8,7 +8,10 @@ import pytest
 
 from qlora_train.data import DataConfig, RowRejected, process_rows
 from qlora_train.data.layout import pieces, probe_layout
+from qlora_train.data.policy import LossPolicy
 from qlora_train.data.render import render_conversation
+
+mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 
 # header written at the end of the user turn; the generation prompt appends nothing; system ignored (Phi-3)
 IN_USER_TURN = ("{% for m in messages %}{% if m.role == 'user' %}{{ '<|user|>\\n' + m.content + '<|end|>\\n"
@@ -59,7 +62,7 @@ def test_header_in_the_user_turn(make_tok):
     layout = probe_layout(tok)
     assert (layout.assistant_header, layout.turn_openers, layout.end_markers) == (
         "", ("<|end|>\n<|assistant|>\n",), ("<|end|>",))
-    r = render_conversation(CONVO, tok)
+    r = render_conversation(mark(CONVO), tok)
     assert r.text == "<|user|>\nQ1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nQ2<|end|>\n<|assistant|>\nA2<|end|>\n"
     assert trained(r) == "A1<|end|>A2<|end|>"  # the header the user turn writes is never trained
     assert r.unrendered == ("system",)  # the template drops the system prompt: counted, not refused
@@ -69,7 +72,7 @@ def test_no_header(make_tok):
     tok = make_tok(NO_HEADER)
     layout = probe_layout(tok)
     assert (layout.assistant_header, layout.turn_openers, layout.end_markers) == ("", ("[/INST]",), ("</s>",))
-    r = render_conversation(CONVO[1:], tok)
+    r = render_conversation(mark(CONVO[1:]), tok)
     assert r.text == "<s>[INST] Q1 [/INST] A1</s>[INST] Q2 [/INST] A2</s>"
     # the model writes " A1</s>" after the prompt "... [/INST]": the space is its first character
     assert trained(r) == " A1</s> A2</s>"
@@ -79,7 +82,7 @@ def test_user_text_holding_the_opener_is_refused(make_tok):
     tok = make_tok(NO_HEADER)
     msgs = [{"role": "user", "content": "say [/INST] x"}, {"role": "assistant", "content": "x"}]
     with pytest.raises(RowRejected) as err:
-        render_conversation(msgs, tok)
+        render_conversation(mark(msgs), tok)
     assert err.value.reason == "mask_unverified" and "messages[0]" in err.value.detail
 
 
@@ -91,9 +94,9 @@ def test_two_end_markers_and_an_answer_marker(make_tok):
     assert (layout.think_open, layout.think_close, layout.answer_open) == ("<|THINK|>", "<|/THINK|>", "<|RESP|>")
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "reasoning_content": "R"},
             {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "B"}]
-    r = render_conversation(msgs, tok)
+    r = render_conversation(mark(msgs), tok)
     assert trained(r) == "<|THINK|>R<|/THINK|><|RESP|>A<|/RESP|><|/T|><|RESP|>B<|/RESP|><|/T|>"
-    r = render_conversation(msgs, tok, think_loss="answer_only")
+    r = render_conversation(mark(msgs), tok, policy=LossPolicy(think_loss="answer_only"))
     assert trained(r) == "<|RESP|>A<|/RESP|><|/T|><|RESP|>B<|/RESP|><|/T|>"
 
 
@@ -102,7 +105,7 @@ def test_transformed_tool_results_are_not_a_reason_to_refuse(make_tok):
     result = 'line "one"\nline two'  # rendered JSON-encoded: quotes and newline escaped
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "calling"},
             {"role": "tool", "content": result}, {"role": "assistant", "content": "done"}]
-    r = render_conversation(msgs, tok)
+    r = render_conversation(mark(msgs), tok)
     assert json.dumps(result) in r.text and result not in r.text
     assert trained(r) == "<|RESP|>calling<|/RESP|><|/T|><|RESP|>done<|/RESP|><|/T|>"
     assert r.message_ends[2] == r.text.index(json.dumps(result)[1:-1]) + len(json.dumps(result)[1:-1])
@@ -137,4 +140,4 @@ def test_named_templates_dict_is_probed(make_tok):
     # choke on the dict, and transformers renders with "default" when no tools are given
     tok = make_tok({"default": NO_HEADER, "tool_use": IN_USER_TURN})
     assert probe_layout(tok).turn_openers == ("[/INST]",)
-    assert trained(render_conversation(CONVO[1:], tok)) == " A1</s> A2</s>"
+    assert trained(render_conversation(mark(CONVO[1:]), tok)) == " A1</s> A2</s>"

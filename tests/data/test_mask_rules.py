@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qlora_train.data import IGNORE_INDEX, DataConfig, RowRejected, canonicalize_row, process_rows
+from qlora_train.data.policy import LossPolicy
 from qlora_train.data.render import build_text_and_masks
 
 ROW = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
@@ -19,7 +20,7 @@ def trained(row, tok, **options) -> str:
     """The trained characters of a row, and (checked equal) the decoded trained tokens."""
     cfg = DataConfig(**options)
     canon = canonicalize_row(row, cfg)
-    text, mask = build_text_and_masks(canon.messages, tok, train_on_eos=cfg.train_on_eos)
+    text, mask = build_text_and_masks(canon.messages, tok, policy=LossPolicy.of(cfg))
     chars = "".join(c for c, m in zip(text, mask) if m)
     out = process_rows([row], tok, cfg)
     assert out["drop_reason"] == [""], out["drop_detail"]
@@ -77,7 +78,7 @@ def test_message_override_masks_an_assistant_turn(qwen3_tok, key, value):
 def test_override_beats_role_rule_and_bad_override_names_the_message():
     msgs = [{"role": "user", "content": "q", "training": True}, {"role": "assistant", "content": "a"}]
     out = canonicalize_row({"messages": msgs}, DataConfig(mask={"user": "mask", "assistant": "train"}))
-    assert [m.get("train") for m in out.messages] == [True, None]  # set only where it differs from assistant_roles
+    assert [m["train"] for m in out.messages] == [True, True]  # every message carries its decision
     out = canonicalize_row({"messages": msgs}, DataConfig(mask={"user": "mask"}))  # mask_default masks assistant
     assert [m.get("train") for m in out.messages] == [True, False]
     with pytest.raises(RowRejected) as err:

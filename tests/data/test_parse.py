@@ -15,8 +15,8 @@ def test_openai_messages_with_reasoning_key_moved():
     row = {"messages": [{"role": "user", "content": "q"},
                         {"role": "assistant", "content": "a", "thinking": "t"}]}
     out = canonicalize_row(row)
-    assert out.messages == [{"role": "user", "content": "q"},
-                            {"role": "assistant", "content": "a", "reasoning_content": "t"}]
+    assert out.messages == [{"role": "user", "content": "q", "train": False},
+                            {"role": "assistant", "content": "a", "reasoning_content": "t", "train": True}]
     assert out.report.schema == "messages" and out.report.moved_reasoning_keys == {"thinking": 1}
 
 
@@ -31,14 +31,16 @@ def test_sharegpt_roles_mapped():
 @pytest.mark.parametrize("key", ["response", "completion", "answer"])
 def test_prompt_response(key):
     out = canonicalize_row({"prompt": "q", key: "<think>\nr\n</think>\n\na", "system": "s"})
-    assert out.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-                            {"role": "assistant", "content": "a", "reasoning_content": "r"}]
+    assert out.messages == [{"role": "system", "content": "s", "train": False},
+                            {"role": "user", "content": "q", "train": False},
+                            {"role": "assistant", "content": "a", "reasoning_content": "r", "train": True}]
     assert out.report.extracted_think_from_content == 1
 
 
 def test_close_tag_only_counts_as_reasoning():
     out = canonicalize_row({"prompt": "q", "response": "step one</think>answer"})
-    assert out.messages[-1] == {"role": "assistant", "content": "answer", "reasoning_content": "step one"}
+    assert out.messages[-1] == {"role": "assistant", "content": "answer", "reasoning_content": "step one",
+                                "train": True}
 
 
 def test_unbalanced_think_is_kept_and_reported():
@@ -49,14 +51,14 @@ def test_unbalanced_think_is_kept_and_reported():
 
 def test_extract_think_tags_off():
     out = canonicalize_row({"prompt": "q", "response": "<think>r</think>a"}, DataConfig(extract_think_tags=False))
-    assert out.messages[-1] == {"role": "assistant", "content": "<think>r</think>a"}
+    assert out.messages[-1] == {"role": "assistant", "content": "<think>r</think>a", "train": True}
 
 
 def test_think_mode_drop():
     row = {"messages": [{"role": "user", "content": "q"},
                         {"role": "assistant", "content": "<think>r</think>a", "reasoning": "r2"}]}
     out = canonicalize_row(row, DataConfig(think_mode="drop"))
-    assert out.messages[-1] == {"role": "assistant", "content": "a"}
+    assert out.messages[-1] == {"role": "assistant", "content": "a", "train": True}
     assert out.report.dropped_think_messages == 1
 
 

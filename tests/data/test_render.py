@@ -16,7 +16,10 @@ from qlora_train.data import (
     template_layout,
     tokenize_with_char_mask,
 )
+from qlora_train.data.policy import LossPolicy
 from qlora_train.data.tokenize import OffsetArray, project_char_mask
+
+mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
@@ -69,7 +72,7 @@ TOOL_CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 3}}\n<
     ],
 )
 def test_qwen3_multi_turn_reasoning_and_tools(qwen3_tok, think_loss, expected):
-    text, mask = build_text_and_masks(MULTI, qwen3_tok, tools=TOOLS, think_loss=think_loss)
+    text, mask = build_text_and_masks(MULTI, qwen3_tok, tools=TOOLS, policy=LossPolicy(think_loss=think_loss))
     assert text == qwen3_tok.apply_chat_template(MULTI, tools=TOOLS, tokenize=False)
     assert "add them" not in text  # Qwen3 drops reasoning of turns before the last user query
     assert trained_text(text, mask) == expected
@@ -137,7 +140,7 @@ def test_straddling_token_belongs_to_where_it_starts(family_tokenizers, qwen3_to
     assert project_char_mask(OffsetArray.from_pairs(enc["offset_mapping"]), mask).straddling == 1
     # reasoning "Done." + masked "\n</think>": ".\n" is one token, starting in the reasoning
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A", "reasoning_content": "Done."}]
-    text, mask = build_text_and_masks(msgs, qwen3_tok, think_loss="answer_plus_think")
+    text, mask = build_text_and_masks(msgs, qwen3_tok, policy=LossPolicy(think_loss="answer_plus_think"))
     assert trained_text(text, mask) == "Done.A<|im_end|>"
     out = tokenize_with_char_mask(text, mask, qwen3_tok)
     assert trained_decoded(qwen3_tok, out) == "Done.\nA<|im_end|>"
@@ -270,7 +273,7 @@ def test_property_chatml(family_tokenizers, msgs):
 @PROP
 @given(msgs=conversations())
 def test_property_turn_spans_cover_each_assistant_message(qwen3_tok, msgs):
-    r = render_conversation(msgs, qwen3_tok, tools=TOOLS)
+    r = render_conversation(mark(msgs), qwen3_tok, tools=TOOLS)
     assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     assert [t.index for t in r.turns] == assistants
     for t in r.turns:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from qlora_train.data import structured_truncate_messages
+from qlora_train.data.policy import LossPolicy
 from qlora_train.data.truncate import measure
+
+mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 
 WORDS = " ".join(f"word{i}" for i in range(60))  # ~120 tokens
 
@@ -16,7 +19,7 @@ def convo(n_middle, final_reasoning=""):
     final = {"role": "assistant", "content": "final answer"}
     if final_reasoning:
         final["reasoning_content"] = final_reasoning
-    return msgs + [{"role": "user", "content": "latest question"}, final]
+    return mark(msgs + [{"role": "user", "content": "latest question"}, final])
 
 
 def n_tokens(msgs, tok):
@@ -42,8 +45,8 @@ def test_drops_oldest_exchanges_keeps_system_and_latest(qwen3_tok):
 
 def test_tool_result_before_final_answer_kept(qwen3_tok):
     call = {"type": "function", "function": {"name": "f", "arguments": {}}}
-    msgs = convo(3)[:-1] + [{"role": "assistant", "content": "", "tool_calls": [call]},
-                            {"role": "tool", "content": "RESULT"}, {"role": "assistant", "content": "done"}]
+    msgs = convo(3)[:-1] + mark([{"role": "assistant", "content": "", "tool_calls": [call]},
+                                 {"role": "tool", "content": "RESULT"}, {"role": "assistant", "content": "done"}])
     r = structured_truncate_messages(msgs, qwen3_tok, max_length=n_tokens(msgs, qwen3_tok) - 50)
     assert r.messages[-4:] == msgs[-4:] and r.messages[0] == msgs[0]
     assert r.dropped_turns == 1
