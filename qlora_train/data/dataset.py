@@ -1,8 +1,6 @@
-"""Sources -> processed, filtered, mixed train/eval datasets and a report where every row is accounted for.
-
-    >>> train_ds, eval_ds, report = build_datasets(cfg.data, tokenizer)
-    >>> report.rows_in == report.rows_kept + sum(report.dropped.values())
-    True
+"""Sources -> processed, filtered, mixed train/eval datasets and a report where every row is accounted for:
+``build_datasets(cfg.data, tokenizer)`` returns (train, eval or None, report), and in the report
+``rows_in == rows_kept + sum(dropped.values())``.
 
 Order: each source is loaded and processed with its own format options
 (``DataConfig.for_source``) -> exact duplicates dropped (``dedup``) -> counted
@@ -29,45 +27,24 @@ import datasets
 import pyarrow.compute as pc
 
 from qlora_train.config import DataConfig, DatasetSource
+from qlora_train.data.batches import merge_back, readable
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
 from qlora_train.data.messages import CONFIGURED_DROPS, BadRowError, DropReason
 from qlora_train.data.parse import ParseReport
-from qlora_train.data.pipeline import OUTPUT_COLUMNS, empty_output, process_rows
+from qlora_train.data.pipeline import process_rows
+from qlora_train.data.processed import (
+    EXPANDED_COLUMNS,
+    KEPT_COLUMNS,
+    MODEL_COLUMNS,
+    OUTPUT_COLUMNS,
+    REPORT_COLUMNS,
+    empty_output,
+    processed_features,
+)
 from qlora_train.data.sources import SourceError, load_labelled_source, source_label
 
 log = logging.getLogger(__name__)
-MODEL_COLUMNS = ("input_ids", "attention_mask", "labels")
-EXPANDED_COLUMNS = ("expanded_input_ids", "expanded_labels")
-
-_ids, _labels, _mask = datasets.Value("int32"), datasets.Value("int64"), datasets.Value("int8")
-# The type of every column the preprocessing map writes. Stated, not inferred: a batch whose token lists are all
-# empty (every row refused, or no row expanded) would otherwise be typed list<null>, which the next batch's ints
-# cannot be cast to. The widths are those datasets infers for a batch with tokens.
-COLUMN_TYPES = {
-    "input_ids": datasets.Sequence(_ids), "attention_mask": datasets.Sequence(_mask),
-    "labels": datasets.Sequence(_labels), "drop_reason": datasets.Value("string"),
-    "drop_detail": datasets.Value("string"), "num_tokens_before": datasets.Value("int64"),
-    "num_tokens": datasets.Value("int64"), "num_trained_tokens": datasets.Value("int64"),
-    "dropped_turns": datasets.Value("int64"), "reasoning_trimmed_tokens": datasets.Value("int64"),
-    "token_fallback": datasets.Value("string"), "straddling_tokens": datasets.Value("int64"),
-    "parse_report": datasets.Value("string"), "content_hash": datasets.Value("string"),
-    "expanded_input_ids": datasets.Sequence(datasets.Sequence(_ids)),
-    "expanded_labels": datasets.Sequence(datasets.Sequence(_labels)),
-    "expanded_tokens": datasets.Value("int64"), "expanded_trained_tokens": datasets.Value("int64"),
-    "source": datasets.Value("string"), "location": datasets.Value("string"), "domain": datasets.Value("string"),
-}
-
-
-def processed_features() -> datasets.Features:
-    """The features of a processed dataset: ``OUTPUT_COLUMNS`` + source, location, domain, in that order."""
-    names = (*OUTPUT_COLUMNS, "source", "location", "domain")
-    missing = [c for c in names if c not in COLUMN_TYPES]
-    if missing:  # a column added to the pipeline needs its type here
-        raise KeyError(f"no type for processed column(s) {missing}: add them to dataset.COLUMN_TYPES")
-    return datasets.Features({c: COLUMN_TYPES[c] for c in names})
-
-
 class EmptyDatasetError(Exception):
     """Every row was dropped: nothing to train on."""
 
@@ -161,24 +138,19 @@ def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig, code: str = "") 
     """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source, location, domain.
 
     ``code`` (``pipeline_code_hash``) only feeds the cache fingerprint."""
-    ok = [i for i, err in enumerate(batch["load_error"]) if not err]
+    n, ok = len(batch["load_error"]), readable(batch)
     rows = [json.loads(batch["row"][i]) for i in ok]
     good = process_rows(rows, tokenizer, cfg, locations=[batch["location"][i] for i in ok])
-    domains = dict(zip(ok, (_domain(r, cfg.domain_key) for r in rows)))
-    out = {col: [] for col in OUTPUT_COLUMNS}
-    j = 0
-    for i, err in enumerate(batch["load_error"]):
-        if err:  # unreadable line: dropped with its location
-            row = empty_output()
-            row["drop_reason"], row["drop_detail"] = DropReason.UNPARSEABLE_JSON, f"{batch['location'][i]}: {err}"
-        else:
-            row = {col: good[col][j] for col in OUTPUT_COLUMNS}
-            j += 1
-        for col in OUTPUT_COLUMNS:
-            out[col].append(row[col])
+
+    def unreadable(i: int) -> dict:  # dropped with its location
+        return {**empty_output(), "drop_reason": DropReason.UNPARSEABLE_JSON,
+                "drop_detail": f"{batch['location'][i]}: {batch['load_error'][i]}"}
+
+    merged = merge_back(n, ok, [{col: good[col][j] for col in OUTPUT_COLUMNS} for j in range(len(ok))], unreadable)
+    out = {col: [row[col] for row in merged] for col in OUTPUT_COLUMNS}
     out["source"] = list(batch["source"])
     out["location"] = list(batch["location"])
-    out["domain"] = [domains.get(i, "") for i in range(len(batch["load_error"]))]
+    out["domain"] = merge_back(n, ok, [_domain(r, cfg.domain_key) for r in rows], lambda i: "")
     if cfg.on_bad_row == "error":
         stop_at_first_bad_row(out["drop_reason"], out["drop_detail"])
     return out
@@ -192,9 +164,6 @@ def stop_at_first_bad_row(reasons: list[str], details: list[str]) -> None:
                               "such rows]")
 
 
-REPORT_COLUMNS = ("drop_reason", "drop_detail", "num_tokens", "num_trained_tokens", "dropped_turns",
-                  "reasoning_trimmed_tokens", "token_fallback", "straddling_tokens", "parse_report",
-                  "expanded_tokens", "expanded_trained_tokens")
 # ParseReport counts that the report also sums over kept rows alone (what training gets)
 KEPT_PARSE_COUNTS = ("reasoning_dropped_rows", "reasoning_dropped_turns", "reasoning_dropped_tokens",
                      "reasoning_expanded_turns", "expanded_examples")
@@ -421,7 +390,7 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datase
         reasons = ", ".join(f"{r}: {n}" for r, n in report.dropped.items())
         raise EmptyDatasetError(f"all {report.rows_in} rows were dropped ({reasons}); first: "
                                 + "; ".join(report.first_dropped.values()))
-    carry = [*MODEL_COLUMNS, "source", "domain", "num_tokens", *EXPANDED_COLUMNS]
+    carry = list(KEPT_COLUMNS)
     kept = _kept_rows(processed).select_columns(carry)
     if cfg.domain_key:
         report.domains = _domain_stats(_kept_rows(processed))

@@ -31,7 +31,8 @@ from typing import Any
 
 import datasets
 
-from qlora_train.config import ConfigError
+from qlora_train.data.batches import merge_back, readable
+from qlora_train.errors import ConfigError
 
 _HANDLERS: dict[str, Callable] = {}
 
@@ -85,7 +86,7 @@ def _updated(row: Any, out: Any, remove: list[str]) -> Any:
 
 
 def _apply(batch: dict, handler: Callable, name: str, fn_kwargs: dict, batched: bool, remove: list[str]) -> dict:
-    ok = [i for i, err in enumerate(batch["load_error"]) if not err]
+    ok = readable(batch)
     rows = [json.loads(batch["row"][i]) for i in ok]
     where = [batch["location"][i] for i in ok]
     try:
@@ -107,12 +108,13 @@ def _apply(batch: dict, handler: Callable, name: str, fn_kwargs: dict, batched: 
     except Exception as exc:
         raise RuntimeError(f"row handler {name!r} failed on the batch starting at "
                            f"{where[0] if where else '?'}: {type(exc).__name__}: {exc}") from exc
+    n = len(batch["load_error"])
     if len(new_rows) == len(rows):  # keep every row where it was
-        out_rows, out_where = list(batch["row"]), list(batch["location"])
-        for i, r, w in zip(ok, new_rows, new_where):
-            out_rows[i], out_where[i] = row_json(r), w
-        return {"row": out_rows, "location": out_where, "load_error": list(batch["load_error"])}
-    bad = [i for i, err in enumerate(batch["load_error"]) if err]
+        return {"row": merge_back(n, ok, [row_json(r) for r in new_rows], lambda i: batch["row"][i]),
+                "location": merge_back(n, ok, new_where, lambda i: batch["location"][i]),
+                "load_error": list(batch["load_error"])}
+    # a batched handler that changed the number of rows: the unreadable rows first, then its output
+    bad = sorted(set(range(n)) - set(ok))
     return {
         "row": [batch["row"][i] for i in bad] + [row_json(r) for r in new_rows],
         "location": [batch["location"][i] for i in bad] + new_where,

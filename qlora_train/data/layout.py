@@ -3,7 +3,8 @@
     >>> template_layout(tok)           # Qwen3
     TemplateLayout(assistant_header='<|im_start|>assistant\\n', turn_openers=('<|im_start|>assistant\\n',),
                    end_markers=('<|im_end|>',), think_open='<think>', think_close='</think>', answer_open='',
-                   reasoning_key='reasoning_content')
+                   reasoning_key='reasoning_content', leads=(), turn_start='<|im_start|>',
+                   tool_arguments_as_string=False, last_turn_unmarked=False)
 
 The generated part of a turn is what the model writes after the prompt the
 template gives it at inference. Three layout classes place that prompt's end

@@ -1,4 +1,4 @@
-"""Stage 5 (optional): pack whole examples into sequences of at most ``capacity`` tokens.
+"""After the dataset is assembled (optional): pack whole examples into sequences of at most ``capacity`` tokens.
 
     >>> best_fit_decreasing([5, 3, 4, 2], capacity=8)
     [[Piece(index=0, start=0, stop=5), Piece(index=1, start=0, stop=3)],

@@ -1,15 +1,14 @@
 """All stages composed: raw rows -> training examples, or a drop reason per row.
 
-    >>> out = process_rows([{"messages": [...]}], tok, DataConfig(max_length=512))
-    >>> out["labels"][0][:4], out["drop_reason"][0]
-    ([-100, -100, -100, -100], '')
+``process_rows(rows, tokenizer, data_config)`` returns the columns of ``processed.PROCESSED_ROW`` written by
+the pipeline, one entry per input row.
 
 Works on a batch (a dict of columns as ``datasets.map(batched=True)`` hands it,
 or a list of row dicts) so the tokenizer is called once per batch. Every row
 comes out: kept rows have tokens, dropped rows have ``drop_reason`` set and
 empty token lists, to be counted and then filtered.
 
-Chat schemas go parse -> render -> tokenize -> truncate -> ``make_labels``;
+Chat schemas go parse (1) -> render (2) -> tokenize (3) -> truncate (4) -> ``make_labels``;
 ``segments`` and ``text`` rows skip the template (``formats``) and join at
 tokenize; ``pretokenized`` rows join at ``make_labels``. Plain ``text`` rows
 keep all their tokens here (``formats.split_into_blocks`` cuts them later).
@@ -21,6 +20,8 @@ import bisect
 import hashlib
 import json
 import re
+from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,16 +37,11 @@ from qlora_train.data.formats import (
 from qlora_train.data.layout import template_layout
 from qlora_train.data.messages import DropReason, RowRejected
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
+from qlora_train.data.policy import LossPolicy
+from qlora_train.data.processed import OUTPUT_COLUMNS, empty_output
 from qlora_train.data.render import RenderedConversation, render_conversation
 from qlora_train.data.tokenize import IGNORE_INDEX, count_tokens, encode_batch, make_labels, project_char_mask
 from qlora_train.data.truncate import Measured, structured_truncate_messages
-
-OUTPUT_COLUMNS = (
-    "input_ids", "attention_mask", "labels", "drop_reason", "drop_detail", "num_tokens_before",
-    "num_tokens", "num_trained_tokens", "dropped_turns", "reasoning_trimmed_tokens", "token_fallback",
-    "straddling_tokens", "parse_report", "content_hash", "expanded_input_ids", "expanded_labels",
-    "expanded_tokens", "expanded_trained_tokens",
-)
 
 
 def _rows(batch: dict[str, list] | list[dict]) -> list[dict]:
@@ -65,16 +61,6 @@ def _report_json(report: ParseReport) -> str:
     return json.dumps({k: v for k, v in vars(report).items() if v != _REPORT_DEFAULTS[k]})
 
 
-def empty_output() -> dict[str, Any]:
-    return {
-        "input_ids": [], "attention_mask": [], "labels": [], "drop_reason": "", "drop_detail": "",
-        "num_tokens_before": 0, "num_tokens": 0, "num_trained_tokens": 0, "dropped_turns": 0,
-        "reasoning_trimmed_tokens": 0, "token_fallback": "", "straddling_tokens": 0, "parse_report": "{}",
-        "content_hash": "", "expanded_input_ids": [], "expanded_labels": [], "expanded_tokens": 0,
-        "expanded_trained_tokens": 0,
-    }
-
-
 def describe_exception(exc: BaseException, limit: int = 200) -> str:
     """An unexpected exception -> one short line naming its type (rows can hold huge strings)."""
     msg = " ".join(str(exc).split())
@@ -84,7 +70,10 @@ def describe_exception(exc: BaseException, limit: int = 200) -> str:
 def guarded(stage, *args, **kwargs):
     """Run one stage for one row: any exception becomes a ``RowRejected`` (``bad_row``), never a crash.
 
-    >>> guarded(int, "x")  # raises RowRejected('bad_row', "ValueError: invalid literal ...")
+    >>> guarded(int, "x")
+    Traceback (most recent call last):
+    ...
+    qlora_train.data.messages.RowRejected: bad_row: unexpected ValueError: invalid literal for int() with base 10: 'x'
     """
     try:
         return stage(*args, **kwargs)
@@ -142,9 +131,9 @@ class _Staged(NamedTuple):
     extra: bool = False  # an extra example of reasoning_history: expand (rides in its row's expanded_* columns)
 
 
-def _example(messages, tools, rendered, ids, offsets, tokenizer, cfg: DataConfig, out: dict) -> None:
+def _example(messages, tools, rendered, ids, offsets, *, tokenizer, cfg: DataConfig, policy: LossPolicy,
+             out: dict) -> None:
     """One rendered + tokenized chat example -> ``out`` filled with it (truncated as configured)."""
-    kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss, train_on_eos=cfg.train_on_eos)
     out["num_tokens_before"] = len(ids)
     char_mask = rendered.char_mask
     if len(ids) > cfg.max_length:
@@ -152,7 +141,7 @@ def _example(messages, tools, rendered, ids, offsets, tokenizer, cfg: DataConfig
             raise _too_long(len(ids), cfg)
         tr = structured_truncate_messages(
             messages, tokenizer, max_length=cfg.max_length, tools=tools,
-            measured=Measured(rendered, ids, offsets), **kw,
+            measured=Measured(rendered, ids, offsets), policy=policy,
         )
         ids, offsets, char_mask = tr.final.input_ids, tr.final.offsets, tr.final.rendered.char_mask
         out["dropped_turns"] = tr.dropped_turns
@@ -162,7 +151,7 @@ def _example(messages, tools, rendered, ids, offsets, tokenizer, cfg: DataConfig
     _labels(out, ids, offsets, char_mask, cfg, max_length=cfg.max_length)
 
 
-def _template_free_example(out: dict, ids, offsets, mask, cfg: DataConfig, *, max_length: int | None) -> None:
+def _template_free_example(out: dict, ids, offsets, *, mask, cfg: DataConfig, max_length: int | None) -> None:
     """A segments / text / pretokenized row's ids -> ``out`` filled (token-level cut only: no messages)."""
     out["num_tokens_before"] = len(ids)
     if max_length is not None and len(ids) > max_length:
@@ -222,54 +211,61 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     rows = _rows(batch)
     where = locations or [f"row {i}" for i in range(len(rows))]
     outs = [empty_output() for _ in rows]
-    kw = dict(assistant_roles=tuple(cfg.assistant_roles), think_loss=cfg.think_loss, train_on_eos=cfg.train_on_eos)
+    policy = LossPolicy.of(cfg)
     template_layout(tokenizer)  # a template that cannot be probed is a setup error, not a row's
-    staged: list[_Staged] = []
+    waiting: list[tuple[str, Callable]] = []  # (text, what fills its row once it is tokenized), for one call
     dropped_reasoning: list[tuple[int, str]] = []  # (row index, reasoning trained without being rendered)
     reports: dict[int, ParseReport] = {}  # chat rows
-    plain: list[tuple[int, str, np.ndarray, int | None]] = []  # (row index, text, char mask, max length)
+
+    def refuse(i: int, rej: RowRejected) -> None:
+        outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
+
+    def fill(i: int, stage: Callable) -> Callable:
+        """An encoding (or the RowRejected it raised) -> row ``i`` filled by ``stage(ids, offsets)``, or refused."""
+        def finish(enc) -> None:
+            try:
+                if isinstance(enc, RowRejected):
+                    raise enc
+                guarded(stage, *enc)
+            except RowRejected as rej:
+                refuse(i, rej)
+        return finish
+
     for i, row in enumerate(rows):
         try:
             schema = guarded(resolve_schema, row, cfg) if isinstance(row, (dict, list)) else "unknown"
             if schema in CHAT_SCHEMAS or schema == "unknown":
-                canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer)
+                canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer, policy=policy)
                 reports[i] = canon.report  # written once, after the batch (the render and tokens add to it)
                 _check_length(content_chars(canon.messages), cfg)
                 if cfg.dedup:
                     outs[i]["content_hash"] = guarded(_hash, [canon.messages, canon.tools])
-                rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, **kw)
+                rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, policy=policy)
                 check_unicode(rendered.text, rendered.message_ends)
-                staged += _stage_chat_row(i, canon, rendered, tokenizer, cfg, kw, dropped_reasoning)
+                for st in _stage_chat_row(i, canon, rendered, tokenizer, policy, dropped_reasoning):
+                    if st.extra:  # refused alone, without refusing its row
+                        finish = partial(_extra_example, st, tokenizer=tokenizer, cfg=cfg, policy=policy,
+                                         out=outs[i], report=canon.report)
+                    else:
+                        finish = fill(i, partial(_example, st.messages, st.tools, st.rendered, tokenizer=tokenizer,
+                                                 cfg=cfg, policy=policy, out=outs[i]))
+                    waiting.append((st.rendered.text, finish))
                 continue
             outs[i]["parse_report"] = _report_json(ParseReport(schema, {schema: 1}, rows=1))
             text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
             if cfg.dedup:
                 outs[i]["content_hash"] = guarded(_hash, [schema, text, mask.tolist()])
             if schema == "pretokenized":
-                guarded(_template_free_example, outs[i], text, token_offsets(len(text)), mask, cfg,
+                guarded(_template_free_example, outs[i], text, token_offsets(len(text)), mask=mask, cfg=cfg,
                         max_length=cfg.max_length)
             else:  # text rows keep every token: they are cut into blocks, not truncated
                 check_unicode(text)
-                plain.append((i, text, mask, None if schema == "text" else cfg.max_length))
+                waiting.append((text, fill(i, partial(_template_free_example, outs[i], mask=mask, cfg=cfg,
+                                                      max_length=None if schema == "text" else cfg.max_length))))
         except RowRejected as rej:
-            outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
-    encoded = _encode_each([st.rendered.text for st in staged] + [t for _, t, _, _ in plain], tokenizer)
-    for k, enc in enumerate(encoded):  # staged chat rows first, then plain texts
-        i = staged[k].row if k < len(staged) else plain[k - len(staged)][0]
-        if k < len(staged) and staged[k].extra:
-            _extra_example(staged[k], enc, tokenizer, cfg, outs[i], reports[i])
-            continue
-        try:
-            if isinstance(enc, RowRejected):
-                raise enc
-            if k < len(staged):
-                st = staged[k]
-                guarded(_example, st.messages, st.tools, st.rendered, *enc, tokenizer, cfg, outs[i])
-            else:
-                _, _, mask, max_length = plain[k - len(staged)]
-                guarded(_template_free_example, outs[i], *enc, mask, cfg, max_length=max_length)
-        except RowRejected as rej:
-            outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
+            refuse(i, rej)
+    for (_, finish), enc in zip(waiting, _encode_each([text for text, _ in waiting], tokenizer)):
+        finish(enc)
     for (i, _), n in zip(dropped_reasoning, count_tokens([r for _, r in dropped_reasoning], tokenizer)):
         reports[i].reasoning_dropped_tokens += n
     for i, report in reports.items():
@@ -277,7 +273,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
 
 
-def _stage_chat_row(i: int, canon, rendered, tokenizer, cfg: DataConfig, kw: dict,
+def _stage_chat_row(i: int, canon, rendered, tokenizer, policy: LossPolicy,
                     dropped_reasoning: list[tuple[int, str]]) -> list[_Staged]:
     """A rendered chat row -> its examples to tokenize (with ``reasoning_history: expand``, also the extra
     ones), and the row's ParseReport told what the template dropped."""
@@ -286,9 +282,8 @@ def _stage_chat_row(i: int, canon, rendered, tokenizer, cfg: DataConfig, kw: dic
         report.unrendered_messages[role] = report.unrendered_messages.get(role, 0) + 1
     staged = [_Staged(i, messages, canon.tools, rendered)]
     if any(t.reasoning_dropped for t in rendered.turns):
-        if cfg.reasoning_history == "expand" and cfg.reasoning_history_max_examples:
-            ex = guarded(expand_dropped_reasoning, messages, rendered, tokenizer, tools=canon.tools,
-                         max_examples=cfg.reasoning_history_max_examples, **kw)
+        if policy.reasoning_history == "expand" and policy.reasoning_history_max_examples:
+            ex = guarded(expand_dropped_reasoning, messages, rendered, tokenizer, tools=canon.tools, policy=policy)
             staged = [_Staged(i, ex.messages, canon.tools, ex.primary)]
             staged += [_Staged(i, m, canon.tools, r, extra=True) for m, r in ex.extra]
             report.reasoning_expanded_turns = len(ex.moved)
@@ -303,7 +298,8 @@ def _stage_chat_row(i: int, canon, rendered, tokenizer, cfg: DataConfig, kw: dic
     return staged
 
 
-def _extra_example(st: _Staged, enc, tokenizer, cfg: DataConfig, out: dict, report: ParseReport) -> None:
+def _extra_example(st: _Staged, enc, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict,
+                   report: ParseReport) -> None:
     """An extra example (``reasoning_history: expand``) -> appended to its row's ``expanded_*`` columns.
 
     One that is refused itself (it is verified like any example) is left out: its turns, untrained in the full
@@ -312,7 +308,8 @@ def _extra_example(st: _Staged, enc, tokenizer, cfg: DataConfig, out: dict, repo
     try:
         if isinstance(enc, RowRejected):
             raise enc
-        guarded(_example, st.messages, st.tools, st.rendered, *enc, tokenizer, cfg, ex)
+        guarded(_example, st.messages, st.tools, st.rendered, *enc, tokenizer=tokenizer, cfg=cfg, policy=policy,
+                out=ex)
     except RowRejected:
         report.reasoning_dropped_rows = 1
         report.reasoning_dropped_turns += len(st.rendered.turns)

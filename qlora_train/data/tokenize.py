@@ -1,8 +1,8 @@
-"""Stage 4: tokenize the rendered text and project the char mask onto tokens -> labels.
+"""Stage 3: tokenize the rendered text and project the char mask onto tokens -> labels.
 
-    >>> out = tokenize_with_char_mask(text, char_mask, tok)
-    >>> out.keys()
-    dict_keys(['input_ids', 'attention_mask', 'labels'])
+    >>> out = tokenize_with_char_mask("question answer", [0] * 8 + [1] * 7, tok)
+    >>> [tok.decode(i) for i in out["input_ids"]], out["labels"] == [-100, out["input_ids"][1]]
+    (['question', ' answer'], True)
 
 Labels are made here and nowhere else. Projection rule: a token is trained
 when its FIRST character is trained. A token belongs to where it starts, as in

@@ -1,7 +1,7 @@
 """``--debug-samples N``: processed examples shown with trained text distinct from masked text.
 
-    >>> sample = load_samples(raw, processed, tok, [0])[0]
-    >>> print(format_sample(sample, color=False))
+A sample as ``format_sample(load_samples(raw, processed, tok, [0])[0], color=False)`` prints it::
+
     --- row 0  data.jsonl:1  (source 0:data.jsonl)
     tokens 21 before truncation, 21 after; trained 6; truncation: none
     <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n⟦Hello!<|im_end|>⟧\\n

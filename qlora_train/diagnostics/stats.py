@@ -1,8 +1,7 @@
 """``--stats-only``: length and masking statistics of the processed dataset, per source and overall.
 
-    >>> stats = compute_stats(processed_columns, max_length=2048)
-    >>> stats["overall"]["rows_in"] == stats["overall"]["rows_kept"] + sum(stats["overall"]["dropped"].values())
-    True
+``compute_stats(processed_columns, max_length=2048)`` returns overall and per-source statistics in which every row
+is accounted for: ``rows_in == rows_kept + sum(dropped.values())``.
 
 Everything is computed from the columns ``process_rows`` writes (the same
 rows training would see); nothing here loads model weights. Percentiles are
@@ -20,13 +19,13 @@ from collections import Counter
 import numpy as np
 
 from qlora_train.config import DataConfig
-from qlora_train.data.dataset import REPORT_COLUMNS, DatasetReport, summarize_columns
+from qlora_train.data.dataset import DatasetReport, summarize_columns
 from qlora_train.data.messages import DropReason
 from qlora_train.data.parse import canonicalize_row
+from qlora_train.data.processed import STATS_COLUMNS
 from qlora_train.data.render import render_text
 
 PERCENTILES = (25, 50, 75, 90, 95, 99)
-STATS_COLUMNS = (*REPORT_COLUMNS, "num_tokens_before", "source")
 
 # advice thresholds (docs/diagnostics.md explains each)
 AT_MAX_SHARE = 0.30

@@ -16,17 +16,32 @@ from qlora_train.data.dataset import (
     expanded_count,
     explode_examples,
     load_and_process,
-    processed_features,
     summarize_columns,
 )
-from qlora_train.data.pipeline import OUTPUT_COLUMNS
+from qlora_train.data.processed import (
+    KEPT_COLUMNS,
+    MODEL_COLUMNS,
+    OUTPUT_COLUMNS,
+    REPORT_COLUMNS,
+    STATS_COLUMNS,
+    empty_output,
+    processed_features,
+)
 from qlora_train.data.tokenize import IGNORE_INDEX
 
 # --- column types ----------------------------------------------------------------------------------------------
 
 
-def test_every_processed_column_has_a_type():
+def test_the_column_sets_derive_from_the_one_row_definition():
     assert list(processed_features()) == [*OUTPUT_COLUMNS, "source", "location", "domain"]
+    assert list(empty_output()) == list(OUTPUT_COLUMNS) and empty_output()["parse_report"] == "{}"
+    assert MODEL_COLUMNS == ("input_ids", "attention_mask", "labels")
+    assert KEPT_COLUMNS == (*MODEL_COLUMNS, "num_tokens", "expanded_input_ids", "expanded_labels", "source", "domain")
+    assert set(REPORT_COLUMNS) < set(STATS_COLUMNS) and set(STATS_COLUMNS) - set(REPORT_COLUMNS) == {
+        "num_tokens_before", "source"}
+    f = processed_features()
+    assert (f["input_ids"].feature.dtype, f["labels"].feature.dtype, f["expanded_labels"].feature.feature.dtype,
+            f["drop_reason"].dtype) == ("int32", "int64", "int64", "string")
 
 
 def fake_expansions(n_extra: int):

@@ -1,0 +1,97 @@
+"""What a processed row holds: the one definition of its columns, their types, and who reads each.
+
+``process_rows`` writes the ``pipeline`` columns (one row per raw row: kept
+rows have tokens, refused rows a ``drop_reason``); ``dataset`` adds where the
+row came from. Every other column set is derived from ``PROCESSED_ROW``:
+
+- ``MODEL_COLUMNS``: what the model is fed;
+- ``REPORT_COLUMNS``: what the dataset report counts (``summarize_columns``);
+- ``STATS_COLUMNS``: what ``--stats-only`` reads;
+- ``KEPT_COLUMNS``: what a kept row carries past the filter into the eval split, the extra examples, the text
+  blocks and the mixing;
+- ``EXPANDED_COLUMNS``: a row's extra examples (``reasoning_history: expand``), exploded after the split.
+
+Types are stated, not inferred: a batch whose token lists are all empty (every row refused, or no row expanded)
+would otherwise be typed ``list<null>``, which the next batch's ints cannot be cast to.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+MODEL, REPORT, STATS, KEPT, EXPANDED = "model", "report", "stats", "kept", "expanded"
+
+
+class Column(NamedTuple):
+    name: str
+    dtype: str  # Arrow element type: int8, int32, int64, string
+    depth: int = 0  # list nesting: 0 a value, 1 a list, 2 a list of lists
+    readers: frozenset[str] = frozenset()
+    written_by: str = "pipeline"  # or "dataset" (added around process_rows)
+    empty: Any = None  # the value of a refused row (default: [], "" or 0 by type)
+
+    def empty_value(self) -> Any:
+        if self.empty is not None:
+            return self.empty
+        return [] if self.depth else "" if self.dtype == "string" else 0
+
+
+def _c(name: str, dtype: str, *readers: str, depth: int = 0, written_by: str = "pipeline", empty: Any = None):
+    return Column(name, dtype, depth, frozenset(readers), written_by, empty)
+
+
+PROCESSED_ROW: tuple[Column, ...] = (
+    _c("input_ids", "int32", MODEL, KEPT, depth=1),
+    _c("attention_mask", "int8", MODEL, KEPT, depth=1),
+    _c("labels", "int64", MODEL, KEPT, depth=1),
+    _c("drop_reason", "string", REPORT, STATS),  # a DropReason; "" for a kept row
+    _c("drop_detail", "string", REPORT, STATS),  # the row's location and why
+    _c("num_tokens_before", "int64", STATS),  # before truncation
+    _c("num_tokens", "int64", REPORT, STATS, KEPT),
+    _c("num_trained_tokens", "int64", REPORT, STATS),
+    _c("dropped_turns", "int64", REPORT, STATS),
+    _c("reasoning_trimmed_tokens", "int64", REPORT, STATS),
+    _c("token_fallback", "string", REPORT, STATS),  # truncate_side when the token-level cut ran
+    _c("straddling_tokens", "int64", REPORT, STATS),
+    _c("parse_report", "string", REPORT, STATS, empty="{}"),  # ParseReport JSON, defaults left out
+    _c("content_hash", "string"),  # with data.dedup
+    _c("expanded_input_ids", "int32", KEPT, EXPANDED, depth=2),
+    _c("expanded_labels", "int64", KEPT, EXPANDED, depth=2),
+    _c("expanded_tokens", "int64", REPORT, STATS),
+    _c("expanded_trained_tokens", "int64", REPORT, STATS),
+    _c("source", "string", STATS, KEPT, written_by="dataset"),  # index:path of its data.datasets entry
+    _c("location", "string", written_by="dataset"),  # file:line
+    _c("domain", "string", KEPT, written_by="dataset"),  # data.domain_key's value
+)
+
+
+def columns(reader: str | None = None, *, written_by: str | None = None) -> tuple[str, ...]:
+    """Names of the columns ``reader`` reads (all without one), in row order."""
+    return tuple(c.name for c in PROCESSED_ROW
+                 if (reader is None or reader in c.readers) and (written_by is None or c.written_by == written_by))
+
+
+OUTPUT_COLUMNS = columns(written_by="pipeline")
+MODEL_COLUMNS = columns(MODEL)
+REPORT_COLUMNS = columns(REPORT)
+STATS_COLUMNS = columns(STATS)
+KEPT_COLUMNS = columns(KEPT)
+EXPANDED_COLUMNS = columns(EXPANDED)
+
+
+def empty_output() -> dict[str, Any]:
+    """The pipeline columns of a row before (or without) an example: what a refused row keeps."""
+    return {c.name: c.empty_value() for c in PROCESSED_ROW if c.written_by == "pipeline"}
+
+
+def processed_features():
+    """The ``datasets.Features`` of a processed dataset, in ``PROCESSED_ROW`` order."""
+    import datasets
+
+    def feature(c: Column):
+        f = datasets.Value(c.dtype)
+        for _ in range(c.depth):
+            f = datasets.Sequence(f)
+        return f
+
+    return datasets.Features({c.name: feature(c) for c in PROCESSED_ROW})
