@@ -5,10 +5,10 @@ A message is a plain dict (what ``apply_chat_template`` takes)::
     {"role": "assistant", "content": "4", "reasoning_content": "2+2=4",
      "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]}
 
-``role`` and ``content`` (a str) are always present; ``reasoning_content``,
-``tool_calls``, ``name`` and ``tool_call_id`` only when the row has them.
-``train`` (a bool) is set only where the row or the mask rules decide
-differently from ``role in assistant_roles``; the render follows it.
+``role``, ``content`` (a str) and ``train`` (a bool) are always present;
+``reasoning_content``, ``tool_calls``, ``name`` and ``tool_call_id`` only when
+the row has them. ``train`` is decided once, by the parse stage
+(``LossPolicy.mark``), and only read afterwards.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Message(TypedDict):
     tool_calls: NotRequired[list[dict[str, Any]]]
     name: NotRequired[str]
     tool_call_id: NotRequired[str]
-    train: NotRequired[bool]
+    train: bool
 
 
 class DropReason:
