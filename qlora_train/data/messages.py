@@ -3,7 +3,7 @@
 A message is a plain dict (what ``apply_chat_template`` takes)::
 
     {"role": "assistant", "content": "4", "reasoning_content": "2+2=4",
-     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]}
+     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}], "train": True}
 
 ``role``, ``content`` (a str) and ``train`` (a bool) are always present;
 ``reasoning_content``, ``tool_calls``, ``name`` and ``tool_call_id`` only when
