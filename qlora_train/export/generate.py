@@ -56,9 +56,10 @@ def load_chat_model(cfg: Config, *, merged_dir: Path | None = None, checkpoint: 
     if merged_dir is not None:
         if not (Path(merged_dir) / "config.json").is_file():
             raise ExportError(f"no merged model in {merged_dir}: run --merge first (or drop --merged)")
-        tokenizer = AutoTokenizer.from_pretrained(merged_dir)
-        device_map = {"": runtime.local_rank} if runtime.device == "cuda" else {"": "cpu"}
-        model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=runtime.compute_dtype, device_map=device_map)
+        remote = cfg.model.trust_remote_code
+        tokenizer = AutoTokenizer.from_pretrained(merged_dir, trust_remote_code=remote)
+        model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=runtime.compute_dtype,
+                                                     device_map=runtime.device_map, trust_remote_code=remote)
         gen, source = model.generation_config, f"merged model {merged_dir}"
     else:
         from peft import PeftModel

@@ -33,6 +33,11 @@ class Runtime:
     fp16: bool
     note: str  # one log line saying what was chosen and why
 
+    @property
+    def device_map(self) -> dict:
+        """The whole model on this process's device (``from_pretrained(device_map=...)``)."""
+        return {"": self.local_rank} if self.device == "cuda" else {"": "cpu"}
+
 
 def resolve_runtime(cfg: Config) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -95,8 +100,7 @@ def load_base_model(m: ModelConfig, runtime: Runtime, *, quantized: bool = True)
     from transformers import AutoModelForCausalLM
 
     quant = quantization_config(m, runtime.compute_dtype) if quantized else None
-    device_map = {"": runtime.local_rank} if runtime.device == "cuda" else {"": "cpu"}
-    kwargs = dict(quantization_config=quant, dtype=runtime.compute_dtype, device_map=device_map,
+    kwargs = dict(quantization_config=quant, dtype=runtime.compute_dtype, device_map=runtime.device_map,
                   trust_remote_code=m.trust_remote_code)
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
