@@ -1,7 +1,9 @@
 """``qlora-train --config x.yaml [--set key.path=value ...]``: a thin entry over ``train.run``.
 
 ``--stats-only`` and ``--debug-samples N`` run the data pipeline with the
-tokenizer only (``diagnostics.run``) and exit without training.
+tokenizer only (``diagnostics.run``) and exit without training. After training,
+``--merge`` writes the merged model and ``--generate PROMPT`` / ``--chat`` try it
+(``export/``, docs/export.md).
 """
 
 from __future__ import annotations
@@ -30,12 +32,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--debug-seed", type=int, metavar="SEED", help="draw the samples at random with this seed")
     d.add_argument("--debug-tokens", action="store_true", help="also print one line per token: label and id")
     d.add_argument("--debug-refused", action="store_true", help="show refused rows with their reason instead")
+    e = p.add_argument_group("after training (the trained adapter in train.output_dir; see docs/export.md)")
+    e.add_argument("--merge", action="store_true",
+                   help="merge the adapter into the base and write a transformers model directory")
+    e.add_argument("--merge-dir", metavar="DIR",
+                   help="where --merge writes and --merged reads (default: <train.output_dir>/merged)")
+    e.add_argument("--merge-base", choices=("original", "dequantized"),
+                   help="add the adapter to the base's own 16-bit weights (original, the default) or to the "
+                        "4-bit weights training used, dequantised (dequantized)")
+    e.add_argument("--max-shard-size", metavar="SIZE", help="largest safetensors file --merge writes (default: 5GB)")
+    e.add_argument("--checkpoint", metavar="NAME",
+                   help="use checkpoint-N instead of the final adapter: N, checkpoint-N, last, or a path")
+    e.add_argument("--generate", metavar="PROMPT",
+                   help="answer PROMPT with the trained model (training template, greedy) and print the answer")
+    e.add_argument("--chat", action="store_true", help="chat with the trained model (an empty line ends)")
+    e.add_argument("--merged", action="store_true",
+                   help="--generate / --chat with the merged model in --merge-dir instead of base + adapter")
+    e.add_argument("--max-new-tokens", type=int, metavar="N", help="--generate / --chat: at most N tokens per "
+                   "answer (default: 256)")
     args = p.parse_args(argv)
+    check_export_args(p, args)
     if args.debug_samples < 0:
         p.error("--debug-samples must be >= 0")
     if (args.debug_seed is not None or args.debug_tokens or args.debug_refused) and not args.debug_samples:
         p.error("--debug-seed, --debug-tokens and --debug-refused need --debug-samples N")
     return args
+
+
+def check_export_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each after-training flag needs the mode it modifies; the modes exclude training diagnostics."""
+    trying = args.generate is not None or args.chat
+    if args.generate is not None and args.chat:
+        p.error("--generate and --chat: pick one")
+    if (args.merge or trying) and (args.stats_only or args.debug_samples):
+        p.error("--merge, --generate and --chat cannot be combined with --stats-only or --debug-samples")
+    if (args.merge_base or args.max_shard_size) and not args.merge:
+        p.error("--merge-base and --max-shard-size need --merge")
+    if (args.merged or args.max_new_tokens is not None) and not trying:
+        p.error("--merged and --max-new-tokens need --generate or --chat")
+    if args.checkpoint and not (args.merge or trying and not args.merged):
+        p.error("--checkpoint needs --merge, or --generate / --chat without --merged")
+    if args.merge_dir and not (args.merge or args.merged):
+        p.error("--merge-dir needs --merge or --merged")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+
+
+def export_and_try(cfg, args: argparse.Namespace) -> None:
+    """``--merge`` first, then ``--generate`` / ``--chat`` (with the merged model under ``--merged``)."""
+    from qlora_train.export.merge import MergeOptions, merge, merge_dir
+
+    if args.merge:
+        path = merge(cfg, MergeOptions(args.merge_dir, args.checkpoint, args.merge_base or "original",
+                                       args.max_shard_size or "5GB"))
+        print(f"merged model written to {path}", flush=True)
+    if args.generate is not None or args.chat:
+        from qlora_train.export.generate import try_model
+
+        try_model(cfg, prompt=args.generate, chat=args.chat, checkpoint=None if args.merged else args.checkpoint,
+                  merged_dir=merge_dir(cfg, args.merge_dir) if args.merged else None,
+                  max_new_tokens=args.max_new_tokens or 256)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
         debug = DebugOptions(args.debug_samples, args.debug_seed, args.debug_tokens, args.debug_refused)
         return run_guarded(cfg, lambda: diagnose(cfg, stats=args.stats_only, debug=debug, out_dir=args.stats_dir))
+    if args.merge or args.generate is not None or args.chat:
+        return run_guarded(cfg, lambda: export_and_try(cfg, args))
     from qlora_train.train.run import train
 
     return run_guarded(cfg, lambda: train(cfg))
@@ -66,7 +124,8 @@ def run_guarded(cfg, job) -> int:
     exit code (no traceback).
 
     0 done · 1 data or model error (unreadable source, every row dropped, a bad
-    row with ``on_bad_row: error``, a model that cannot be loaded) · 2 config error · 3 CUDA out of memory ·
+    row with ``on_bad_row: error``, a model that cannot be loaded) · 2 config error, or nothing to export
+    (no adapter, no disk space) · 3 CUDA out of memory ·
     128 + signal: stopped by Ctrl-C / SIGTERM after saving a checkpoint.
     """
     import torch
@@ -75,6 +134,7 @@ def run_guarded(cfg, job) -> int:
     from qlora_train.data.messages import BadRowError
     from qlora_train.data.sources import SourceError
     from qlora_train.errors import ModelLoadError
+    from qlora_train.export.adapter import ExportError
     from qlora_train.train.run import oom_advice
     from qlora_train.train.signals import TrainingInterrupted
 
@@ -84,6 +144,9 @@ def run_guarded(cfg, job) -> int:
         print("invalid config:", file=sys.stderr)
         for problem in err.problems:
             print(f"  {problem}", file=sys.stderr)
+        return 2
+    except ExportError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     except (EmptyDatasetError, SourceError, BadRowError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)

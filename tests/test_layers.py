@@ -12,13 +12,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "qlora_train"
-# lowest first; packages on one layer (diagnostics, train, export) are siblings and do not import each other
+# lowest first; packages on one layer (diagnostics, train) are siblings and do not import each other
 LAYERS = [
     {"qlora_train", "qlora_train.errors", "qlora_train.files", "qlora_train.locations", "qlora_train.chat_templates"},
     {"qlora_train.config"},
     {"qlora_train.data"},
     {"qlora_train.tokenizer"},
-    {"qlora_train.diagnostics", "qlora_train.train", "qlora_train.export"},
+    {"qlora_train.diagnostics", "qlora_train.train"},
+    {"qlora_train.export"},  # loads the base as training did, reads the run's outputs
     {"qlora_train.cli", "qlora_train.tiny"},
 ]
 

@@ -28,6 +28,11 @@ class Runtime:
     fp16: bool
     note: str  # one log line saying what was chosen and why
 
+    @property
+    def device_map(self) -> dict:
+        """The whole model on this process's device (``from_pretrained(device_map=...)``)."""
+        return {"": self.local_rank} if self.device == "cuda" else {"": "cpu"}
+
 
 def resolve_runtime(cfg: Config) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -56,30 +61,43 @@ def load_model_config(cfg: ModelConfig):
             from None
 
 
-def load_model(cfg: Config, runtime: Runtime):
-    """Base model (quantised as configured) prepared for k-bit training, wrapped in a peft LoRA adapter."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+def quantization_config(m: ModelConfig, compute_dtype: torch.dtype):
+    """The bitsandbytes config training loads the base with (4-bit nf4 with double quantisation, or 8-bit),
+    or None for a 16-bit base."""
+    from transformers import BitsAndBytesConfig
 
-    m = cfg.model
-    quant = None
     if m.load_in_4bit:
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=runtime.compute_dtype)
-    elif m.load_in_8bit:
-        quant = BitsAndBytesConfig(load_in_8bit=True)
-    device_map = {"": runtime.local_rank} if runtime.device == "cuda" else {"": "cpu"}
-    kwargs = dict(quantization_config=quant, dtype=runtime.compute_dtype, device_map=device_map,
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=compute_dtype)
+    if m.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def load_base_model(m: ModelConfig, runtime: Runtime, *, quantized: bool = True):
+    """The base model on this process's device in ``runtime.compute_dtype``: quantised as configured
+    (``quantized``, as training loads it) or with its own weights unquantised (``quantized=False``)."""
+    from transformers import AutoModelForCausalLM
+
+    quant = quantization_config(m, runtime.compute_dtype) if quantized else None
+    kwargs = dict(quantization_config=quant, dtype=runtime.compute_dtype, device_map=runtime.device_map,
                   trust_remote_code=m.trust_remote_code)
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
     except OSError as exc:
         raise ModelLoadError(f"cannot load the model {m.name_or_path}: {' '.join(str(exc).split())}") from None
+
+
+def load_model(cfg: Config, runtime: Runtime):
+    """Base model (quantised as configured) prepared for k-bit training, wrapped in a peft LoRA adapter."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    model = load_base_model(cfg.model, runtime)
     gc = cfg.train.gradient_checkpointing
     gc_kwargs = {"use_reentrant": False}
-    if quant is not None:
+    if cfg.model.load_in_4bit or cfg.model.load_in_8bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc,
                                                 gradient_checkpointing_kwargs=gc_kwargs)
     elif gc:
