@@ -30,6 +30,7 @@ from qlora_train.data.dataset import build_datasets
 from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
 from qlora_train.files import write_atomic
 from qlora_train.train.collator import PackedCollator, PadCollator
+from qlora_train.train.fused_loss import use_fused_loss
 from qlora_train.train.model import count_parameters, load_model, load_tokenizer, resolve_runtime
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
 
@@ -254,6 +255,7 @@ def train(cfg: Config, *, callbacks: list | None = None):
             report.packing = {**asdict(packing), "efficiency": packing.efficiency}
 
     model = load_model(cfg, runtime)
+    log.info(use_fused_loss(model, cfg.train.fused_loss))
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so
