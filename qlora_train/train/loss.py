@@ -87,20 +87,21 @@ def chunked_loss_and_grads(hidden, weight, targets, scale, chunk_tokens: int, *,
                            want_weight: bool):
     """The loop of ``LinearCrossEntropy``: ``(scale * summed loss, d/d hidden or None, d/d weight or None)``.
 
-    Per chunk, in the order the default path computes: logits = ``F.linear`` in the head's compute
-    dtype (autocast applies as to ``lm_head``), upcast to float32; loss = logsumexp - target logit;
-    gradient of the logits = ``scale * (softmax - one_hot)``, cast back to the logits' dtype before
+    Per chunk, as the default path computes: logits in the head's compute dtype (``head_dtype``: under
+    autocast its dtype, as for ``lm_head``), upcast to float32; loss = logsumexp - target logit;
+    gradient of the logits = ``scale * (softmax - one_hot)``, cast back to the compute dtype before
     the two matrix products. The softmax is made in place in the logits' buffer, so a chunk holds one
-    ``[chunk, vocab]`` float32 tensor (and its cast on reduced precision).
+    ``[chunk, vocab]`` float32 tensor (and its cast in reduced precision). The weight is cast to the
+    compute dtype once, not per chunk.
     """
+    dtype = head_dtype(hidden, weight)
+    w = weight.to(dtype)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if want_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
     for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-        logits = F.linear(h, weight)
-        compute_dtype = logits.dtype
-        logits = logits.float()
+        h, t = hidden[start:start + chunk_tokens].to(dtype), targets[start:start + chunk_tokens]
+        logits = F.linear(h, w).float()
         target_logit = logits.gather(1, t[:, None])
         peak = logits.amax(dim=1, keepdim=True)
         probs = logits.sub_(peak).exp_()  # logits' buffer, reused
@@ -109,12 +110,20 @@ def chunked_loss_and_grads(hidden, weight, targets, scale, chunk_tokens: int, *,
         if want_hidden or want_weight:
             grad_logits = probs.div_(sum_exp)
             grad_logits[torch.arange(len(t), device=t.device), t] -= 1.0
-            grad_logits = grad_logits.mul_(scale).to(compute_dtype)
+            grad_logits = grad_logits.mul_(scale).to(dtype)
             if want_hidden:
-                grad_hidden[start:start + chunk_tokens] = grad_logits @ weight.to(compute_dtype)
+                grad_hidden[start:start + chunk_tokens] = grad_logits @ w
             if want_weight:
-                grad_weight += (grad_logits.t() @ h.to(compute_dtype)).float()
+                grad_weight += (grad_logits.t() @ h).float()
         del logits, probs
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return total * scale, grad_hidden, grad_weight
+
+
+def head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``lm_head`` computes in: autocast's on this device when it is on, else the weight's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
