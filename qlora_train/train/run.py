@@ -165,6 +165,8 @@ def oom_advice(cfg: Config) -> str:
             f"train.gradient_accumulation_steps (now {t.gradient_accumulation_steps}) to keep the effective batch"]
     if not t.gradient_checkpointing:
         tips.append("set train.gradient_checkpointing: true (recomputes activations instead of storing them)")
+    if not t.fused_loss:
+        tips.append("set train.fused_loss: true (logits only at trained positions, a chunk at a time)")
     if getattr(t, "packing", None) is False:
         tips.append("set train.packing: true with per_device_train_batch_size: 1 (no padding; each step holds "
                     "at most max_length tokens)")
