@@ -43,7 +43,7 @@ PLAIN_HIDDEN_STATES = ("outputs.last_hidden_state", "outputs[0]")
 def use_fused_loss(model, enabled: bool, *, chunk_tokens: int = CHUNK_TOKENS) -> str:
     """Install the fused forward on the CausalLM inside ``model`` (a peft model or the CausalLM)
     when ``enabled`` and the model allows it -> the log line saying which loss training uses."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm = inner_causal_lm(model)
     why = fused_loss_blocker(causal_lm) if enabled else "train.fused_loss: false"
     if why:
         return f"loss: the model's own, over all logits (fused loss off: {why})"
@@ -54,8 +54,13 @@ def use_fused_loss(model, enabled: bool, *, chunk_tokens: int = CHUNK_TOKENS) ->
 
 
 def uses_fused_loss(model) -> bool:
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return hasattr(causal_lm, "fused_loss_chunk_tokens")
+    """Whether ``use_fused_loss`` installed the fused forward in ``model``."""
+    return hasattr(inner_causal_lm(model), "fused_loss_chunk_tokens")
+
+
+def inner_causal_lm(model):
+    """The transformers CausalLM: ``model`` itself, or the one a peft model wraps."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def fused_loss_blocker(causal_lm) -> str | None:
