@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast lint bench bench-scale demo docs
+.PHONY: install browser test test-fast lint bench bench-scale bench-train demo docs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -35,6 +35,11 @@ bench:
 # per-row cost and memory by dataset size through datasets.map (add 100000 for the full check: ~8 min on 2 cores)
 bench-scale:
 	$(PYTHON) benchmarks/bench_preprocess.py --scale 1000,20000
+
+# training-step peak memory and step time, the model's own loss vs the fused one (a fresh process per run;
+# runs that would not fit in memory are skipped): `make bench-train BENCH_TRAIN_ARGS="--max-gib 9 --repeats 2"`
+bench-train: $(TINY)/config.json
+	$(PYTHON) benchmarks/bench_train.py --model $(TINY) $(BENCH_TRAIN_ARGS)
 
 $(TINY)/config.json:
 	$(PYTHON) -m qlora_train.tiny --out $(TINY)

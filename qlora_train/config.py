@@ -301,6 +301,11 @@ class TrainConfig(_Section):
         "paged_adamw_8bit", description="transformers optimiser name; CUDA-only ones fall back to adamw_torch on CPU."
     )
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward to save memory.")
+    fused_loss: bool = Field(
+        True, description="Compute the LM head and the loss only at trained positions, in chunks of 1,024 tokens, "
+        "instead of over full-vocabulary logits of every position (same loss, far less memory); models whose "
+        "logits the head alone does not make fall back to their own loss, with a log line saying why.",
+    )
     logging_steps: int = Field(10, ge=1, description="Log every N steps.")
     save_steps: int = Field(200, ge=1, description="Checkpoint every N steps.")
     save_total_limit: int | None = Field(3, ge=1, description="Keep at most N checkpoints.")

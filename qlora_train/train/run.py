@@ -31,6 +31,7 @@ from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
 from qlora_train.files import write_atomic
 from qlora_train.tokenizer import load_tokenizer
 from qlora_train.train.collator import PackedCollator, PadCollator
+from qlora_train.train.fused_loss import use_fused_loss
 from qlora_train.train.model import count_parameters, load_model, load_model_config, resolve_runtime
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
 
@@ -165,6 +166,8 @@ def oom_advice(cfg: Config) -> str:
             f"train.gradient_accumulation_steps (now {t.gradient_accumulation_steps}) to keep the effective batch"]
     if not t.gradient_checkpointing:
         tips.append("set train.gradient_checkpointing: true (recomputes activations instead of storing them)")
+    if not t.fused_loss:
+        tips.append("set train.fused_loss: true (logits only at trained positions, a chunk at a time)")
     if getattr(t, "packing", None) is False:
         tips.append("set train.packing: true with per_device_train_batch_size: 1 (no padding; each step holds "
                     "at most max_length tokens)")
@@ -257,6 +260,7 @@ def train(cfg: Config, *, callbacks: list | None = None):
             report.packing = {**asdict(packing), "efficiency": packing.efficiency}
 
     model = load_model(cfg, runtime)
+    log.info(use_fused_loss(model, cfg.train.fused_loss))
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so

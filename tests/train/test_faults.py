@@ -108,6 +108,19 @@ def test_cuda_oom_gives_advice_and_exit_3(tmp_path, capsys, monkeypatch):
     assert "(CUDA out of memory. Tried to allocate 2.00 GiB)" in err and "Traceback" not in err
 
 
+def test_cuda_oom_advice_names_the_fused_loss_when_it_is_off(tmp_path, capsys, monkeypatch):
+    def oom(cfg, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(run, "train", oom)
+    path = write_config(tmp_path, [GOOD_ROW])
+    assert main(["--config", path]) == 3
+    assert "fused_loss" not in capsys.readouterr().err
+    assert main(["--config", path, "--set", "train.fused_loss=false"]) == 3
+    assert ("  - set train.fused_loss: true (logits only at trained positions, a chunk at a time)"
+            in capsys.readouterr().err.splitlines())
+
+
 def test_unknown_optimizer_is_a_config_error_before_loading(tmp_path, capsys):
     path = write_config(tmp_path, [GOOD_ROW])  # the hub model is never fetched: the optimizer check comes first
     assert main(["--config", path, "--set", "train.optim=adamw_tourch"]) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -50,9 +51,11 @@ class Snapshot(TrainerCallback):
         self.after = {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_cli_trains_and_writes_outputs(tmp_path, tiny_model_dir):
+def test_cli_trains_and_writes_outputs(tmp_path, tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="qlora_train")
     cfg_path = write_config(tmp_path, tiny_model_dir)
     assert main(["--config", str(cfg_path)]) == 0
+    assert any(r.getMessage().startswith("loss: fused LM head") for r in caplog.records)  # the default
     out = tmp_path / "out"
     for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "chat_template.jinja",
                  "config.yaml", "dataset_report.json", "trainer_state.json", "loss_history.json",
@@ -245,3 +248,23 @@ def test_packing_trains_on_the_dataset_modules_segments(tmp_path, tiny_model_dir
     assert packing["examples"] == 16 and packing["capacity"] == 256
     assert packing["tokens"] == sum(len(i) for i in expected["input_ids"])
     assert packing["efficiency"] == packing["tokens"] / (packing["sequences"] * 256)
+
+
+def test_fused_loss_gives_the_models_own_losses_in_a_qlora_run(tmp_path, tiny_model_dir, caplog):
+    """4-bit nf4 + LoRA through train(), with gradient accumulation and eval: the fused loss (the default)
+    logs the losses and eval loss of the model's own loss."""
+    caplog.set_level(logging.INFO, logger="qlora_train")
+    runs = {}
+    for fused in (True, False):
+        cfg = load_config(write_config(tmp_path / f"fused-{fused}", tiny_model_dir, max_steps=2, save_steps=2,
+                                       gradient_accumulation_steps=2, fused_loss=fused))
+        cfg.data.eval_fraction = 0.25
+        runs[fused] = train(cfg).state.log_history
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loss: ")]
+    assert lines == ["loss: fused LM head + cross-entropy over trained tokens only, 1024 per chunk (train.fused_loss)",
+                     "loss: the model's own, over all logits (fused loss off: train.fused_loss: false)"]
+    for key in ("loss", "eval_loss"):
+        fused_log, own_log = ({h["step"]: h[key] for h in runs[f] if key in h} for f in (True, False))
+        assert fused_log.keys() == own_log.keys() == ({1, 2} if key == "loss" else {2})
+        for step, loss in own_log.items():
+            assert fused_log[step] == pytest.approx(loss, rel=1e-5), (key, step)
