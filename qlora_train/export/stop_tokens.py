@@ -62,6 +62,8 @@ def serving_generation_config(base, tokenizer):
     settings are the base's."""
     gen = copy.deepcopy(base)
     gen.eos_token_id = list(dict.fromkeys([*stop_tokens(tokenizer).ids, *eos_ids(base)]))
+    # no longer the model config's defaults: older transformers would otherwise rebuild it from config.json
+    gen._from_model_config = False
     if tokenizer.pad_token_id is not None:
         gen.pad_token_id = tokenizer.pad_token_id
     return gen

@@ -54,6 +54,24 @@ def test_generate_with_the_merged_model_gives_the_same_answer(hello_run, tmp_pat
     assert capsys.readouterr().out == f"merged model written to {merged}\nHello!\n"
 
 
+def test_plain_transformers_generate_on_the_merged_directory_stops_at_end_of_turn(hello_run, tmp_path):
+    """What a server does with the directory: its own generation_config.json, no settings passed."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = tmp_path / "merged"
+    assert main(["--config", hello_run, "--merge", "--merge-dir", str(merged)]) == 0
+    assert json.loads((merged / "generation_config.json").read_text())["_from_model_config"] is False
+    model, tok = AutoModelForCausalLM.from_pretrained(merged), AutoTokenizer.from_pretrained(merged)
+    inputs = tok.apply_chat_template(SAY_HI, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=16)
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert tok.decode(new) == "Hello!<|im_end|>"
+
+
 def test_generate_from_a_checkpoint(hello_run, capsys):
     assert main(["--config", hello_run, "--generate", "Say hi", "--checkpoint", "30", "--max-new-tokens", "16"]) == 0
     assert capsys.readouterr().out == "Hello!\n"
