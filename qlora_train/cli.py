@@ -14,7 +14,8 @@ import os
 import signal
 import sys
 
-from qlora_train.config import ConfigError, load_config
+from qlora_train.config import load_config
+from qlora_train.errors import ConfigError, QloraError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,48 +121,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_guarded(cfg, job) -> int:
-    """Run ``job`` (training or diagnostics), turning the expected failures into one clear message and an
-    exit code (no traceback).
+    """Run ``job`` (training, diagnostics or export), turning the expected failures into one clear message and
+    an exit code (no traceback): every ``QloraError`` carries its own (``errors``), so nothing here imports
+    the modules that raise them.
 
     0 done · 1 data or model error (unreadable source, every row dropped, a bad
     row with ``on_bad_row: error``, a model that cannot be loaded) · 2 config error, or nothing to export
     (no adapter, no disk space) · 3 CUDA out of memory ·
     128 + signal: stopped by Ctrl-C / SIGTERM after saving a checkpoint.
     """
-    import torch
-
-    from qlora_train.data.dataset import EmptyDatasetError
-    from qlora_train.data.messages import BadRowError
-    from qlora_train.data.sources import SourceError
-    from qlora_train.errors import ModelLoadError
-    from qlora_train.export.adapter import ExportError
-    from qlora_train.train.run import oom_advice
-    from qlora_train.train.signals import TrainingInterrupted
-
     try:
         job()
-    except ConfigError as err:
-        print("invalid config:", file=sys.stderr)
-        for problem in err.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return 2
-    except ExportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except (EmptyDatasetError, SourceError, BadRowError, ModelLoadError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except torch.OutOfMemoryError as err:
-        print(f"error: {oom_advice(cfg)}\n({' '.join(str(err).split())[:300]})", file=sys.stderr)
-        return 3
-    except TrainingInterrupted as stop:
-        print(f"interrupted: {stop}", file=sys.stderr)
-        return stop.exit_code
+    except QloraError as err:
+        print(err.cli_message(), file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:  # outside the training loop, or a second Ctrl-C inside it
         print("interrupted: stopped at once without saving (a single Ctrl-C or SIGTERM during training saves "
               "a checkpoint first)", file=sys.stderr)
         return 128 + signal.SIGINT
+    except Exception as err:
+        if not _cuda_out_of_memory(err):
+            raise
+        from qlora_train.train.run import oom_advice  # training ran: already imported
+
+        print(f"error: {oom_advice(cfg)}\n({' '.join(str(err).split())[:300]})", file=sys.stderr)
+        return 3
     return 0
+
+
+def _cuda_out_of_memory(err: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # only a run that imported torch can run out of its memory
+    return torch is not None and isinstance(err, torch.OutOfMemoryError)
 
 
 if __name__ == "__main__":

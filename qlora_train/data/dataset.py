@@ -43,9 +43,10 @@ from qlora_train.data.processed import (
     processed_features,
 )
 from qlora_train.data.sources import SourceError, load_labelled_source, source_label
+from qlora_train.errors import DataError
 
 log = logging.getLogger(__name__)
-class EmptyDatasetError(Exception):
+class EmptyDatasetError(DataError):
     """Every row was dropped: nothing to train on."""
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
+from qlora_train.errors import DataError
+
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 # the inline reasoning block of assistant content in data, and the block a template writes when the probe finds no other
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -58,7 +60,7 @@ CONFIGURED_DROPS = frozenset({DropReason.TOO_LONG, DropReason.DUPLICATE, DropRea
 KNOWN_DROP_REASONS = frozenset(v for k, v in vars(DropReason).items() if k.isupper())
 
 
-class BadRowError(Exception):
+class BadRowError(DataError):
     """``data.on_bad_row: error`` and a row was refused: the message names the row and the reason."""
 
 

@@ -30,6 +30,7 @@ import datasets
 
 from qlora_train.config import DatasetSource
 from qlora_train.data.handlers import apply_row_handlers, row_json
+from qlora_train.errors import DataError
 from qlora_train.locations import BUILDERS, is_glob, looks_like_hub_id
 
 FEATURES = datasets.Features(
@@ -37,7 +38,7 @@ FEATURES = datasets.Features(
 )
 
 
-class SourceError(Exception):
+class SourceError(DataError):
     """A data source cannot be read at all (missing file, unknown format)."""
 
 

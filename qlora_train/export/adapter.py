@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from qlora_train.errors import UsageError
+
 log = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-class ExportError(Exception):
+class ExportError(UsageError):
     """What to export is missing or cannot be written (no adapter, no disk space, a bad destination):
     a usage error (exit 2), said in one line."""
 

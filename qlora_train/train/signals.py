@@ -23,17 +23,18 @@ from contextlib import contextmanager
 
 from transformers import TrainerCallback
 
+from qlora_train.errors import Interrupted
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class TrainingInterrupted(Exception):
+class TrainingInterrupted(Interrupted):
     """Training stopped on a signal after saving ``checkpoint``; ``exit_code`` is 128 + the signal number."""
 
     def __init__(self, signum: int, step: int, checkpoint: str | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.exit_code = 128 + signum
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint saved to "
-                         f"{checkpoint}; run again with train.resume_from_checkpoint: auto to continue")
+                         f"{checkpoint}; run again with train.resume_from_checkpoint: auto to continue", signum)
 
 
 class StopOnSignal(TrainerCallback):
