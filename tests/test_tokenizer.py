@@ -37,7 +37,8 @@ def test_auto_tokenizer_is_the_fallback(tmp_path, config, expected):
 
 
 def test_loading_a_local_tokenizer_imports_no_torch(qwen_tokenizer_dir):
-    probe = ("import sys\nfrom qlora_train.config import ModelConfig\nfrom qlora_train.tokenizer import load_tokenizer\n"
+    probe = ("import sys\nfrom qlora_train.config import ModelConfig\n"
+             "from qlora_train.tokenizer import load_tokenizer\n"
              f"tok = load_tokenizer(ModelConfig(name_or_path={str(qwen_tokenizer_dir)!r}, chat_template='qwen3'))\n"
              "print(type(tok).__name__, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
