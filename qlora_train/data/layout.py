@@ -404,3 +404,66 @@ def role_is_rendered(tokenizer, role: str) -> bool:
         texts = (_try(tokenizer, c, tools=[_PROBE_TOOL] if role == "tool" else None) for c in convos)
         _ROLE_RENDERED[key] = any(t is not None and (_SYSTEM in t or json.dumps(_SYSTEM) in t) for t in texts)
     return _ROLE_RENDERED[key]
+
+
+# --- the tool schemas' block: where a render writes the ``tools`` it was given -------------------------------------
+
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "qlora_train_probe_tool", "description": "qlora-train probe tool",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+
+
+class ToolBlock(NamedTuple):
+    """The text a template writes around the tool schemas it is given (``open`` + schemas + ``close``): the
+    tokens a row's tools cost are those starting inside that span of its one render."""
+
+    open: str
+    close: str
+
+    def span(self, text: str) -> tuple[int, int] | None:
+        """Where the block is in a render made with tools (None when it is not found as probed)."""
+        a = text.find(self.open)
+        if a < 0:
+            return None
+        b = text.find(self.close, a + len(self.open))
+        return None if b < 0 else (a, b + len(self.close))
+
+
+_TOOL_BLOCKS: dict[tuple[int, str], ToolBlock | None] = {}
+
+
+def tool_block(tokenizer) -> ToolBlock | None:
+    """Probe once (cached per tokenizer and template) what the template writes for ``tools``; None when it
+    writes no tools, or not as a JSON schema between fixed texts."""
+    key = (id(tokenizer), _template_key(tokenizer))
+    if key not in _TOOL_BLOCKS:
+        _TOOL_BLOCKS[key] = probe_tool_block(tokenizer)
+    return _TOOL_BLOCKS[key]
+
+
+def probe_tool_block(tokenizer) -> ToolBlock | None:
+    user = [{"role": "user", "content": _USER}]
+    without, with_tool = _try(tokenizer, user), _try(tokenizer, user, tools=[_PROBE_TOOL])
+    if without is None or with_tool is None or with_tool == without:
+        return None
+    p = _common_prefix(with_tool, without)
+    s = len(os.path.commonprefix([with_tool[p:][::-1], without[p:][::-1]]))
+    if p + s != len(without):
+        return None  # the tools change other text too (a different system prompt): not one block to count
+    block = with_tool[p:len(with_tool) - s]  # what the tools add, in one piece
+    name_at = block.find(_PROBE_TOOL["function"]["name"])
+    if name_at < 0:
+        return None
+    start = end = None
+    for i in range(name_at, -1, -1):  # the outermost JSON value around the name: the schemas as written
+        if block[i] not in "{[":
+            continue
+        try:
+            _, stop = json.JSONDecoder().raw_decode(block, i)
+        except ValueError:
+            continue
+        if stop > name_at:
+            start, end = i, stop
+    if start is None or not block[:start].strip() or not block[end:].strip():
+        return None  # a block that is only the schemas cannot be told from the text around it
+    return ToolBlock(block[:start], block[end:])

@@ -34,7 +34,7 @@ from qlora_train.data.formats import (
     segments_text_and_mask,
     token_offsets,
 )
-from qlora_train.data.layout import template_layout
+from qlora_train.data.layout import template_layout, tool_block
 from qlora_train.data.messages import DropReason, RowRejected
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
 from qlora_train.data.policy import LossPolicy
@@ -135,6 +135,8 @@ def _example(messages, tools, rendered, ids, offsets, *, tokenizer, cfg: DataCon
              out: dict) -> None:
     """One rendered + tokenized chat example -> ``out`` filled with it (truncated as configured)."""
     out["num_tokens_before"] = len(ids)
+    if tools:
+        out["tool_schema_tokens"] = tool_schema_tokens(rendered.text, offsets, tokenizer)
     char_mask = rendered.char_mask
     if len(ids) > cfg.max_length:
         if cfg.on_too_long == "drop":
@@ -149,6 +151,16 @@ def _example(messages, tools, rendered, ids, offsets, *, tokenizer, cfg: DataCon
         if tr.needs_token_fallback:
             out["token_fallback"] = cfg.truncate_side
     _labels(out, ids, offsets, char_mask, cfg, max_length=cfg.max_length)
+
+
+def tool_schema_tokens(text: str, offsets, tokenizer) -> int:
+    """Tokens of a render's tool block (``layout.ToolBlock``: the schemas and the template's text around them),
+    read off the render's own token offsets; -1 when the block is not where the probe says it is."""
+    block = tool_block(tokenizer)
+    span = block.span(text) if block is not None else None
+    if span is None:
+        return -1
+    return offsets.count_starting_in(*span, len(text))
 
 
 def _template_free_example(out: dict, ids, offsets, *, mask, cfg: DataConfig, max_length: int | None) -> None:

@@ -59,6 +59,7 @@ PROCESSED_ROW: tuple[Column, ...] = (
     _c("expanded_labels", "int64", KEPT, EXPANDED, depth=2),
     _c("expanded_tokens", "int64", REPORT, STATS),
     _c("expanded_trained_tokens", "int64", REPORT, STATS),
+    _c("tool_schema_tokens", "int64", STATS),  # tokens of the template's tool block; -1: tools, block not found
     _c("source", "string", STATS, KEPT, written_by="dataset"),  # index:path of its data.datasets entry
     _c("location", "string", written_by="dataset"),  # file:line
     _c("domain", "string", KEPT, written_by="dataset"),  # data.domain_key's value

@@ -74,6 +74,11 @@ class OffsetArray:
     def starts(self) -> np.ndarray:
         return self.array[:, 0]
 
+    def count_starting_in(self, a: int, b: int, n_chars: int) -> int:
+        """Tokens whose first character is in ``[a, b)``."""
+        lo, hi = np.searchsorted(self.array[:, 0], (a, b))
+        return int(hi - lo)
+
     def project(self, char_mask: np.ndarray) -> TokenMask:
         starts, ends = self.array[:, 0], self.array[:, 1]
         if len(char_mask) == 0:
@@ -108,6 +113,13 @@ class EncodingOffsets:
 
     def starts(self) -> np.ndarray:
         return np.fromiter((s for s, _ in self.encoding.offsets), dtype=np.int64, count=self.n)
+
+    def count_starting_in(self, a: int, b: int, n_chars: int) -> int:
+        """Tokens whose first character is in ``[a, b)``: two lookups, no per-token work."""
+        try:
+            return self._first_starting_at(b, n_chars) - self._first_starting_at(a, n_chars)
+        except _Uncovered:
+            return OffsetArray.from_pairs(self.encoding.offsets).count_starting_in(a, b, n_chars)
 
     def _first_starting_at(self, pos: int, n_chars: int) -> int:
         """Index of the first token whose start is >= ``pos`` (``n`` when none)."""

@@ -40,15 +40,23 @@ def use_color(stream: TextIO) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR")
 
 
-def _tools_rows(raw, cols: dict[str, list]) -> dict[int, dict]:
-    idx = [i for i, p in enumerate(cols["parse_report"]) if json.loads(p).get("tools_present")]
-    return {i: json.loads(text) for i, text in zip(idx, raw.select(idx)["row"])} if idx else {}
+def tool_tokens_per_row(raw, cols: dict[str, list], tokenizer, cfg: Config) -> dict[int, int]:
+    """Row index -> tokens its tool schemas take in its render: the pipeline's ``tool_schema_tokens`` column
+    (the template's tool block located in the one render). Only rows whose block was not found where the
+    probe put it (-1) are measured again, by rendering them without their tools."""
+    counts = cols["tool_schema_tokens"]
+    found = {i: n for i, n in enumerate(counts) if n > 0}
+    missing = [i for i, n in enumerate(counts) if n < 0]
+    if missing:
+        rows = {i: json.loads(text) for i, text in zip(missing, raw.select(missing)["row"])}
+        found.update(tool_schema_tokens(rows, tokenizer, cfg.data))
+    return found
 
 
 def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, stream: TextIO) -> dict:
     """Print the report; write ``stats.json`` and the histogram. Returns the stats."""
     cols = processed.select_columns(list(STATS_COLUMNS)).to_dict()
-    tools = tool_schema_tokens(_tools_rows(raw, cols), tokenizer, cfg.data)
+    tools = tool_tokens_per_row(raw, cols, tokenizer, cfg)
     stats = compute_stats(cols, max_length=cfg.data.max_length, tool_tokens=tools, data=cfg.data)
     write_atomic(out_dir / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False))
     write_histogram(cols, max_length=cfg.data.max_length, path=out_dir / HISTOGRAM_FILE)

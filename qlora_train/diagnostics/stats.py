@@ -120,8 +120,8 @@ def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int
 def tool_schema_tokens(rows: dict[int, dict], tokenizer, cfg: DataConfig) -> dict[int, int]:
     """Row index -> tokens its tool schemas add to the render (render with tools minus without).
 
-    Only for rows that carry tools; costs one extra render per such row, so it
-    runs in diagnostics, never in training.
+    The fallback for rows whose template's tool block the probe could not place (``layout.tool_block``):
+    costs one extra render per row, so only those rows take it.
     """
     with_tools, without = [], []
     index = []
