@@ -29,8 +29,10 @@ test-fast:
 lint:
 	$(PYTHON) -m ruff check qlora_train tests benchmarks scripts
 
-bench:
+# process_rows vs its floor, then the path users run: --stats-only through the CLI per row, and start-up times
+bench: $(TINY)/config.json
 	$(PYTHON) benchmarks/bench_preprocess.py
+	$(PYTHON) benchmarks/bench_cli.py
 
 # per-row cost and memory by dataset size through datasets.map (add 100000 for the full check: ~8 min on 2 cores)
 bench-scale:

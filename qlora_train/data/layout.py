@@ -429,20 +429,22 @@ class ToolBlock(NamedTuple):
         return None if b < 0 else (a, b + len(self.close))
 
 
-_TOOL_BLOCKS: dict[tuple[int, str], ToolBlock | None] = {}
+_TOOL_BLOCKS: dict[tuple[int, str, bool], ToolBlock | None] = {}
 
 
-def tool_block(tokenizer) -> ToolBlock | None:
-    """Probe once (cached per tokenizer and template) what the template writes for ``tools``; None when it
+def tool_block(tokenizer, with_system: bool = False) -> ToolBlock | None:
+    """Probe once (cached per tokenizer, template and ``with_system``) what the template writes for ``tools``
+    in a conversation that opens with a system message (``with_system``) or without one (templates write the
+    block differently: Qwen opens a system turn for it, or appends it to the system prompt); None when it
     writes no tools, or not as a JSON schema between fixed texts."""
-    key = (id(tokenizer), _template_key(tokenizer))
+    key = (id(tokenizer), _template_key(tokenizer), with_system)
     if key not in _TOOL_BLOCKS:
-        _TOOL_BLOCKS[key] = probe_tool_block(tokenizer)
+        _TOOL_BLOCKS[key] = probe_tool_block(tokenizer, with_system)
     return _TOOL_BLOCKS[key]
 
 
-def probe_tool_block(tokenizer) -> ToolBlock | None:
-    user = [{"role": "user", "content": _USER}]
+def probe_tool_block(tokenizer, with_system: bool = False) -> ToolBlock | None:
+    user = [{"role": "system", "content": _SYSTEM}] * with_system + [{"role": "user", "content": _USER}]
     without, with_tool = _try(tokenizer, user), _try(tokenizer, user, tools=[_PROBE_TOOL])
     if without is None or with_tool is None or with_tool == without:
         return None

@@ -136,7 +136,8 @@ def _example(messages, tools, rendered, ids, offsets, *, tokenizer, cfg: DataCon
     """One rendered + tokenized chat example -> ``out`` filled with it (truncated as configured)."""
     out["num_tokens_before"] = len(ids)
     if tools:
-        out["tool_schema_tokens"] = tool_schema_tokens(rendered.text, offsets, tokenizer)
+        with_system = bool(messages) and messages[0]["role"] == "system"
+        out["tool_schema_tokens"] = tool_schema_tokens(rendered.text, offsets, tokenizer, with_system)
     char_mask = rendered.char_mask
     if len(ids) > cfg.max_length:
         if cfg.on_too_long == "drop":
@@ -153,10 +154,10 @@ def _example(messages, tools, rendered, ids, offsets, *, tokenizer, cfg: DataCon
     _labels(out, ids, offsets, char_mask, cfg, max_length=cfg.max_length)
 
 
-def tool_schema_tokens(text: str, offsets, tokenizer) -> int:
+def tool_schema_tokens(text: str, offsets, tokenizer, with_system: bool) -> int:
     """Tokens of a render's tool block (``layout.ToolBlock``: the schemas and the template's text around them),
     read off the render's own token offsets; -1 when the block is not where the probe says it is."""
-    block = tool_block(tokenizer)
+    block = tool_block(tokenizer, with_system)
     span = block.span(text) if block is not None else None
     if span is None:
         return -1

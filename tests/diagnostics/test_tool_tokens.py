@@ -18,9 +18,11 @@ ROW = {"messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "
 
 
 def test_the_qwen3_block_is_the_tools_section_of_the_system_turn(qwen3_tok):
-    block = probe_tool_block(qwen3_tok)
+    block = probe_tool_block(qwen3_tok)  # no system message: the template opens a system turn for the tools
     assert block.open.startswith("system\n# Tools\n") and block.open.endswith("<tools>\n")
     assert block.close.startswith("\n</tools>\n") and block.close.endswith("<|im_end|>\n<|im_start|>")
+    block = probe_tool_block(qwen3_tok, with_system=True)  # appended to the system prompt
+    assert block.open.startswith("\n\n# Tools\n") and block.close.endswith("</tool_call>")
 
 
 def token_difference(tok, messages, tools) -> int:
@@ -29,20 +31,22 @@ def token_difference(tok, messages, tools) -> int:
     return n[0] - n[1]
 
 
+@pytest.mark.parametrize("system", [False, True])
 @pytest.mark.parametrize("name", sorted(n for n, f in FAMILIES.items() if f.supports_tools))
-def test_the_column_is_the_token_difference_the_tools_make(name, qwen_tokenizer_dir):
+def test_the_column_is_the_token_difference_the_tools_make(name, system, qwen_tokenizer_dir):
     """For every family whose template writes tools: the count from the one render equals rendering the row
     again without its tools and subtracting (what --stats-only used to do), or the probe says it cannot place
     the block (-1, and the diagnostics measure that row the old way). Where the block's edges are plain text
     rather than special tokens (Falcon3's ``<|system|>`` here), a merge across an edge moves at most one token."""
     tok = family_tokenizer(qwen_tokenizer_dir, name)
-    out = process_rows([ROW], tok, DataConfig(max_length=4096))
+    row = {**ROW, "messages": [{"role": "system", "content": "Be brief."}] * system + ROW["messages"]}
+    out = process_rows([row], tok, DataConfig(max_length=4096))
     assert out["drop_reason"] == [""], out["drop_detail"]
     n = out["tool_schema_tokens"][0]
-    if tool_block(tok) is None:
+    if tool_block(tok, system) is None:
         assert n == -1
     else:
-        difference = token_difference(tok, ROW["messages"], TOOLS)
+        difference = token_difference(tok, row["messages"], TOOLS)
         assert difference > 0 and abs(n - difference) <= (1 if name == "falcon3" else 0)
 
 
