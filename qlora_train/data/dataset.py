@@ -195,11 +195,11 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
                 continue
             d = json.loads(p)
             if not reason:
-                kept_counts.update({name: d.get(name, 0) for name in KEPT_PARSE_COUNTS})
+                kept_counts.update({name: d[name] for name in KEPT_PARSE_COUNTS if name in d})
                 unrendered.update(d.get("unrendered_messages", {}))
-            yield ParseReport.from_dict(d)
+            yield d
 
-    report.parse = ParseReport.total(row_reports()).to_dict()
+    report.parse = ParseReport.total_of_dicts(row_reports()).to_dict()
     for name in KEPT_PARSE_COUNTS:
         setattr(report, name, kept_counts[name])
     report.unrendered_messages = dict(unrendered)

@@ -86,6 +86,26 @@ class ParseReport:
             out = r if out is None else out + r
         return out if out is not None else cls(schema="none")
 
+    @classmethod
+    def total_of_dicts(cls, dicts) -> ParseReport:
+        """``total`` of reports given as the dicts ``to_dict`` or the pipeline's JSON hold (absent fields at
+        their defaults), added in place: no report object per row."""
+        out, schemas, n = cls(), set(), 0
+        for d in dicts:
+            n += 1
+            schemas.add(d.get("schema", "unknown"))
+            for k, v in d.items():
+                if k == "schema":
+                    continue
+                if isinstance(v, dict):
+                    counts = getattr(out, k)
+                    for key, c in v.items():
+                        counts[key] = counts.get(key, 0) + c
+                else:
+                    setattr(out, k, getattr(out, k) + v)
+        out.schema = "none" if not n else schemas.pop() if len(schemas) == 1 else "mixed"
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v) for f in fields(self)}
 

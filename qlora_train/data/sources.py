@@ -116,7 +116,16 @@ def _json_lines(fh, file: str):
         except json.JSONDecodeError as exc:
             yield {"row": "", "location": f"{file}:{lineno}", "load_error": f"unparseable JSON line: {exc.msg}"}
             continue
-        yield {"row": row_json(item), "location": f"{file}:{lineno}", "load_error": ""}
+        yield {"row": _line_json(line, item), "location": f"{file}:{lineno}", "load_error": ""}
+
+
+def _line_json(line: str, item) -> str:
+    """A JSON line that parsed -> its own text when Arrow can store it (no lone surrogate), else ``row_json``."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return row_json(item)
+    return line.strip()
 
 
 def _to_rows(batch: dict, indices: list[int], name: str) -> dict:

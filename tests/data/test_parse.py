@@ -137,3 +137,17 @@ def test_fuzz_never_crashes_never_mutates(row):
     except RowRejected as rej:
         assert rej.reason and rej.detail
     assert row == before
+
+
+_REPORT_DICT = st.fixed_dictionaries({}, optional={
+    "schema": st.sampled_from(["messages", "sharegpt", "unknown", "alpaca"]), "rows": st.integers(0, 2),
+    "tools_present": st.integers(0, 3), "unknown_roles": st.dictionaries(st.sampled_from("ab"), st.integers(1, 3)),
+    "schemas": st.dictionaries(st.sampled_from(["messages", "alpaca"]), st.integers(1, 2))})
+
+
+@settings(max_examples=200, deadline=None)
+@given(dicts=st.lists(_REPORT_DICT, max_size=6))
+def test_summing_report_dicts_in_place_equals_adding_reports(dicts):
+    """The report sums the rows' JSON dicts in place (no object per row): the same as adding ParseReports."""
+    expected = ParseReport.total(ParseReport.from_dict(d) for d in dicts).to_dict()
+    assert ParseReport.total_of_dicts(dicts).to_dict() == expected
