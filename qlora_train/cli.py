@@ -1,7 +1,8 @@
 """``qlora-train --config x.yaml [--set key.path=value ...]``: a thin entry over ``train.run``.
 
 ``--stats-only`` and ``--debug-samples N`` run the data pipeline with the
-tokenizer only (``diagnostics.run``) and exit without training. After training,
+tokenizer only (``diagnostics.run``) and exit without training; so does ``--preprocess``, which writes the
+datasets for ``data.prepared_path`` (``train.preprocess``). After training,
 ``--merge`` writes the merged model and ``--generate PROMPT`` / ``--chat`` try it
 (``export/``, docs/export.md).
 """
@@ -33,6 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--debug-seed", type=int, metavar="SEED", help="draw the samples at random with this seed")
     d.add_argument("--debug-tokens", action="store_true", help="also print one line per token: label and id")
     d.add_argument("--debug-refused", action="store_true", help="show refused rows with their reason instead")
+    r = p.add_argument_group("preprocess (tokenizer and data only, no model; see docs/training.md)")
+    r.add_argument("--preprocess", action="store_true",
+                   help="run the data pipeline as training would and write the datasets for data.prepared_path")
+    r.add_argument("--preprocess-dir", metavar="DIR",
+                   help="where --preprocess writes (default: data.prepared_path, else <train.output_dir>/prepared)")
     e = p.add_argument_group("after training (the trained adapter in train.output_dir; see docs/export.md)")
     e.add_argument("--merge", action="store_true",
                    help="merge the adapter into the base and write a transformers model directory")
@@ -77,6 +83,10 @@ def check_export_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--merge-dir needs --merge or --merged")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
+    if args.preprocess and (args.stats_only or args.debug_samples or args.merge or trying):
+        p.error("--preprocess runs alone: not with --stats-only, --debug-samples, --merge, --generate or --chat")
+    if args.preprocess_dir and not args.preprocess:
+        p.error("--preprocess-dir needs --preprocess")
 
 
 def export_and_try(cfg, args: argparse.Namespace) -> None:
@@ -115,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_guarded(cfg, lambda: diagnose(cfg, stats=args.stats_only, debug=debug, out_dir=args.stats_dir))
     if args.merge or args.generate is not None or args.chat:
         return run_guarded(cfg, lambda: export_and_try(cfg, args))
+    if args.preprocess:
+        from qlora_train.train.preprocess import preprocess
+
+        return run_guarded(cfg, lambda: preprocess(cfg, args.preprocess_dir))
     from qlora_train.train.run import train
 
     return run_guarded(cfg, lambda: train(cfg))

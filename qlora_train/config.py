@@ -194,6 +194,12 @@ class DataConfig(_Section):
     num_proc: int | None = Field(None, ge=1, description="Processes for the preprocessing map.")
     batch_size: int = Field(256, ge=1, description="Rows per preprocessing batch (one batched tokenizer call).")
     cache_dir: str | None = Field(None, description="datasets cache directory (default: the HF cache).")
+    prepared_path: str | None = Field(
+        None, description="A directory written by `--preprocess`: training and the diagnostics read the processed "
+        "datasets from it instead of the raw files (which need not exist), refusing when its fingerprint does not "
+        "match this data config, the tokenizer, its chat template, the pipeline code or the packing settings. "
+        "Also where `--preprocess` writes when `--preprocess-dir` is not given.",
+    )
     on_bad_row: Literal["skip", "error"] = Field(
         "skip", description="`skip`: drop a refused row, count it, warn once per reason with the first row's "
         "location; `error`: stop at the first refused row, naming it.",
@@ -402,6 +408,8 @@ def _dataset_problems(data: dict) -> list[str]:
     sources = data.get("datasets")
     if not sources:
         return ["data.datasets: name at least one data source"]
+    if data.get("prepared_path"):  # the raw files are read by --preprocess only, which checks them itself
+        return []
     problems = []
     for key, src in _sources(data):
         paths = src.get("path")
@@ -462,11 +470,18 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _resolve_relative(p: Any, base: Path) -> Any:
-    """A dataset path relative to the YAML's directory, when it exists there (else as written)."""
+def _resolve_relative(p: Any, base: Path, *, absent_to_base: bool = False) -> Any:
+    """A dataset path relative to the YAML's directory, when it exists there (else as written).
+
+    ``absent_to_base`` (``data.prepared_path`` set, the raw files perhaps on another machine): a local path found
+    neither there nor here is also taken as relative to the YAML's directory, as it most likely was where the data
+    was prepared, so that the sources compare equal in the prepared data's fingerprint."""
     if not isinstance(p, str) or Path(p).is_absolute():
         return p
     if (base / p).exists() or is_glob(p) and globlib.glob(str(base / p)):
+        return str(base / p)
+    found_here = globlib.glob(p) if is_glob(p) else Path(p).exists()
+    if absent_to_base and not found_here and not looks_like_hub_id(p):
         return str(base / p)
     return p
 
@@ -521,11 +536,12 @@ def _sources(data: dict) -> list[tuple[str, dict]]:
 def _resolve_relative_paths(tree: dict, base: Path) -> None:
     """Relative dataset and ``.jinja`` paths that exist next to the YAML file are made relative to it."""
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
+    absent_to_base = bool(data.get("prepared_path"))
     for _, source in _sources(data):
         if isinstance(source.get("path"), str):
-            source["path"] = _resolve_relative(source["path"], base)
+            source["path"] = _resolve_relative(source["path"], base, absent_to_base=absent_to_base)
         elif isinstance(source.get("path"), list):
-            source["path"] = [_resolve_relative(p, base) for p in source["path"]]
+            source["path"] = [_resolve_relative(p, base, absent_to_base=absent_to_base) for p in source["path"]]
     model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
     if isinstance(model.get("chat_template"), str) and model["chat_template"].endswith(".jinja"):
         model["chat_template"] = _resolve_relative(model["chat_template"], base)

@@ -14,6 +14,7 @@ Pipeline, one stage per module::
     pipeline.process_rows             all of the above for a batch of rows
     dataset.build_datasets            per-source processing, dedup, blocks, eval split, mixing, report
     packing.pack_dataset              optional: whole examples into max_length sequences (best fit decreasing)
+    prepared.training_data            what training feeds: the above (+ packing), or read back from --preprocess
 """
 
 # Public names, imported on first use: importing one stage (``qlora_train.data.layout``) does not import the others

@@ -385,6 +385,12 @@ def _kept_rows(processed: datasets.Dataset) -> datasets.Dataset:
 def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset | None, DatasetReport]:
     """Config -> (train, eval or None, report). Raises ``EmptyDatasetError`` if no row survives."""
     _, processed = load_and_process(cfg, tokenizer)
+    return datasets_from_processed(processed, cfg, tokenizer)
+
+
+def datasets_from_processed(processed: datasets.Dataset, cfg: DataConfig, tokenizer,
+                            ) -> tuple[datasets.Dataset, datasets.Dataset | None, DatasetReport]:
+    """``load_and_process``'s processed rows -> (train, eval or None, report): the rest of ``build_datasets``."""
     report = summarize(processed)
     report.duplicates = report.dropped.get(DropReason.DUPLICATE, 0)
     if report.rows_kept == 0:

@@ -3,7 +3,7 @@
 ``--stats-only`` prints the length report and writes ``stats.json`` and
 ``token_lengths.png``; ``--debug-samples N`` prints N processed samples and
 writes ``debug_samples.html``. Both write into ``out_dir`` (``--stats-dir``,
-default ``train.output_dir``).
+default ``train.output_dir``). With ``data.prepared_path`` set they read the rows ``--preprocess`` saved there.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from qlora_train.config import Config
-from qlora_train.data.dataset import load_and_process
+from qlora_train.data.prepared import diagnostic_rows
 from qlora_train.diagnostics.html import debug_html
 from qlora_train.diagnostics.samples import format_sample, legend, load_samples, select_indices
 from qlora_train.diagnostics.stats import STATS_COLUMNS, compute_stats, stats_lines, tool_schema_tokens, write_histogram
@@ -92,7 +92,7 @@ def diagnose(cfg: Config, *, stats: bool, debug: DebugOptions, out_dir: str | Pa
     out = Path(out_dir or cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg.model)
-    raw, processed = load_and_process(cfg.data, tokenizer)
+    raw, processed = diagnostic_rows(cfg, tokenizer)  # or the rows saved under data.prepared_path
     result = {}
     if stats:
         result["stats"] = stats_report(raw, processed, tokenizer, cfg, out_dir=out, stream=stream)

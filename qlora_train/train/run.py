@@ -19,15 +19,14 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import yaml
 
 from qlora_train.config import Config, ConfigError
-from qlora_train.data.dataset import build_datasets
-from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
+from qlora_train.data.packing import PackingStats
+from qlora_train.data.prepared import training_data
 from qlora_train.files import write_atomic
 from qlora_train.tokenizer import load_tokenizer
 from qlora_train.train.collator import PackedCollator, PadCollator
@@ -86,24 +85,6 @@ def resolve_resume(cfg: Config) -> str | None:
     last = last_checkpoint(cfg.train.output_dir)
     log.info("resume_from_checkpoint: auto -> %s", last or "no checkpoint yet, starting fresh")
     return last
-
-
-def pack_or_group(cfg: Config, train_ds, eval_ds):
-    """``train.packing``: pack both splits; ``train.group_by_length``: add the ``length`` column the
-    length-grouped sampler reads. Returns (train, eval, PackingStats of train or None)."""
-    t = cfg.train
-    if t.packing:
-        length = cfg.packing_length
-        try:
-            train_ds, stats = pack_dataset(train_ds, length, split_long=t.split_long)
-            if eval_ds is not None:
-                eval_ds, _ = pack_dataset(eval_ds, length, split_long=t.split_long)
-        except ValueError as err:  # an example longer than packing_length without split_long
-            raise ConfigError([f"train.packing_length: {err}"]) from None
-        return train_ds, eval_ds, stats
-    if t.group_by_length:
-        train_ds = train_ds.add_column("length", example_lengths(train_ds))
-    return train_ds, eval_ds, None
 
 
 def check_packing_support(model_config, packing_length: int) -> None:
@@ -253,11 +234,9 @@ def train(cfg: Config, *, callbacks: list | None = None):
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
     tokenizer = load_tokenizer(cfg.model)
 
-    with args.main_process_first(desc="preprocessing"):
-        train_ds, eval_ds, report = build_datasets(cfg.data, tokenizer)
-        train_ds, eval_ds, packing = pack_or_group(cfg, train_ds, eval_ds)
-        if packing is not None:
-            report.packing = {**asdict(packing), "efficiency": packing.efficiency}
+    with args.main_process_first(desc="preprocessing"):  # or reading data.prepared_path
+        data = training_data(cfg, tokenizer)
+    train_ds, eval_ds, report, packing = data.train, data.eval, data.report, data.packing
 
     model = load_model(cfg, runtime)
     log.info(use_fused_loss(model, cfg.train.fused_loss))

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from qlora_train.config import Config, ConfigError
+from qlora_train.data.prepared import pack_or_group
 from qlora_train.train.collator import PackedCollator, PadCollator
 from qlora_train.train.model import resolve_runtime
-from qlora_train.train.run import make_collator, pack_or_group, training_arguments
+from qlora_train.train.run import make_collator, training_arguments
 
 
 def small_split():
@@ -76,7 +77,7 @@ def test_packing_support_is_checked_from_the_model_config_before_the_data_or_any
 
     Qwen3Config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]).save_pretrained(tmp_path)
     loaded = []
-    for name in ("load_tokenizer", "build_datasets", "load_model"):
+    for name in ("load_tokenizer", "training_data", "load_model"):
         monkeypatch.setattr(run, name, lambda *a, name=name, **k: loaded.append(name))
     cfg = Config.model_validate({"model": {"name_or_path": str(tmp_path)}, "data": {"max_length": 64},
                                  "train": {"report_to": "none", "packing": True, "output_dir": str(tmp_path / "o")}})

@@ -268,3 +268,33 @@ def test_fused_loss_gives_the_models_own_losses_in_a_qlora_run(tmp_path, tiny_mo
         assert fused_log.keys() == own_log.keys() == ({1, 2} if key == "loss" else {2})
         for step, loss in own_log.items():
             assert fused_log[step] == pytest.approx(loss, rel=1e-5), (key, step)
+
+
+def test_training_from_a_prepared_directory_gives_the_raw_files_run(tmp_path, tiny_model_dir, capsys):
+    """--preprocess (tokenizer only), the raw file removed, then training through the CLI from data.prepared_path
+    (packing and an eval split): the same report and the same train and eval losses as training from the file."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:20]))
+    cfg_path = write_config(tmp_path, tiny_model_dir, max_steps=3, save_steps=3, packing=True, packing_length=256)
+    tree = yaml.safe_load(cfg_path.read_text())
+    tree["data"].update({"datasets": [{"path": str(data)}], "eval_fraction": 0.2})
+    cfg_path.write_text(yaml.safe_dump(tree))
+
+    raw_out, prepared = tmp_path / "raw", tmp_path / "prepared"
+    assert main(["--config", str(cfg_path), "--set", f"train.output_dir={raw_out}"]) == 0
+    assert main(["--config", str(cfg_path), "--preprocess", "--preprocess-dir", str(prepared)]) == 0
+    assert "prepared data written to" in capsys.readouterr().out
+    data.unlink()
+    out = tmp_path / "from-prepared"
+    assert main(["--config", str(cfg_path), "--set", f"data.prepared_path={prepared}",
+                 "--set", f"train.output_dir={out}"]) == 0
+    assert "packing 16 examples into " in capsys.readouterr().out  # the summary, from the saved report
+
+    read = lambda d, name: json.loads((d / name).read_text())
+    assert read(out, "dataset_report.json") == read(raw_out, "dataset_report.json") == read(
+        prepared, "dataset_report.json")
+    assert read(out, "training_complete.json")["global_step"] == 3
+    logs = [{(h["step"], k): h[k] for h in read(d, "trainer_state.json")["log_history"] for k in ("loss", "eval_loss")
+             if k in h} for d in (raw_out, out)]
+    assert sorted(logs[0]) == [(1, "loss"), (2, "loss"), (3, "eval_loss"), (3, "loss")]
+    assert logs[1] == pytest.approx(logs[0], rel=1e-6)

@@ -1,0 +1,319 @@
+"""The datasets training is fed, built from the raw sources or read back from a directory ``--preprocess`` wrote.
+
+``training_data(cfg, tokenizer)`` is what ``train()`` calls: with ``data.prepared_path`` unset it runs the whole
+pipeline (``build_datasets``, then packing when ``train.packing``); with it set it loads what ``write_prepared``
+saved there, after checking that the saved fingerprint matches the current one. A prepared directory::
+
+    train/ eval/            the datasets training feeds (Arrow shards, ``Dataset.save_to_disk``), packed when
+                            ``train.packing`` was set; ``eval/`` only with an eval split
+    rows/raw rows/processed every raw row and its processed row, aligned (``load_and_process``): the diagnostics
+    dataset_report.json     the report training prints and writes
+    data_config.yaml        the data config as resolved
+    fingerprint.json        the fingerprint and its parts (written into the staging directory last)
+
+The fingerprint is a blake2b over five part hashes, each cheap and deterministic:
+
+    data         the data config as canonical JSON, less the keys that do not change the rows
+                 (``UNFINGERPRINTED``), source paths written relative to the working directory
+    tokenizer    the vocabulary, the added tokens and the special-token map
+    template     the chat template text (``model.chat_template_kwargs`` are baked into it)
+    code         ``pipeline_code_hash()``: the data package, ``chat_templates.py`` and the shipped templates
+    packing      ``train.packing``, its length and ``split_long`` (training only; the diagnostics skip it)
+
+The raw files' contents are not fingerprinted: a prepared directory stands for the files as they were.
+
+    >>> differing_keys({"max_length": 128, "mask": {"user": "mask"}}, {"max_length": 256, "mask": {"user": "mask"}})
+    ['max_length: 128 when prepared, 256 now']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from qlora_train.config import Config
+from qlora_train.data.dataset import DatasetReport, datasets_from_processed, load_and_process, pipeline_code_hash
+from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
+from qlora_train.errors import ConfigError
+from qlora_train.files import publish_dir
+
+log = logging.getLogger(__name__)
+FORMAT = 1
+FINGERPRINT_FILE, REPORT_FILE, DATA_CONFIG_FILE = "fingerprint.json", "dataset_report.json", "data_config.yaml"
+TRAIN_DIR, EVAL_DIR, RAW_DIR, PROCESSED_DIR = "train", "eval", "rows/raw", "rows/processed"
+# data keys that change how the rows are computed, not what they are (num_proc: tested to give the same rows)
+UNFINGERPRINTED = ("prepared_path", "num_proc", "batch_size", "cache_dir")
+PARTS = ("data", "tokenizer", "template", "code", "packing")
+
+
+@dataclass
+class TrainingData:
+    """What ``train()`` feeds the Trainer, and what it reports."""
+
+    train: object  # datasets.Dataset
+    eval: object | None
+    report: DatasetReport
+    packing: PackingStats | None = None
+
+
+# --- the fingerprint ---
+
+
+def _hash(value) -> str:
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def portable_path(path: str) -> str:
+    """A source path as the fingerprint compares it: relative to the working directory when inside it
+    (``/repo/configs/x.jsonl`` run from ``/repo`` -> ``configs/x.jsonl``), else absolute; hub ids unchanged."""
+    absolute = os.path.abspath(path)
+    relative = os.path.relpath(absolute, os.getcwd())
+    return absolute if relative.startswith("..") else relative
+
+
+def data_identity(cfg: Config) -> dict:
+    """The data config as the fingerprint compares it (``UNFINGERPRINTED`` keys out, portable source paths)."""
+    data = cfg.data.model_dump(mode="json", exclude=set(UNFINGERPRINTED))
+    for section in ("datasets", "eval_datasets"):
+        for src in data[section]:
+            src["path"] = ([portable_path(p) for p in src["path"]] if isinstance(src["path"], list)
+                           else portable_path(src["path"]))
+    return data
+
+
+def packing_identity(cfg: Config) -> dict:
+    t = cfg.train
+    return {"packing": True, "packing_length": cfg.packing_length, "split_long": t.split_long} if t.packing \
+        else {"packing": False}
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """Vocabulary, added tokens and special tokens, hashed (the template is its own part)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    added = sorted((i, t.content, bool(t.special)) for i, t in tokenizer.added_tokens_decoder.items())
+    specials = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
+    return {"hash": _hash([vocab, added, specials]), "name_or_path": getattr(tokenizer, "name_or_path", ""),
+            "size": len(tokenizer)}
+
+
+def fingerprint(cfg: Config, tokenizer) -> dict:
+    """The fingerprint of what ``cfg`` and ``tokenizer`` make: ``{"fingerprint": hex, "parts": {part: hex}, …}``
+    with the compared values themselves (data config, packing, tokenizer name) to say what differs."""
+    data, packing, tok = data_identity(cfg), packing_identity(cfg), tokenizer_identity(tokenizer)
+    parts = {"data": _hash(data), "tokenizer": tok["hash"], "template": _hash(tokenizer.chat_template),
+             "code": pipeline_code_hash(), "packing": _hash(packing)}
+    return {"format": FORMAT, "fingerprint": _hash(parts), "parts": parts, "data_config": data, "packing": packing,
+            "tokenizer": {"name_or_path": tok["name_or_path"], "size": tok["size"]}}
+
+
+_ABSENT = object()
+
+
+def _show(value) -> str:
+    return "(absent)" if value is _ABSENT else json.dumps(value, ensure_ascii=False)
+
+
+def differing_keys(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """Two config dicts -> ``"key: <saved> when prepared, <now> now"`` for every key path whose value differs
+    (into mappings on both sides, and lists of mappings of one length, such as the sources)."""
+    out = []
+    for key in sorted(saved.keys() | now.keys()):
+        a, b, path = saved.get(key, _ABSENT), now.get(key, _ABSENT), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differing_keys(a, b, f"{path}.")
+        elif (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+              and all(isinstance(x, dict) for x in a + b)):
+            for i, (x, y) in enumerate(zip(a, b)):
+                out += differing_keys(x, y, f"{path}[{i}].")
+        elif a != b:
+            out.append(f"{path}: {_show(a)} when prepared, {_show(b)} now")
+    return out
+
+
+def _packing_note(p: dict) -> str:
+    return f"packing_length={p['packing_length']}, split_long={p['split_long']}" if p.get("packing") \
+        else "without packing"
+
+
+def fingerprint_problems(saved: dict, now: dict, *, parts: tuple[str, ...] = PARTS) -> list[str]:
+    """What differs between the fingerprint a directory was prepared with and the current one, one line each."""
+    problems = []
+    differ = [p for p in parts if saved["parts"].get(p) != now["parts"][p]]
+    if "data" in differ:
+        keys = differing_keys(saved.get("data_config", {}), now["data_config"])
+        problems += [f"data.{line}" for line in keys] or ["the data config differs"]
+    if "tokenizer" in differ:
+        was, is_ = saved.get("tokenizer", {}), now["tokenizer"]
+        problems.append(f"the tokenizer differs (vocabulary or special tokens): prepared with {was.get('name_or_path')}"
+                        f" ({was.get('size')} tokens), now {is_['name_or_path']} ({is_['size']} tokens)")
+    if "template" in differ:
+        problems.append("the chat template differs (model.chat_template or model.chat_template_kwargs)")
+    if "code" in differ:
+        problems.append("the data pipeline code differs (qlora_train/data, chat_templates.py or a shipped template "
+                        "changed since the data was prepared)")
+    if "packing" in differ:
+        problems.append(f"the packing settings differ: prepared {_packing_note(saved.get('packing', {}))}, now "
+                        f"{_packing_note(now['packing'])}")
+    return problems
+
+
+# --- building and writing ---
+
+
+def pack_or_group(cfg: Config, train_ds, eval_ds):
+    """``train.packing``: pack both splits; ``train.group_by_length``: add the ``length`` column the
+    length-grouped sampler reads. Returns (train, eval, PackingStats of train or None)."""
+    t = cfg.train
+    if t.packing:
+        length = cfg.packing_length
+        try:
+            train_ds, stats = pack_dataset(train_ds, length, split_long=t.split_long)
+            if eval_ds is not None:
+                eval_ds, _ = pack_dataset(eval_ds, length, split_long=t.split_long)
+        except ValueError as err:  # an example longer than packing_length without split_long
+            raise ConfigError([f"train.packing_length: {err}"]) from None
+        return train_ds, eval_ds, stats
+    if t.group_by_length:
+        train_ds = train_ds.add_column("length", example_lengths(train_ds))
+    return train_ds, eval_ds, None
+
+
+def _packed(cfg: Config, train_ds, eval_ds, report: DatasetReport) -> TrainingData:
+    """Packing when ``train.packing`` (recorded in the report); the length column is added at training."""
+    packing = None
+    if cfg.train.packing:
+        train_ds, eval_ds, packing = pack_or_group(cfg, train_ds, eval_ds)
+        report.packing = {**asdict(packing), "efficiency": packing.efficiency}
+    return TrainingData(train_ds, eval_ds, report, packing)
+
+
+def build_training_data(cfg: Config, tokenizer) -> TrainingData:
+    """The raw sources -> the datasets training feeds (packed with ``train.packing``; length column with
+    ``train.group_by_length``)."""
+    _, processed = load_and_process(cfg.data, tokenizer)
+    return _grouped(cfg, _packed(cfg, *datasets_from_processed(processed, cfg.data, tokenizer)))
+
+
+def _grouped(cfg: Config, data: TrainingData) -> TrainingData:
+    if data.packing is None and cfg.train.group_by_length:
+        data.train, data.eval, _ = pack_or_group(cfg, data.train, data.eval)
+    return data
+
+
+def default_prepared_dir(cfg: Config) -> Path:
+    """``data.prepared_path``, else ``<train.output_dir>/prepared``."""
+    return Path(cfg.data.prepared_path or Path(cfg.train.output_dir) / "prepared")
+
+
+def write_prepared(cfg: Config, tokenizer, dest: str | Path) -> TrainingData:
+    """Run the whole pipeline as training would and write the result to ``dest`` (see the module doc).
+
+    Staged in ``.<dest>.tmp`` beside it and renamed into place (``publish_dir``): ``dest`` is the old directory or
+    the new one, whole. Refuses (``ConfigError``) to replace a non-empty directory that is not a prepared one.
+    """
+    dest = Path(dest)
+    if dest.is_dir() and any(dest.iterdir()) and not (dest / FINGERPRINT_FILE).is_file():
+        raise ConfigError([f"--preprocess-dir: {dest} is a non-empty directory without {FINGERPRINT_FILE}, not "
+                           "prepared data: refusing to replace it (name a new or a prepared directory)"])
+    if dest.exists() and not dest.is_dir():
+        raise ConfigError([f"--preprocess-dir: {dest} is a file"])
+    stamp = fingerprint(cfg, tokenizer)
+    raw, processed = load_and_process(cfg.data, tokenizer)
+    data = _packed(cfg, *datasets_from_processed(processed, cfg.data, tokenizer))
+    staging = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save = lambda ds, sub: ds.save_to_disk(str(staging / sub))
+    save(data.train, TRAIN_DIR)
+    if data.eval is not None:
+        save(data.eval, EVAL_DIR)
+    save(raw, RAW_DIR)
+    save(processed, PROCESSED_DIR)
+    (staging / REPORT_FILE).write_text(data.report.to_json())
+    (staging / DATA_CONFIG_FILE).write_text(yaml.safe_dump(cfg.data.model_dump(mode="json"), sort_keys=False))
+    (staging / FINGERPRINT_FILE).write_text(json.dumps(
+        {**stamp, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1, ensure_ascii=False))
+    publish_dir(staging, dest)
+    return data
+
+
+# --- reading back ---
+
+
+def _saved_fingerprint(path: Path) -> dict:
+    where = f"data.prepared_path: {path}"
+    if not path.is_dir():
+        raise ConfigError([f"{where}: directory not found (write it with `qlora-train --config … --preprocess`)"])
+    try:
+        saved = json.loads((path / FINGERPRINT_FILE).read_text())
+    except FileNotFoundError:
+        raise ConfigError([f"{where}: no {FINGERPRINT_FILE}, not a directory written by --preprocess"]) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError([f"{where}: {FINGERPRINT_FILE} cannot be read ({exc}); run --preprocess again"]) from None
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT or not isinstance(saved.get("parts"), dict):
+        raise ConfigError([f"{where}: {FINGERPRINT_FILE} is not of format {FORMAT}; run --preprocess again"])
+    return saved
+
+
+def check_prepared(cfg: Config, tokenizer, *, parts: tuple[str, ...] = PARTS) -> Path:
+    """``data.prepared_path`` -> its path, once its fingerprint matches ``cfg`` and ``tokenizer`` on ``parts``.
+
+    Raises ``ConfigError`` naming ``data.prepared_path`` and every difference, one line each.
+    """
+    path = Path(cfg.data.prepared_path)
+    saved = _saved_fingerprint(path)
+    problems = fingerprint_problems(saved, fingerprint(cfg, tokenizer), parts=parts)
+    if problems:
+        raise ConfigError([f"data.prepared_path: {path} was prepared differently: {p}" for p in problems] + [
+            "data.prepared_path: run `qlora-train --config … --preprocess` again, or unset data.prepared_path to "
+            "process the raw files"])
+    return path
+
+
+def _load(path: Path, sub: str):
+    import datasets
+
+    try:
+        return datasets.load_from_disk(str(path / sub))
+    except Exception as exc:  # missing or damaged shards, state.json or dataset_info.json
+        raise ConfigError([f"data.prepared_path: {path / sub} cannot be read ({type(exc).__name__}: "
+                           f"{' '.join(str(exc).split())[:200]}); run --preprocess again"]) from None
+
+
+def load_prepared(cfg: Config, tokenizer) -> TrainingData:
+    """``data.prepared_path`` -> the datasets training feeds, after the fingerprint check."""
+    path = check_prepared(cfg, tokenizer)
+    try:
+        report = DatasetReport(**json.loads((path / REPORT_FILE).read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError([f"data.prepared_path: {path / REPORT_FILE} cannot be read ({exc}); "
+                           "run --preprocess again"]) from None
+    eval_ds = _load(path, EVAL_DIR) if (path / EVAL_DIR).exists() or report.eval_rows else None
+    p = report.packing
+    packing = PackingStats(p["examples"], p["sequences"], p["tokens"], p["capacity"]) if p else None
+    log.info("data: read from %s (fingerprint %s)", path, json.loads((path / FINGERPRINT_FILE).read_text())
+             ["fingerprint"][:12])
+    return _grouped(cfg, TrainingData(_load(path, TRAIN_DIR), eval_ds, report, packing))
+
+
+def training_data(cfg: Config, tokenizer) -> TrainingData:
+    """The datasets training feeds: from ``data.prepared_path`` when set, else built from the raw sources."""
+    return load_prepared(cfg, tokenizer) if cfg.data.prepared_path else build_training_data(cfg, tokenizer)
+
+
+def diagnostic_rows(cfg: Config, tokenizer):
+    """(raw rows, processed rows), aligned: the saved ones under ``data.prepared_path`` (fingerprint checked,
+    packing aside), else ``load_and_process``."""
+    if not cfg.data.prepared_path:
+        return load_and_process(cfg.data, tokenizer)
+    path = check_prepared(cfg, tokenizer, parts=tuple(p for p in PARTS if p != "packing"))
+    return _load(path, RAW_DIR), _load(path, PROCESSED_DIR)
