@@ -1,5 +1,5 @@
-"""A tokenizer-only run (--stats-only, --debug-samples) imports neither torch, peft, bitsandbytes nor the Trainer,
-and every expected failure reaches the CLI as a QloraError with its exit code."""
+"""A tokenizer-only run (--stats-only, --debug-samples, --preprocess) imports neither torch, peft, bitsandbytes
+nor the Trainer, and every expected failure reaches the CLI as a QloraError with its exit code."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from qlora_train import errors
 HEAVY = ("torch", "peft", "bitsandbytes", "transformers.trainer")
 
 
-@pytest.mark.parametrize("flags", [["--stats-only"], ["--debug-samples", "2"]])
+@pytest.mark.parametrize("flags", [["--stats-only"], ["--debug-samples", "2"], ["--preprocess"]])
 def test_diagnostics_import_no_training_stack(tmp_path, qwen_tokenizer_dir, flags):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "response": f"a{i}"}) + "\n" for i in range(4)))
