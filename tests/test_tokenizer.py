@@ -43,3 +43,18 @@ def test_loading_a_local_tokenizer_imports_no_torch(qwen_tokenizer_dir):
              "print(type(tok).__name__, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["TokenizersBackend", "False"]
+
+
+def test_the_tiny_tokenizer_is_saved_as_real_qwen_repositories_ship_it(tmp_path):
+    """added_tokens_decoder in tokenizer_config.json (transformers then need not re-read tokenizer.json in
+    Python); the tokenizer loads back the same."""
+    from transformers import AutoTokenizer
+
+    from qlora_train.tiny import build_qwen_tokenizer, save_tokenizer
+
+    tok = build_qwen_tokenizer("qwen3")
+    save_tokenizer(tok, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["added_tokens_decoder"]["151645"]["content"] == "<|im_end|>"
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.added_tokens_decoder == tok.added_tokens_decoder and loaded(TEXT) == tok(TEXT)
