@@ -33,7 +33,7 @@ from bench_preprocess import batches, floor_hf, make_rows  # noqa: E402
 
 from qlora_train.config import DataConfig  # noqa: E402
 from qlora_train.data.parse import canonicalize_row  # noqa: E402
-from qlora_train.tiny import build_qwen_tokenizer  # noqa: E402
+from qlora_train.tiny import build_qwen_tokenizer, save_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "qlora_train.cli"]
@@ -83,7 +83,7 @@ def main() -> None:
     try:
         tok = build_qwen_tokenizer("qwen3")
         tok_dir = work / "tokenizer"
-        tok.save_pretrained(tok_dir)
+        save_tokenizer(tok, tok_dir)
         rows = make_rows(args.big, seed=1)  # held out: table 1 uses seed 0
         sizes = {"small": args.small, "big": args.big}
         files = {}

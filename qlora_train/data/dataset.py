@@ -27,7 +27,7 @@ import datasets
 import pyarrow.compute as pc
 
 from qlora_train.config import DataConfig, DatasetSource
-from qlora_train.data.batches import merge_back, readable
+from qlora_train.data.batches import merge_back, parse_readable
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
 from qlora_train.data.messages import CONFIGURED_DROPS, BadRowError, DropReason
@@ -139,13 +139,13 @@ def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig, code: str = "") 
     """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source, location, domain.
 
     ``code`` (``pipeline_code_hash``) only feeds the cache fingerprint."""
-    n, ok = len(batch["load_error"]), readable(batch)
-    rows = [json.loads(batch["row"][i]) for i in ok]
+    n = len(batch["load_error"])
+    ok, rows, errors = parse_readable(batch)
     good = process_rows(rows, tokenizer, cfg, locations=[batch["location"][i] for i in ok])
 
     def unreadable(i: int) -> dict:  # dropped with its location
         return {**empty_output(), "drop_reason": DropReason.UNPARSEABLE_JSON,
-                "drop_detail": f"{batch['location'][i]}: {batch['load_error'][i]}"}
+                "drop_detail": f"{batch['location'][i]}: {errors[i]}"}
 
     merged = merge_back(n, ok, [{col: good[col][j] for col in OUTPUT_COLUMNS} for j in range(len(ok))], unreadable)
     out = {col: [row[col] for row in merged] for col in OUTPUT_COLUMNS}

@@ -31,7 +31,7 @@ from typing import Any
 
 import datasets
 
-from qlora_train.data.batches import merge_back, readable
+from qlora_train.data.batches import merge_back, parse_readable
 from qlora_train.errors import ConfigError
 
 _HANDLERS: dict[str, Callable] = {}
@@ -86,8 +86,7 @@ def _updated(row: Any, out: Any, remove: list[str]) -> Any:
 
 
 def _apply(batch: dict, handler: Callable, name: str, fn_kwargs: dict, batched: bool, remove: list[str]) -> dict:
-    ok = readable(batch)
-    rows = [json.loads(batch["row"][i]) for i in ok]
+    ok, rows, errors = parse_readable(batch)
     where = [batch["location"][i] for i in ok]
     try:
         if not batched:
@@ -112,13 +111,13 @@ def _apply(batch: dict, handler: Callable, name: str, fn_kwargs: dict, batched: 
     if len(new_rows) == len(rows):  # keep every row where it was
         return {"row": merge_back(n, ok, [row_json(r) for r in new_rows], lambda i: batch["row"][i]),
                 "location": merge_back(n, ok, new_where, lambda i: batch["location"][i]),
-                "load_error": list(batch["load_error"])}
+                "load_error": [errors.get(i, "") for i in range(n)]}
     # a batched handler that changed the number of rows: the unreadable rows first, then its output
-    bad = sorted(set(range(n)) - set(ok))
+    bad = sorted(errors)
     return {
         "row": [batch["row"][i] for i in bad] + [row_json(r) for r in new_rows],
         "location": [batch["location"][i] for i in bad] + new_where,
-        "load_error": [batch["load_error"][i] for i in bad] + [""] * len(new_rows),
+        "load_error": [errors[i] for i in bad] + [""] * len(new_rows),
     }
 
 

@@ -108,24 +108,22 @@ def _json_rows(files: list[str], stamps: list[str]):
 
 
 def _json_lines(fh, file: str):
+    """Each non-blank line as it is, parsed later, once (``batches.parse_readable``, which names a line that does
+    not parse). A line Arrow cannot store (a lone surrogate from undecodable bytes) is parsed here and stored
+    escaped by ``row_json``."""
     for lineno, line in enumerate(fh, 1):
-        if not line.strip():
+        text = line.strip()
+        if not text:
             continue
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield {"row": "", "location": f"{file}:{lineno}", "load_error": f"unparseable JSON line: {exc.msg}"}
-            continue
-        yield {"row": _line_json(line, item), "location": f"{file}:{lineno}", "load_error": ""}
-
-
-def _line_json(line: str, item) -> str:
-    """A JSON line that parsed -> its own text when Arrow can store it (no lone surrogate), else ``row_json``."""
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        return row_json(item)
-    return line.strip()
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            try:
+                text = row_json(json.loads(text))
+            except json.JSONDecodeError as exc:
+                yield {"row": "", "location": f"{file}:{lineno}", "load_error": f"unparseable JSON line: {exc.msg}"}
+                continue
+        yield {"row": text, "location": f"{file}:{lineno}", "load_error": ""}
 
 
 def _to_rows(batch: dict, indices: list[int], name: str) -> dict:
