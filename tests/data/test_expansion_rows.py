@@ -38,7 +38,7 @@ def test_the_column_sets_derive_from_the_one_row_definition():
     assert MODEL_COLUMNS == ("input_ids", "attention_mask", "labels")
     assert KEPT_COLUMNS == (*MODEL_COLUMNS, "num_tokens", "expanded_input_ids", "expanded_labels", "source", "domain")
     assert set(REPORT_COLUMNS) < set(STATS_COLUMNS) and set(STATS_COLUMNS) - set(REPORT_COLUMNS) == {
-        "num_tokens_before", "source"}
+        "num_tokens_before", "source", "tool_schema_tokens"}
     f = processed_features()
     assert (f["input_ids"].feature.dtype, f["labels"].feature.dtype, f["expanded_labels"].feature.feature.dtype,
             f["drop_reason"].dtype) == ("int32", "int64", "int64", "string")
