@@ -1,17 +1,22 @@
 """The dataset module: raw rows -> training examples with exact loss masks.
 
-Pipeline, one stage per module::
+Pipeline, one stage per module, in the order the data flows (what flows between stages is typed: a raw
+row's JSON text, ``Message`` dicts marked by the ``LossPolicy``, a ``RenderedConversation``, token ids and
+offsets, and a processed row whose columns ``processed.PROCESSED_ROW`` defines)::
 
     sources.load_source               a data.datasets entry -> raw rows (JSON text, location, source)
     handlers.apply_row_handlers       registered user functions fix raw rows
-    parse.canonicalize_row            raw row -> canonical messages, tools, ParseReport
-    formats.*                         template-free rows (segments, text, pretokenized) -> text/ids + mask
-    truncate.structured_truncate_messages   fit max_length, keep system + latest exchange
-    layout.template_layout            the template's layout, probed once: turn openers, reasoning block, end markers
-    render.build_text_and_masks       one chat-template render + verified char mask
-    expand.expand_dropped_reasoning   reasoning_history: expand: prefix examples for reasoning the template drops
-    tokenize.tokenize_with_char_mask  offsets project the char mask -> labels
-    pipeline.process_rows             all of the above for a batch of rows
+    batches.parse_readable            a batch's rows parsed once; results merged back in order (merge_back)
+    1 parse.canonicalize_row          raw row -> Messages marked with their train flag (policy.LossPolicy), tools,
+                                      ParseReport
+      formats.*                       template-free rows (segments, text, pretokenized) -> text/ids + mask
+    2 layout.template_layout          the template's layout, probed once: turn openers, reasoning block, end markers
+    2 render.render_conversation      one chat-template render + verified char mask
+      expand.expand_dropped_reasoning reasoning_history: expand: prefix examples for reasoning the template drops
+    3 tokenize.encode_batch           one batched tokenizer call per batch; offsets project the char mask
+    4 truncate.structured_truncate_messages   fit max_length, keep system + latest exchange
+      tokenize.make_labels            the one place labels are made
+    pipeline.process_rows             stages 1-4 for a batch of rows -> processed rows (processed.PROCESSED_ROW)
     dataset.build_datasets            per-source processing, dedup, blocks, eval split, mixing, report
     packing.pack_dataset              optional: whole examples into max_length sequences (best fit decreasing)
     prepared.training_data            what training feeds: the above (+ packing), or read back from --preprocess
