@@ -67,29 +67,18 @@ class ParseReport:
     unrendered_messages: dict[str, int] = field(default_factory=dict)  # role -> untrained messages not rendered
 
     def __add__(self, other: ParseReport) -> ParseReport:
-        out = ParseReport()
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "schema":
-                out.schema = a if a == b else "mixed"
-            elif isinstance(a, dict):
-                setattr(out, f.name, {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}})
-            else:
-                setattr(out, f.name, a + b)
-        return out
+        return ParseReport.total_of_dicts([self.to_dict(), other.to_dict()])
 
     @classmethod
     def total(cls, reports) -> ParseReport:
         """Sum of many reports (an empty sum has ``schema='none'``)."""
-        out = None
-        for r in reports:
-            out = r if out is None else out + r
-        return out if out is not None else cls(schema="none")
+        return cls.total_of_dicts(r.to_dict() for r in reports)
 
     @classmethod
     def total_of_dicts(cls, dicts) -> ParseReport:
-        """``total`` of reports given as the dicts ``to_dict`` or the pipeline's JSON hold (absent fields at
-        their defaults), added in place: no report object per row."""
+        """The sum of reports given as the dicts ``to_dict`` or the pipeline's JSON hold (absent fields at their
+        defaults), added in place: no report object per row. Counts add up; ``schema`` is the one schema all
+        share, ``mixed`` when they differ, ``none`` for an empty sum."""
         out, schemas, n = cls(), set(), 0
         for d in dicts:
             n += 1

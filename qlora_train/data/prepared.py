@@ -169,29 +169,37 @@ def fingerprint_problems(saved: dict, now: dict, *, parts: tuple[str, ...] = PAR
 # --- building and writing ---
 
 
-def pack_or_group(cfg: Config, train_ds, eval_ds):
-    """``train.packing``: pack both splits; ``train.group_by_length``: add the ``length`` column the
-    length-grouped sampler reads. Returns (train, eval, PackingStats of train or None)."""
+def pack_splits(cfg: Config, train_ds, eval_ds):
+    """``train.packing``: both splits packed into ``cfg.packing_length``. Returns (train, eval, PackingStats of
+    train); an example longer than that without ``split_long`` is a ``ConfigError``."""
     t = cfg.train
-    if t.packing:
-        length = cfg.packing_length
-        try:
-            train_ds, stats = pack_dataset(train_ds, length, split_long=t.split_long)
-            if eval_ds is not None:
-                eval_ds, _ = pack_dataset(eval_ds, length, split_long=t.split_long)
-        except ValueError as err:  # an example longer than packing_length without split_long
-            raise ConfigError([f"train.packing_length: {err}"]) from None
-        return train_ds, eval_ds, stats
-    if t.group_by_length:
-        train_ds = train_ds.add_column("length", example_lengths(train_ds))
-    return train_ds, eval_ds, None
+    try:
+        train_ds, stats = pack_dataset(train_ds, cfg.packing_length, split_long=t.split_long)
+        if eval_ds is not None:
+            eval_ds, _ = pack_dataset(eval_ds, cfg.packing_length, split_long=t.split_long)
+    except ValueError as err:
+        raise ConfigError([f"train.packing_length: {err}"]) from None
+    return train_ds, eval_ds, stats
+
+
+def with_lengths(train_ds):
+    """``train.group_by_length``: the ``length`` column the length-grouped sampler reads."""
+    return train_ds.add_column("length", example_lengths(train_ds))
+
+
+def pack_or_group(cfg: Config, train_ds, eval_ds):
+    """``train.packing`` (``pack_splits``), else ``train.group_by_length`` (``with_lengths``). Returns (train,
+    eval, PackingStats of train or None)."""
+    if cfg.train.packing:
+        return pack_splits(cfg, train_ds, eval_ds)
+    return (with_lengths(train_ds) if cfg.train.group_by_length else train_ds), eval_ds, None
 
 
 def _packed(cfg: Config, train_ds, eval_ds, report: DatasetReport) -> TrainingData:
     """Packing when ``train.packing`` (recorded in the report); the length column is added at training."""
     packing = None
     if cfg.train.packing:
-        train_ds, eval_ds, packing = pack_or_group(cfg, train_ds, eval_ds)
+        train_ds, eval_ds, packing = pack_splits(cfg, train_ds, eval_ds)
         report.packing = {**asdict(packing), "efficiency": packing.efficiency}
     return TrainingData(train_ds, eval_ds, report, packing)
 
@@ -205,7 +213,7 @@ def build_training_data(cfg: Config, tokenizer) -> TrainingData:
 
 def _grouped(cfg: Config, data: TrainingData) -> TrainingData:
     if data.packing is None and cfg.train.group_by_length:
-        data.train, data.eval, _ = pack_or_group(cfg, data.train, data.eval)
+        data.train = with_lengths(data.train)
     return data
 
 
@@ -276,6 +284,7 @@ def check_prepared(cfg: Config, tokenizer, *, parts: tuple[str, ...] = PARTS) ->
         raise ConfigError([f"data.prepared_path: {path} was prepared differently: {p}" for p in problems] + [
             "data.prepared_path: run `qlora-train --config … --preprocess` again, or unset data.prepared_path to "
             "process the raw files"])
+    log.info("data: read from %s (fingerprint %s)", path, saved["fingerprint"][:12])
     return path
 
 
@@ -300,8 +309,6 @@ def load_prepared(cfg: Config, tokenizer) -> TrainingData:
     eval_ds = _load(path, EVAL_DIR) if (path / EVAL_DIR).exists() or report.eval_rows else None
     p = report.packing
     packing = PackingStats(p["examples"], p["sequences"], p["tokens"], p["capacity"]) if p else None
-    log.info("data: read from %s (fingerprint %s)", path, json.loads((path / FINGERPRINT_FILE).read_text())
-             ["fingerprint"][:12])
     return _grouped(cfg, TrainingData(_load(path, TRAIN_DIR), eval_ds, report, packing))
 
 
