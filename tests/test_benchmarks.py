@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,26 @@ def test_train_bench_table_and_target_line(bench_train, capsys):
     assert "2048     2   fused                     1.60   1.10      20.0%" in out
     assert ("target 2048 tokens x batch 2: fused peak 20.0% of default (goal <= 35%: met); step time fused / "
             "default 0.33 wall, 0.33 cpu (goal <= 1: met); first losses differ by 2.0e-05 (goal <= 1e-4: met)") in out
+
+
+@pytest.fixture(scope="module")
+def mask_audit():
+    path = BENCH.with_name("mask_audit.py")
+    spec = importlib.util.spec_from_file_location("mask_audit", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mask_audit"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["mask_audit"]
+
+
+def test_the_mask_audit_accounts_for_every_row(mask_audit, qwen_tokenizer_dir, capsys):
+    audits = [mask_audit.audit("zephyr", "qwen+tok", 12, 0, str(qwen_tokenizer_dir))]
+    a = audits[0]
+    assert a.rows == a.kept + a.refused == 12 and a.decided and not a.text_differs
+    assert a.refused_decided + a.refused_expected <= a.refused and a.undecided <= a.kept
+    assert (a.wrong, a.missed, a.weak) == (0, 0, 0)  # a layout the engine handles
+    mask_audit.print_table(audits)
+    assert "zephyr" in capsys.readouterr().out and mask_audit.summary(audits).startswith("TOTAL 1 template")
+    assert mask_audit.short_reason("mask_unverified", "row 3: messages[2]: no assistant turn opener ['x'] after "
+                                   "char 191") == "mask_unverified: no assistant turn opener"

