@@ -11,6 +11,7 @@ offsets, and a processed row whose columns ``processed.PROCESSED_ROW`` defines):
                                       ParseReport
       formats.*                       template-free rows (segments, text, pretokenized) -> text/ids + mask
     2 layout.template_layout          the template's layout, probed once: turn openers, reasoning block, end markers
+      layout_declaration.resolve_layout   model.template_layout's declared parts over the probed ones; layout_yaml
     2 render.render_conversation      one chat-template render + verified char mask
       expand.expand_dropped_reasoning reasoning_history: expand: prefix examples for reasoning the template drops
     3 tokenize.encode_batch           one batched tokenizer call per batch; offsets project the char mask

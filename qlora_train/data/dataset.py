@@ -83,6 +83,8 @@ class DatasetReport:
     expanded_tokens: int = 0
     expanded_trained_tokens: int = 0
     unrendered_messages: dict[str, int] = field(default_factory=dict)  # role -> untrained messages not rendered
+    verified_by_prefix_renders: int = 0  # kept rows the layout could not verify: the rule's prefix renders did
+    prefix_renders: int = 0  # the chat-template renders those rows cost
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -112,6 +114,9 @@ class DatasetReport:
             out.append(f"reasoning not rendered by the chat template: {self.reasoning_dropped_turns} turns "
                        f"({self.reasoning_dropped_tokens} tokens) in {self.reasoning_dropped_rows} rows trained "
                        "without it")
+        if self.verified_by_prefix_renders:
+            out.append(f"verified by per-turn prefix renders (the layout could not verify them): "
+                       f"{self.verified_by_prefix_renders} rows, {self.prefix_renders} extra renders")
         if self.unrendered_messages:
             out.append("messages the chat template does not render (the model never sees them): " + ", ".join(
                 f"{role} {n}" for role, n in sorted(self.unrendered_messages.items(), key=lambda kv: -kv[1])))
@@ -167,7 +172,7 @@ def stop_at_first_bad_row(reasons: list[str], details: list[str]) -> None:
 
 # ParseReport counts that the report also sums over kept rows alone (what training gets)
 KEPT_PARSE_COUNTS = ("reasoning_dropped_rows", "reasoning_dropped_turns", "reasoning_dropped_tokens",
-                     "reasoning_expanded_turns", "expanded_examples")
+                     "reasoning_expanded_turns", "expanded_examples", "verified_by_prefix_renders", "prefix_renders")
 
 
 def summarize_columns(cols: dict[str, list]) -> DatasetReport:

@@ -4,7 +4,8 @@
     TemplateLayout(assistant_header='<|im_start|>assistant\\n', turn_openers=('<|im_start|>assistant\\n',),
                    end_markers=('<|im_end|>',), think_open='<think>', think_close='</think>', answer_open='',
                    reasoning_key='reasoning_content', leads=(), turn_start='<|im_start|>',
-                   tool_arguments_as_string=False, last_turn_unmarked=False)
+                   tool_arguments_as_string=False, last_turn_unmarked=False, trailer='',
+                   layout_class='header_from_generation_prompt', unknown=(), declared=())
 
 The generated part of a turn is what the model writes after the prompt the
 template gives it at inference. Three layout classes place that prompt's end
@@ -30,18 +31,34 @@ template (cached).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+import re
+import weakref
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
+
+from jinja2 import TemplateError
 
 from qlora_train.data.messages import THINK_CLOSE, THINK_OPEN
 
 log = logging.getLogger(__name__)
 
+# what rendering a chat template raises for conversations it does not take (jinja's raise_exception and undefined
+# fields, Python errors of its expressions, transformers' checks); anything else is a bug and stays loud
+TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
+
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # keys templates read reasoning from
+LAYOUT_CLASSES = (
+    "header_from_generation_prompt",  # ChatML, Llama 3, Gemma, harmony: the generation prompt writes the header
+    "header_in_user_turn",  # Phi-3, DeepSeek V3: the user turn ends with the assistant's header
+    "no_header",  # Mistral, Llama 2: the answer follows [/INST]
+    "header_after_every_render",  # Meta's first Llama 3 template: the header is appended after every render
+    "unknown",  # the probe found nothing that opens an answer: every row takes prefix renders
+)
 _USER, _USER2 = "qlora-train probe question", "qlora-train probe follow-up"
 _ANSWER, _ANSWER2 = "qlora-train probe answer", "qlora-train probe reply"
 _REASONING = "qlora-train probe reasoning"
@@ -69,6 +86,11 @@ class TemplateLayout:
     turn_start: str = ""  # the piece that opens a user turn (``<|im_start|>``): never inside a generated part
     tool_arguments_as_string: bool = False  # the template writes arguments as given and needs a JSON string
     last_turn_unmarked: bool = False  # the last turn ends with the text (GLM-4: turns end where the next begins)
+    trailer: str = ""  # text the template appends after every render, generation prompt or not (Llama 3's first)
+    layout_class: str = LAYOUT_CLASSES[0]
+    unknown: tuple[str, ...] = ()  # facts no probe could find (rows the layout cannot verify take prefix renders)
+    # parts model.template_layout sets to other than the probe found: rows they do not verify are refused
+    declared: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def end_of_turn(self) -> str:
@@ -99,7 +121,7 @@ def _render(tokenizer, messages, *, tools=None, gen=False) -> str:
 def _try(tokenizer, messages, **kw) -> str | None:
     try:
         return _render(tokenizer, messages, **kw)
-    except Exception:  # a probe the template refuses (roles, tools): that layout fact stays unknown
+    except TEMPLATE_ERRORS:  # a probe the template refuses (roles, tools): that layout fact stays unknown
         return None
 
 
@@ -153,15 +175,34 @@ def _snap(text: str, n: int, added: list[str]) -> int:
     return at
 
 
-def _end_markers(after_mid: str, after_last: str, added: list[str], next_open: str = "") -> list[str]:
+def _end_markers(after_mid: str, after_last: str, added: list[str], next_open: str = "",
+                 opening: str = "") -> list[str]:
     """What closes a turn, from the text after an earlier answer and after the last one.
 
     The end is what both share (``<|im_end|>``, ``</s>``, ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``), up to
     ``next_open``, the piece that opens a user turn (a template whose every render ends with an open turn);
     when they share nothing (harmony: ``<|end|>`` mid-conversation, ``<|return|>`` at the end), each one's
-    first piece.
+    first piece. Markers that are plain text (no added tokens to split at): the shared text less an unfinished
+    marker at its end and less what also opens the conversation's first turn (``opening``).
     """
-    return [_before(m, next_open) for m in _shared_end(after_mid, after_last, added)]
+    return [_before(m, next_open) for m in _shared_end(after_mid, after_last, added, opening)]
+
+
+def _whole_markers(text: str) -> str:
+    """``text`` less a marker it ends inside of (``...<|START_OF_TURN_TOKEN|><|`` -> ``...<|START_OF_TURN_TOKEN|>``)."""
+    for open_, close in (("<", ">"), ("[", "]")):
+        k = text.rfind(open_)
+        if k > text.rfind(close):
+            text = text[:k]
+    return text.strip(_WS)
+
+
+def _less_opening(text: str, opening: str) -> str:
+    """``text`` less its longest end that also opens the conversation's first turn: that opens the next turn."""
+    for k in range(1, len(text)):
+        if text[k:].strip(_WS) and opening.startswith(text[k:]):
+            return text[:k].strip(_WS)
+    return text
 
 
 def _before(marker: str, next_open: str) -> str:
@@ -169,7 +210,7 @@ def _before(marker: str, next_open: str) -> str:
     return marker[:cut].strip(_WS) if cut > 0 else marker
 
 
-def _shared_end(after_mid: str, after_last: str, added: list[str]) -> list[str]:
+def _shared_end(after_mid: str, after_last: str, added: list[str], opening: str = "") -> list[str]:
     last = after_last.strip(_WS)
     shared = after_mid[:_common_prefix(after_mid, after_last)].strip(_WS)
     if last and shared == last:
@@ -181,6 +222,9 @@ def _shared_end(after_mid: str, after_last: str, added: list[str]) -> list[str]:
     common = "".join(a[:n]).strip(_WS)
     if common:
         return [common]
+    plain = _less_opening(_whole_markers(shared), opening)
+    if plain:
+        return [plain]
     return [m for m in dict.fromkeys((_first_piece(after_mid, added), _first_piece(after_last, added))) if m]
 
 
@@ -207,8 +251,9 @@ def _reasoning_probe(tokenizer, user, prompted: str, added: list[str], lead: str
             continue
         end = _prompt_end(prompted, text)
         think_open = text[end:r].strip(_WS) if end <= r else ""
-        if not think_open:  # the generation prompt opened the block: its last piece is the opener
-            think_open = _last_piece(prompted[:r], added)
+        if not think_open:  # the generation prompt opened the block: what it writes after its role header
+            opened = _opened_by_prompt(prompted[:r])
+            think_open = _last_piece(prompted[:r], added) if opened is None else opened
         between = text[r + len(_REASONING):a].strip(_WS)
         answer_open = ""
         plain = lead.strip(_WS)  # an empty block in the plain turn (Qwen3), or its rest (Qwen3.5) goes first
@@ -221,6 +266,21 @@ def _reasoning_probe(tokenizer, user, prompted: str, added: list[str], lead: str
             between = between[: len(between) - len(plain)].strip(_WS)
         return key, think_open, between, answer_open
     return None
+
+
+def _opened_by_prompt(prompted: str) -> str | None:
+    """What a generation prompt writes after its role header (the reasoning opener it leaves open; '' for
+    nothing: a preamble the render never writes is no opener), found from the probe's own texts: the user turn's
+    header ends with the same text after its role word as the assistant's (``user\n`` / ``assistant\n``,
+    ``role="user"<|gt|>`` / ``role="assistant"<|gt|>``). None when the headers do not show it that way."""
+    u = prompted.rfind(_USER)
+    users = list(re.finditer("user", prompted[:u], re.IGNORECASE))
+    assistants = list(re.finditer("assistant", prompted[u + len(_USER):], re.IGNORECASE))
+    if u < 0 or not users or not assistants:
+        return None
+    tail = prompted[users[-1].end():u]  # the user header after its role word
+    rest = prompted[u + len(_USER) + assistants[-1].end():]
+    return rest[len(tail):].strip(_WS) if rest.startswith(tail) else None
 
 
 def _generated_lead(lead: str, think_open: str, think_close: str, answer_open: str) -> str:
@@ -328,52 +388,147 @@ def _template_key(tokenizer) -> str:
     return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
 
 
-_LAYOUTS: dict[tuple[int, str], TemplateLayout] = {}
+_VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its size, its vocabulary's key)
+
+
+def probe_key(tokenizer) -> tuple[str, str]:
+    """What a probe's result depends on: the template text and the vocabulary (added tokens, bos/eos, class and
+    source), recomputed when the vocabulary's size changes (tokens added)."""
+    n = len(tokenizer)
+    memo = _VOCABS.get(tokenizer)
+    if memo is None or memo[0] != n:
+        vocab = json.dumps([sorted(tokenizer.get_added_vocab().items()), tokenizer.bos_token, tokenizer.eos_token,
+                            type(tokenizer).__name__, str(tokenizer.name_or_path), n])
+        memo = (n, hashlib.blake2b(vocab.encode(), digest_size=16).hexdigest())
+        _VOCABS[tokenizer] = memo
+    return _template_key(tokenizer), memo[1]
+
+
+_LAYOUTS: dict[tuple[str, str], TemplateLayout] = {}
 
 
 def template_layout(tokenizer) -> TemplateLayout:
-    """Probe the tokenizer's chat template once (cached per tokenizer and template)."""
-    key = (id(tokenizer), _template_key(tokenizer))
-    if key not in _LAYOUTS:
-        _LAYOUTS[key] = probe_layout(tokenizer)
-    return _LAYOUTS[key]
+    """Probe the tokenizer's chat template once (cached per template and vocabulary); the parts declared in
+    ``model.template_layout`` (baked into the template) replace the probed ones."""
+    key = probe_key(tokenizer)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        from qlora_train.data.layout_declaration import resolve_layout  # it imports this module
+
+        layout = _LAYOUTS[key] = resolve_layout(tokenizer, probe_layout).layout  # model.template_layout over the probe
+        if layout.unknown:
+            log.warning("chat template layout: %s could not be probed; rows the layout cannot verify are verified "
+                        "with per-turn prefix renders (slower), and refused where those do not verify either",
+                        ", ".join(layout.unknown))
+    return layout
+
+
+def _unknown_layout(why: str, end_markers: tuple[str, ...] = ()) -> TemplateLayout:
+    log.info("chat template probe: %s", why)
+    return TemplateLayout(assistant_header="", turn_openers=(), end_markers=end_markers, layout_class="unknown",
+                          unknown=("assistant_header", "turn_openers", *(() if end_markers else ("end_markers",))))
+
+
+def _known_end(mid: str, *user_opens: str) -> str:
+    """The end marker of an answer followed by a user turn, from the probe's own texts: what stands between the
+    answer and the user turn's known opening text (``<|eot_id|>`` before ``<|start_header_id|>user...``; the
+    first that fits of the opening with the bos token, as Llama 2 writes it in every turn, and without), so
+    markers that are plain text, several tokens each, are cut where they end ('' when it cannot be told)."""
+    for user_open in user_opens:
+        if user_open.strip(_WS) and mid.endswith(user_open):
+            return mid[: len(mid) - len(user_open)].strip(_WS)
+    return ""
+
+
+def _end_before_header(tokenizer, user: list[dict], header: str, lead: str) -> str:
+    """The end marker of an answer, from two answers in a row: what stands between them, less the known header and
+    lead of the second (for templates whose user turns open with other text first: a default system message)."""
+    if not header.strip(_WS):
+        return ""
+    two = _try(tokenizer, user + [{"role": "assistant", "content": _ANSWER},
+                                  {"role": "assistant", "content": _ANSWER2}])
+    if two is None or _ANSWER2 not in two:
+        return ""
+    between = two[two.index(_ANSWER) + len(_ANSWER):two.index(_ANSWER2)]
+    for known in (lead, header):
+        if known and between.endswith(known):
+            between = between[: len(between) - len(known)]
+    return between.strip(_WS) if between.strip(_WS) and header.strip(_WS) not in between else ""
+
+
+def _trailer(plain: str, prompted: str, full: str, two: str, markers: list[str]) -> str:
+    """Text every render ends with, generation prompt or not (Meta's first Llama 3 template appends the assistant
+    header after every render): what follows an answer's end marker and also ends the render of a lone user
+    question, when the generation prompt adds nothing."""
+    if prompted != plain:
+        return ""
+    rest = full[full.index(_ANSWER) + len(_ANSWER):].lstrip(_WS)
+    m = next((m for m in markers if rest.startswith(m)), None)
+    if m is None:
+        return ""
+    t = rest[len(m):].lstrip(_WS)  # its own whitespace kept: the header's '\n\n' is not generated
+    return t if t.strip(_WS) and plain.endswith(t) and two.endswith(t) else ""
 
 
 def probe_layout(tokenizer) -> TemplateLayout:
     """Render probe conversations and read the layout off them (see the module doc).
 
-    Raises ``ValueError`` when the template cannot be used to locate answers at all.
+    Facts no probe can find stay unknown (``TemplateLayout.unknown``): the layout then verifies no row, and the
+    render stage applies the rule with prefix renders instead; a probe never stops a run.
     """
     added = _added(tokenizer)
     user = [{"role": "user", "content": _USER}]
-    plain = _render(tokenizer, user)
-    prompted = _render(tokenizer, user, gen=True)
-    full = _render(tokenizer, user + [{"role": "assistant", "content": _ANSWER}])
-    if _ANSWER not in full or _USER not in prompted:
-        raise ValueError("chat template: a user question and an assistant answer do not both appear in the render")
+    plain = _try(tokenizer, user)
+    prompted = _try(tokenizer, user, gen=True)
+    full = _try(tokenizer, user + [{"role": "assistant", "content": _ANSWER}])
+    if plain is None or prompted is None or full is None:
+        return _unknown_layout("the template refuses a conversation of one user question and one answer")
+    if _ANSWER not in full or _USER not in prompted or _USER not in plain:
+        return _unknown_layout("a user question and an assistant answer do not both appear in the render")
     end = _prompt_end(prompted, full)
     answer_at = full.index(_ANSWER, end) if _ANSWER in full[end:] else full.index(_ANSWER)
     lead = full[end:answer_at]  # generated before the content of a turn without reasoning
     reasoning = _reasoning_probe(tokenizer, user, prompted, added, lead)
     key, think_open, think_close, answer_open = reasoning or (None, THINK_OPEN, THINK_CLOSE, "")
-    base = _snap(prompted, _common_prefix(prompted, plain), added)  # where the generation prompt's text starts
+    shared = _common_prefix(prompted, plain)  # where the generation prompt's text starts: at the end of the plain
+    base = shared if shared == len(plain) else max(_snap(prompted, shared, added),  # render, or at a piece
+                                                   prompted.rindex(_USER) + len(_USER))  # boundary after the probe
     header = prompted[base:_cut_open_think(prompted, base, end, think_open)] if end > base else ""
     style = _call_style(tokenizer, user)
     found = _openers(tokenizer, user, prompted, full, think_open, added, style)
-    if header:  # the header opens every turn; an opener that does not end with it is a turn without one
+    two = _try(tokenizer, user + [{"role": "assistant", "content": _ANSWER}, {"role": "user", "content": _USER2},
+                                  {"role": "assistant", "content": _ANSWER2}])
+    head, bos = plain[:plain.index(_USER)], tokenizer.bos_token or ""
+    user_text = head[len(bos):] if bos and head.startswith(bos) else head  # what opens a user turn
+    markers: list[str] = []
+    after_last = ""
+    if two is not None and _USER2 in two and _ANSWER2 in two:
+        a1 = two.index(_ANSWER) + len(_ANSWER)
+        mid = two[a1:two.index(_USER2, a1)]
+        after_last = two[two.rindex(_ANSWER2) + len(_ANSWER2):]
+        user_open = _first_piece(user_text, added)
+        known = _known_end(mid, head, user_text) or _end_before_header(tokenizer, user, header, lead)
+        if known and after_last.lstrip(_WS).startswith(known):
+            markers = [known]
+        else:
+            markers = _end_markers(mid, after_last, added, user_open, user_text)
+            if known and known not in markers:
+                markers = [known] + [m for m in markers if not m.startswith(known)]
+    else:
+        user_open = _first_piece(user_text, added)
+    trailer = _trailer(plain, prompted, full, two or "", markers)
+    if trailer:  # the header every render ends with opens every answer
+        header, found = trailer, [(trailer, lead)]
+    elif header:  # the header opens every turn; an opener that does not end with it is a turn without one
         found = [(header, lead)] + [(o, lead2) for o, lead2 in found[1:] if not o.endswith(header)]
+    # an opener that also opens a user turn (a role-less '<|end_header_id|>\n\n') would find answers anywhere
+    found = [(o, lead2) for o, lead2 in found if o.strip(_WS) and o.strip(_WS) not in user_text]
     if not found:
-        raise ValueError("chat template: nothing marks where an assistant answer starts (no generation prompt, "
-                         "no text between the user message and the answer)")
+        return _unknown_layout("nothing marks where an assistant answer starts (no generation prompt, no text "
+                               "between the user message and the answer that only an answer follows)",
+                               tuple(markers))
     openers = [o for o, _ in found]
     leads = [g for _, lead2 in found if (g := _generated_lead(lead2, think_open, think_close, answer_open))]
-    two = _render(tokenizer, user + [{"role": "assistant", "content": _ANSWER}, {"role": "user", "content": _USER2},
-                                     {"role": "assistant", "content": _ANSWER2}])
-    a1 = two.index(_ANSWER) + len(_ANSWER)
-    after_last = two[two.rindex(_ANSWER2) + len(_ANSWER2):]
-    head, bos = plain[:plain.index(_USER)], tokenizer.bos_token or ""
-    user_open = _first_piece(head[len(bos):] if bos and head.startswith(bos) else head, added)
-    markers = _end_markers(two[a1:two.index(_USER2, a1)], after_last, added, user_open)
     call_end = _call_end(tokenizer, user, markers, added, user_open, style)
     if call_end:
         markers.append(call_end)
@@ -384,15 +539,26 @@ def probe_layout(tokenizer) -> TemplateLayout:
                           think_open=think_open, think_close=think_close, answer_open=answer_open,
                           reasoning_key=key, leads=tuple(dict.fromkeys(leads)), turn_start=user_open,
                           tool_arguments_as_string=bool(style and style.as_string),
-                          last_turn_unmarked=bool(markers) and not after_last.strip(_WS))
+                          last_turn_unmarked=bool(markers) and not after_last.strip(_WS), trailer=trailer,
+                          layout_class=_layout_class(header, trailer, openers))
 
 
-_ROLE_RENDERED: dict[tuple[int, str, str], bool] = {}
+def _layout_class(header: str, trailer: str, openers: list[str]) -> str:
+    """One of LAYOUT_CLASSES: where the prompt of a turn ends (a label for people; the fields decide)."""
+    if trailer:
+        return "header_after_every_render"
+    if header:
+        return "header_from_generation_prompt"
+    role = any(w in openers[0].lower() for w in ("assistant", "model", "bot", "gpt"))
+    return "header_in_user_turn" if role else "no_header"
+
+
+_ROLE_RENDERED: dict[tuple[str, str, str], bool] = {}
 
 
 def role_is_rendered(tokenizer, role: str) -> bool:
     """Whether the template writes the content of a ``role`` message at all (probed once per role)."""
-    key = (id(tokenizer), _template_key(tokenizer), role)
+    key = (*probe_key(tokenizer), role)
     if key not in _ROLE_RENDERED:
         probe = {"role": role, "content": _SYSTEM}
         user, answer = {"role": "user", "content": _USER}, {"role": "assistant", "content": _ANSWER}
@@ -429,7 +595,7 @@ class ToolBlock(NamedTuple):
         return None if b < 0 else (a, b + len(self.close))
 
 
-_TOOL_BLOCKS: dict[tuple[int, str, bool], ToolBlock | None] = {}
+_TOOL_BLOCKS: dict[tuple[str, str, bool], ToolBlock | None] = {}
 
 
 def tool_block(tokenizer, with_system: bool = False) -> ToolBlock | None:
@@ -437,7 +603,7 @@ def tool_block(tokenizer, with_system: bool = False) -> ToolBlock | None:
     in a conversation that opens with a system message (``with_system``) or without one (templates write the
     block differently: Qwen opens a system turn for it, or appends it to the system prompt); None when it
     writes no tools, or not as a JSON schema between fixed texts."""
-    key = (id(tokenizer), _template_key(tokenizer), with_system)
+    key = (*probe_key(tokenizer), with_system)
     if key not in _TOOL_BLOCKS:
         _TOOL_BLOCKS[key] = probe_tool_block(tokenizer, with_system)
     return _TOOL_BLOCKS[key]

@@ -13,6 +13,7 @@ the row has them. ``train`` is decided once, by the parse stage
 
 from __future__ import annotations
 
+import json
 from typing import Any, NotRequired, TypedDict
 
 from qlora_train.errors import DataError
@@ -71,3 +72,18 @@ class RowRejected(Exception):
         self.reason = reason
         self.detail = detail
         super().__init__(f"{reason}: {detail}")
+
+
+def argument_values(call: dict) -> list[str]:
+    """A tool call's scalar argument values as a template writes them (strings as they are, numbers and
+    booleans as JSON): what must be inside the call's turn besides its name."""
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return []
+    if not isinstance(args, dict):
+        return []
+    return [v if isinstance(v, str) else json.dumps(v) for v in args.values()
+            if isinstance(v, (str, int, float, bool)) and (not isinstance(v, str) or v.strip())]

@@ -65,6 +65,8 @@ class ParseReport:
     reasoning_expanded_turns: int = 0  # turns whose reasoning is trained in an extra example (expand)
     expanded_examples: int = 0  # extra examples made by reasoning_history: expand
     unrendered_messages: dict[str, int] = field(default_factory=dict)  # role -> untrained messages not rendered
+    verified_by_prefix_renders: int = 0  # rows the layout could not verify, verified by the rule's prefix renders
+    prefix_renders: int = 0  # chat-template renders those rows cost (two per trained turn, three at most)
 
     def __add__(self, other: ParseReport) -> ParseReport:
         return ParseReport.total_of_dicts([self.to_dict(), other.to_dict()])

@@ -225,7 +225,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     where = locations or [f"row {i}" for i in range(len(rows))]
     outs = [empty_output() for _ in rows]
     policy = LossPolicy.of(cfg)
-    template_layout(tokenizer)  # a template that cannot be probed is a setup error, not a row's
+    template_layout(tokenizer)  # probed once, before the rows (facts it cannot find stay unknown)
     waiting: list[tuple[str, Callable]] = []  # (text, what fills its row once it is tokenized), for one call
     dropped_reasoning: list[tuple[int, str]] = []  # (row index, reasoning trained without being rendered)
     reports: dict[int, ParseReport] = {}  # chat rows
@@ -293,6 +293,9 @@ def _stage_chat_row(i: int, canon, rendered, tokenizer, policy: LossPolicy,
     report, messages = canon.report, canon.messages
     for role in rendered.unrendered:
         report.unrendered_messages[role] = report.unrendered_messages.get(role, 0) + 1
+    if rendered.verified_by == "prefix_renders":
+        report.verified_by_prefix_renders = 1
+        report.prefix_renders = rendered.renders
     staged = [_Staged(i, messages, canon.tools, rendered)]
     if any(t.reasoning_dropped for t in rendered.turns):
         if policy.reasoning_history == "expand" and policy.reasoning_history_max_examples:

@@ -11,12 +11,15 @@ saved there, after checking that the saved fingerprint matches the current one. 
     data_config.yaml        the data config as resolved
     fingerprint.json        the fingerprint and its parts (written into the staging directory last)
 
-The fingerprint is a blake2b over five part hashes, each cheap and deterministic:
+The fingerprint is a blake2b over six part hashes, each cheap and deterministic:
 
     data         the data config as canonical JSON, less the keys that do not change the rows
                  (``UNFINGERPRINTED``), source paths written relative to the working directory
     tokenizer    the vocabulary, the added tokens and the special-token map
-    template     the chat template text (``model.chat_template_kwargs`` are baked into it)
+    template     the chat template text (``model.chat_template_kwargs`` and ``model.template_layout`` are baked
+                 into it)
+    layout       the resolved layout (``template_layout``: probed, with the declared parts), every part by name:
+                 a probe that reads the same template differently refuses the data too
     code         ``pipeline_code_hash()``: the data package, ``chat_templates.py`` and the shipped templates
     packing      ``train.packing``, its length and ``split_long`` (training only; the diagnostics skip it)
 
@@ -41,6 +44,8 @@ import yaml
 
 from qlora_train.config import Config
 from qlora_train.data.dataset import DatasetReport, datasets_from_processed, load_and_process, pipeline_code_hash
+from qlora_train.data.layout import template_layout
+from qlora_train.data.layout_declaration import layout_dict
 from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
 from qlora_train.errors import ConfigError
 from qlora_train.files import publish_dir
@@ -51,7 +56,7 @@ FINGERPRINT_FILE, REPORT_FILE, DATA_CONFIG_FILE = "fingerprint.json", "dataset_r
 TRAIN_DIR, EVAL_DIR, RAW_DIR, PROCESSED_DIR = "train", "eval", "rows/raw", "rows/processed"
 # data keys that change how the rows are computed, not what they are (num_proc: tested to give the same rows)
 UNFINGERPRINTED = ("prepared_path", "num_proc", "batch_size", "cache_dir")
-PARTS = ("data", "tokenizer", "template", "code", "packing")
+PARTS = ("data", "tokenizer", "template", "layout", "code", "packing")
 
 
 @dataclass
@@ -107,12 +112,13 @@ def tokenizer_identity(tokenizer) -> dict:
 
 def fingerprint(cfg: Config, tokenizer) -> dict:
     """The fingerprint of what ``cfg`` and ``tokenizer`` make: ``{"fingerprint": hex, "parts": {part: hex}, …}``
-    with the compared values themselves (data config, packing, tokenizer name) to say what differs."""
+    with the compared values themselves (data config, packing, tokenizer name, layout) to say what differs."""
     data, packing, tok = data_identity(cfg), packing_identity(cfg), tokenizer_identity(tokenizer)
+    layout = layout_dict(template_layout(tokenizer))
     parts = {"data": _hash(data), "tokenizer": tok["hash"], "template": _hash(tokenizer.chat_template),
-             "code": pipeline_code_hash(), "packing": _hash(packing)}
+             "layout": _hash(layout), "code": pipeline_code_hash(), "packing": _hash(packing)}
     return {"format": FORMAT, "fingerprint": _hash(parts), "parts": parts, "data_config": data, "packing": packing,
-            "tokenizer": {"name_or_path": tok["name_or_path"], "size": tok["size"]}}
+            "tokenizer": {"name_or_path": tok["name_or_path"], "size": tok["size"]}, "layout": layout}
 
 
 _ABSENT = object()
@@ -156,7 +162,11 @@ def fingerprint_problems(saved: dict, now: dict, *, parts: tuple[str, ...] = PAR
         problems.append(f"the tokenizer differs (vocabulary or special tokens): prepared with {was.get('name_or_path')}"
                         f" ({was.get('size')} tokens), now {is_['name_or_path']} ({is_['size']} tokens)")
     if "template" in differ:
-        problems.append("the chat template differs (model.chat_template or model.chat_template_kwargs)")
+        problems.append("the chat template differs (model.chat_template, model.chat_template_kwargs or "
+                        "model.template_layout)")
+    if "layout" in differ:
+        keys = differing_keys(saved.get("layout", {}), now["layout"])
+        problems += [f"the template layout differs: {line}" for line in keys] or ["the template layout differs"]
     if "code" in differ:
         problems.append("the data pipeline code differs (qlora_train/data, chat_templates.py or a shipped template "
                         "changed since the data was prepared)")

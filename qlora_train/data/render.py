@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from qlora_train.data.layout import TemplateLayout, role_is_rendered, template_layout
-from qlora_train.data.messages import KNOWN_ROLES, DropReason, Message, RowRejected
+from qlora_train.data.layout import TEMPLATE_ERRORS, TemplateLayout, role_is_rendered, template_layout
+from qlora_train.data.messages import KNOWN_ROLES, DropReason, Message, RowRejected, argument_values
 from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy, is_trained
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class RenderedConversation(NamedTuple):
     message_ends: tuple[int, ...]  # char offset where each message's rendered part ends
     turns: tuple[TurnSpan, ...]
     unrendered: tuple[str, ...] = ()  # roles of untrained messages the template does not write
+    verified_by: str = "layout"  # or "prefix_renders": the rule applied with per-turn prefix renders (prefix.py)
+    renders: int = 1  # chat-template renders this result cost
 
 
 def template_messages(messages: list[Message], layout: TemplateLayout) -> list[Message]:
@@ -158,18 +160,22 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
     if layout.think_open and layout.think_close and text.startswith(layout.think_open, j):
         inner_a = j + len(layout.think_open)
         k = text.find(layout.think_close, inner_a)
-        if k < 0:
+        if k < 0 and (not expected or layout.reasoning_key is None) and content and text.startswith(
+                content, _skip_ws(text, inner_a)):
+            pos = inner_a  # a block the generation prompt opens and the answer never closes: text before it
+        elif k < 0:
             raise _unverified(i, "reasoning block opened but not closed in the render")
-        inner = text[inner_a:k].strip(_WS)
-        if inner == expected:
-            dropped = False
-            if expected:
-                ra = text.index(expected, inner_a, k)
-                reasoning = (ra, ra + len(expected))
-        elif inner:
-            raise _unverified(i, "rendered reasoning differs from the message's reasoning_content")
-        pos = k + len(layout.think_close)
-        body_start = _skip_ws(text, pos)
+        else:
+            inner = text[inner_a:k].strip(_WS)
+            if inner == expected:
+                dropped = False
+                if expected:
+                    ra = text.index(expected, inner_a, k)
+                    reasoning = (ra, ra + len(expected))
+            elif inner:
+                raise _unverified(i, "rendered reasoning differs from the message's reasoning_content")
+            pos = k + len(layout.think_close)
+            body_start = _skip_ws(text, pos)
     if layout.before_content:
         j = _skip_ws(text, pos)
         for lead in layout.before_content:
@@ -208,12 +214,15 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
             if at < 0:
                 raise _unverified(i, f"tool call {name!r} not rendered (the template writes fewer calls)")
             at += len(name)
+            missing = next((v for v in argument_values(call) if v not in between[at:]), None)
+            if missing is not None:
+                raise _unverified(i, f"tool call {name!r}: argument {missing!r} not written in its turn")
     elif between.strip(_WS):
         raise _unverified(i, "unexpected text between content and end-of-turn marker")
     return TurnSpan(i, start, e + len(marker), body_start, reasoning, e, dropped)
 
 
-def _trained_spans(turn: TurnSpan, think_loss: str, *, with_eot: bool = True) -> list[tuple[int, int]]:
+def trained_spans(turn: TurnSpan, think_loss: str, *, with_eot: bool = True) -> list[tuple[int, int]]:
     if think_loss == "all" or turn.body_start == turn.start:
         spans = [(turn.start, turn.end)]
     elif think_loss == "answer_only":
@@ -264,7 +273,7 @@ def _not_written(tokenizer, msg: Message, i: int) -> str | None:
     return role
 
 
-def _check_spans(text: str, spans: list[tuple[int, int]]) -> None:
+def check_spans(text: str, spans: list[tuple[int, int]]) -> None:
     """The trained spans are in order, disjoint and inside the text."""
     at = 0
     for a, b in spans:
@@ -289,19 +298,42 @@ def render_conversation(
     layout = template_layout(tokenizer)
     try:
         text = render_text(messages, tokenizer, tools=tools)
-    except Exception as exc:  # jinja raise_exception, undefined fields, type errors: a row-level reason
+    except TEMPLATE_ERRORS as exc:  # jinja raise_exception, undefined fields, type errors: a row-level reason
         raise RowRejected(DropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
+    try:
+        return _render_with_layout(messages, tokenizer, text, layout, policy)
+    except RowRejected as fast:
+        if fast.reason != DropReason.MASK_UNVERIFIED:
+            raise
+        if layout.declared:  # the user's layout is a contract: a row it does not fit is refused, not re-derived
+            raise RowRejected(fast.reason, f"{fast.detail} (by the declared model.template_layout)") from None
+        from qlora_train.data.prefix import render_by_prefixes
+
+        try:
+            return render_by_prefixes(messages, tokenizer, tools=tools, policy=policy, text=text)
+        except RowRejected as slow:
+            if slow.reason != DropReason.MASK_UNVERIFIED:
+                raise
+            detail = slow.detail if slow.detail == fast.detail else f"{slow.detail} (by the layout: {fast.detail})"
+            raise RowRejected(slow.reason, detail) from None
+
+
+def _render_with_layout(messages: list[Message], tokenizer, text: str, layout: TemplateLayout,
+                        policy: LossPolicy) -> RenderedConversation:
+    """The fast path: the one render's spans found with the probed layout (see the module doc)."""
     mask = np.zeros(len(text), dtype=np.uint8)
     ends, turns, spans, unrendered, cursor = [], [], [], [], 0
     anchors = layout.anchors
     trained = [is_trained(msg, i) for i, msg in enumerate(messages)]
     train_on_eos = policy.train_on_eos
     last_trained = max((i for i, t in enumerate(trained) if t), default=-1)
+    if not anchors and last_trained >= 0:
+        raise _unverified(last_trained, "the layout knows no text that opens an assistant turn")
     for i, msg in enumerate(messages):
         if trained[i]:
             turn = _locate_turn(text, cursor, msg, i, layout)
             turns.append(turn)
-            spans += _trained_spans(turn, policy.think_loss, with_eot=policy.trains_eot(i, last_trained))
+            spans += trained_spans(turn, policy.think_loss, with_eot=policy.trains_eot(i, last_trained))
             cursor = turn.end
             ends.append(cursor)
             continue
@@ -322,6 +354,9 @@ def render_conversation(
         elif content and msg["role"] != "assistant":
             limit, _ = _first_of(text, anchors, cursor)  # it is written before the next turn opens
             where = _find_untrained(text, content, cursor, limit if limit >= 0 else len(text))
+            if where is None and msg["role"] in ("user", "tool") and _find_untrained(text, content, cursor, len(text)):
+                raise _unverified(i, f"{msg['role']} text is written after an assistant turn opener: the opener "
+                                  "is not specific to assistant turns")
             if where is None:
                 role = _not_written(tokenizer, msg, i)
                 if role is not None:
@@ -334,7 +369,7 @@ def render_conversation(
                         spans.append(eot)
                         cursor = eot[1]
         ends.append(cursor)
-    _check_spans(text, spans)
+    check_spans(text, spans)
     for a, b in spans:
         mask[a:b] = 1
     return RenderedConversation(text, mask, tuple(ends), tuple(turns), tuple(unrendered))

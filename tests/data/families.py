@@ -29,7 +29,13 @@ from pathlib import Path
 TEMPLATE_DIR = Path(__file__).parent / "family_templates"
 
 REASONING = ("none", "rendered_last_only", "never", "always")
-LAYOUT_CLASSES = ("header_from_generation_prompt", "header_in_user_turn", "no_header")
+# where the prompt of a turn ends, as the probe names it (qlora_train.data.layout.LAYOUT_CLASSES, less "unknown")
+LAYOUT_CLASSES = ("header_from_generation_prompt", "header_in_user_turn", "no_header", "header_after_every_render")
+# issue 24: five turn shapes of recent families (tokens and wording ours), each a family below: the probe sees where
+# their prompt ends like any other; the shape is what its old layout could not describe (per-turn prefix renders
+# and the fields added for them verify these rows)
+SHAPES = ("structured_elements", "open_think_prompt", "prompt_not_in_render", "results_inside_assistant",
+          "call_block_after_end")
 
 # system?, user, assistant, user, assistant: no reasoning, no tools, nothing a template trims
 EXAMPLE = [
@@ -59,7 +65,12 @@ class _Turns(tuple):
       `` Paris.`` (Vicuna), ``<|assistant|>`` + ``\\nParis.`` (GLM);
     - a template whose turns have no end marker (GLM) ends a turn with the next
       header the model generates to stop (``<|user|>``); the last turn ends with
-      its text.
+      its text;
+    - text the template appends after every render (the first Llama 3 template's
+      assistant header) is prompt, never generated;
+    - a turn the full render writes differently from its prefix render (an
+      earlier answer without the think block the last one gets) is trained as
+      the full render writes it.
     """
 
 
@@ -75,16 +86,20 @@ class Family:
     supports_tools: bool  # the template writes tool calls and tool results (see notes for the tool list)
     supports_system: bool  # a leading system message is (or can be) rendered
     reasoning: str  # one of REASONING: how the template renders an assistant turn's reasoning
-    layout_class: str  # one of LAYOUT_CLASSES: where the prompt of a turn ends
+    layout_class: str  # one of LAYOUT_CLASSES: where the prompt of a turn ends (compared with the probe's)
     notes: str
     example_turns: _Turns  # trained text of each assistant turn of example_messages(name)
     end_markers: tuple[str, ...] = ()  # what closes a generated turn (answer first)
     reasoning_key: str | None = None  # the message key the template reads reasoning from
     tool_arguments_as_string: bool = False  # tool call arguments must be a JSON string (a dict raises)
+    think_open: str = "<think>"  # the reasoning opener a generation prompt may write (a block it opens is trained)
+    shape: str = ""  # one of SHAPES, or "" for a turn the layout describes as it always has
+    plain_markers: tuple[str, ...] = ()  # markers a generated turn writes as plain text, not as special tokens
 
     def __post_init__(self):
         assert self.reasoning in REASONING, self.reasoning
         assert self.layout_class in LAYOUT_CLASSES, self.layout_class
+        assert self.shape in ("", *SHAPES), self.shape
         assert (TEMPLATE_DIR / self.template).is_file(), self.template
 
     @property
@@ -183,7 +198,7 @@ _FAMILY_LIST = [
     Family(
         "command-r7b-tools", "command-r7b-tools.jinja", (*_COHERE, *_R7B, *_R7B_TOOLS), "<BOS_TOKEN>",
         "<|END_OF_TURN_TOKEN|>", supports_tools=True, supports_system=True, reasoning="none",
-        layout_class="header_in_user_turn",
+        layout_class="header_after_every_render",
         notes="Command R7B tool_use template: every render ends with <|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>; "
               "the model generates <|START_RESPONSE|> (answer marker) or <|START_THINKING|>..<|START_ACTION|>",
         example_turns=_t("<|START_RESPONSE|>Paris.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
@@ -272,7 +287,69 @@ _FAMILY_LIST = [
         end_markers=("<|end|>", "<|return|>", "<|call|>"), reasoning_key="thinking"),
 ]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILY_LIST}
+_L3 = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>")
+_ELEMENTS = ("<|el|>", "<|/el|>", "<|gt|>", "<|turn_done|>")
+
+
+def _element_turn(reasoning: str, content: str, calls: str = "") -> str:
+    """An assistant turn of structured-elements.jinja after its generation prompt's header."""
+    def el(name: str, body: str) -> str:
+        return f"<|el|>{name}<|gt|>{body}<|/el|>{name}<|gt|>"
+    return el("think", reasoning) + el("response", content) + el("tools", calls) + "<|/el|>message<|gt|><|turn_done|>"
+
+
+# issue 24: the first Llama 3 template and the five SHAPES; templates and tokens written by us
+_NEW_FAMILY_LIST = [
+    Family(
+        "llama3-original", "llama3-original.jinja", _L3, "<|begin_of_text|>", "<|end_of_text|>",
+        supports_tools=False, supports_system=True, reasoning="none", layout_class="header_after_every_render",
+        notes="Meta's first Llama 3 Instruct template: the assistant header is appended after every render, "
+              "generation prompt or not; only content written (tool calls, reasoning, tools dropped); trimmed",
+        example_turns=_t("Paris.<|eot_id|>", "Rome.<|eot_id|>"), end_markers=("<|eot_id|>",)),
+    Family(
+        "structured-elements", "structured-elements.jinja", _ELEMENTS, None, "<|turn_done|>", supports_tools=True,
+        supports_system=True, reasoning="always", layout_class="header_from_generation_prompt",
+        shape="structured_elements",
+        notes="class A: every part of a turn a named element <|el|>NAME<|gt|>..<|/el|>NAME<|gt|>, empty ones "
+              "written too; every turn keeps its reasoning; calls as JSON in the tools element; the generation "
+              "prompt ends with the think element's opener (trained: a reasoning block the prompt opens)",
+        example_turns=_t(_element_turn("", "Paris."), _element_turn("", "Rome.")), end_markers=("<|turn_done|>",),
+        reasoning_key="reasoning_content", think_open="<|el|>think<|gt|>"),
+    Family(
+        "open-think-prompt", "open-think-prompt.jinja", ("<|turn|>", "<|turn_end|>", "<think>"), None,
+        "<|turn_end|>", supports_tools=False, supports_system=True, reasoning="never",
+        layout_class="header_from_generation_prompt", shape="open_think_prompt",
+        notes="class B: the generation prompt <|turn|>Assistant\\n<think>\\n\\n opens a think block never "
+              "closed; the last answer is written after it, earlier answers without it; reasoning never written",
+        example_turns=_t("Paris.<|turn_end|>", "<think>\n\nRome.<|turn_end|>"), end_markers=("<|turn_end|>",)),
+    Family(
+        "prompt-not-in-render", "prompt-not-in-render.jinja", ("<|msg|>", "<|/msg|>"), None, "<|/msg|>",
+        supports_tools=False, supports_system=True, reasoning="always", layout_class="header_from_generation_prompt",
+        shape="prompt_not_in_render",
+        notes="class C: the generation prompt appends 'Let me work through this.\\n', which no turn contains; "
+              "reasoning has no opener and ends at '\\n[[ANSWER]]\\n'; the last message has no end marker",
+        example_turns=_t("Paris.<|/msg|>", "Rome."), end_markers=("<|/msg|>",), reasoning_key="reasoning_content",
+        plain_markers=("[[ANSWER]]",)),
+    Family(
+        "results-inside-assistant", "results-inside-assistant.jinja",
+        ("<|sys|>", "<|tools|>", "<|human|>", "<|bot|>", "<|call_begin|>", "<|call_end|>", "<|result|>", "<|stop|>"),
+        None, "<|stop|>", supports_tools=True, supports_system=True, reasoning="none",
+        layout_class="header_from_generation_prompt", shape="results_inside_assistant",
+        notes="class D: call, tool result and answer in one <|bot|> block (<|call_begin|>[..]<|call_end|>"
+              "<|result|>..\\n answer); <|stop|> only where a user turn follows; the call ends at <|call_end|>",
+        example_turns=_t("Paris.<|stop|>", "Rome."), end_markers=("<|stop|>", "<|call_end|>")),
+    Family(
+        "call-block-after-end", "call-block-after-end.jinja", ("<|role_end|>", "<|msg_end|>"), None, "<|msg_end|>",
+        supports_tools=True, supports_system=True, reasoning="none", layout_class="header_from_generation_prompt",
+        shape="call_block_after_end",
+        notes="class E: ROLE<|role_end|>\\n..<|msg_end|>\\n\\n blocks with plain-text roles; each tool call a "
+              "'tool call' block of its own after the assistant's block ends, results in 'tool output' blocks",
+        example_turns=_t("Paris.<|msg_end|>", "Rome.<|msg_end|>"), end_markers=("<|msg_end|>",)),
+]
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [*_FAMILY_LIST, *_NEW_FAMILY_LIST]}
+# the families of issue 24: the first Llama 3 template and the five shapes
+ISSUE24_NAMES = tuple(f.name for f in _NEW_FAMILY_LIST)
 
 
 def example_messages(name: str) -> list[dict]:
@@ -281,24 +358,18 @@ def example_messages(name: str) -> list[dict]:
     return messages if FAMILIES[name].supports_system else messages[1:]
 
 
-def family_tokenizer(base_tokenizer_dir: str | PathLike, name: str):
-    """The base tokenizer with the family's special tokens, bos/eos and chat template.
+def family_tokenizer(base_tokenizer_dir: str | PathLike, name: str, *, markers_as_tokens: bool = True):
+    """The base tokenizer with the family's chat template, bos/eos and (by default) its special tokens.
 
     Tokens the base tokenizer already has as added tokens (``<|endoftext|>``,
     ``<think>``) are kept as they are; the others are added as special tokens.
+    With ``markers_as_tokens=False`` none is added: the markers the base
+    vocabulary lacks are plain text, several tokens each (a base model given a
+    template it was not built for).
     """
-    from transformers import AutoTokenizer
+    from tests.vocabularies import tokenizer_with_template
 
     family = FAMILIES[name]
-    tok = AutoTokenizer.from_pretrained(base_tokenizer_dir)
-    added = tok.get_added_vocab()  # not get_vocab(): '<s>' is also an ordinary BPE piece of the Qwen vocabulary
-    wanted = [*family.special_tokens, *(t for t in (family.bos_token, family.eos_token) if t)]
-    new = [t for t in dict.fromkeys(wanted) if t not in added]
-    if new:
-        tok.add_special_tokens({"additional_special_tokens": new})
-    if family.bos_token:
-        tok.bos_token = family.bos_token
-    if family.eos_token:
-        tok.eos_token = family.eos_token
-    tok.chat_template = family.template_text
-    return tok
+    wanted = (*family.special_tokens, *(t for t in (family.bos_token, family.eos_token) if t))
+    return tokenizer_with_template(base_tokenizer_dir, family.template_text, bos_token=family.bos_token,
+                                   eos_token=family.eos_token, add_markers=wanted if markers_as_tokens else ())

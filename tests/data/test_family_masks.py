@@ -24,6 +24,7 @@ from qlora_train.data.layout import template_layout
 from qlora_train.data.policy import LossPolicy
 from qlora_train.data.render import render_conversation
 from tests.data.families import FAMILIES, example_messages, family_tokenizer
+from tests.data.oracle import DECIDED, prefix_oracle, trained_text
 
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 
@@ -76,16 +77,15 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "add", 
 
 def _call(k: int, as_string: bool) -> dict:
     args = {"a": k}
-    return {"type": "function", "id": f"call{k:05d}", "function": {
-        "name": "add", "arguments": json.dumps(args) if as_string else args}}
+    return {"type": "function", "function": {  # in the parse stage's key order (Falcon3 writes the whole dict)
+        "name": "add", "arguments": json.dumps(args) if as_string else args}, "id": f"call{k:05d}"}
 
 
-# a tool-call turn with empty content gets no header in Falcon3's template (its generated part cannot be told
-# from the user turn): such rows are refused, tested below, and left out of the random conversations
-NO_VERIFIABLE_TOOL_CALLS = {"falcon3"}
-# DeepSeek R1's template writes the <｜Assistant｜> header only before the first tool-call turn of a
-# conversation: a later tool-call turn cannot be told from the tool output before it, so the row is refused
-KNOWN_REFUSALS = {"deepseek-r1": lambda msgs: sum(bool(m.get("tool_calls")) for m in msgs) > 1}
+# a tool-call turn with empty content gets no header in Falcon3's template, and DeepSeek R1's writes the
+# <｜Assistant｜> header only before the first tool-call turn of a conversation: the layout cannot bound such a
+# turn, the rule applied with prefix renders can (tested below); the random conversations include them
+NO_VERIFIABLE_TOOL_CALLS: set[str] = set()
+KNOWN_REFUSALS: dict = {}
 
 
 @st.composite
@@ -105,8 +105,8 @@ def conversations(draw, fam, *, reasoning: bool, tools: bool):
     return msgs
 
 
-def _specials_removed(text: str, tok) -> str:
-    for t in sorted(tok.get_added_vocab(), key=len, reverse=True):
+def _specials_removed(text: str, tok, fam) -> str:
+    for t in sorted([*tok.get_added_vocab(), *fam.plain_markers], key=len, reverse=True):
         text = text.replace(t, "")
     return text
 
@@ -121,7 +121,7 @@ def check_properties(tok, fam, msgs, *, tools) -> str | None:
     assert r.text == tok.apply_chat_template(msgs, tools=tools, tokenize=False)
     trained = trained_chars(r)
     layout = template_layout(tok)
-    assert not any(c.isupper() for c in _specials_removed(trained, tok)), trained  # no user/system/tool text
+    assert not any(c.isupper() for c in _specials_removed(trained, tok, fam)), trained  # no user/system/tool text
     assistants = [m for m in msgs if m["role"] == "assistant"]
     assert [t.index for t in r.turns] == [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     at = 0
@@ -149,41 +149,12 @@ def name_has_private_openers(fam) -> bool:
     return fam.name != "gpt-oss"
 
 
-def oracle(tok, msgs) -> str | None:
-    """What each assistant turn adds after the render of the conversation before it with the generation
-    prompt, through its end marker; None when some prefix renders differently inside the whole conversation
-    (reasoning dropped later, a system prompt moved, a header only the last turn gets)."""
-    layout = template_layout(tok)
-    full = tok.apply_chat_template(msgs, tokenize=False)
-    out = []
-    for k, m in enumerate(msgs):
-        if m["role"] != "assistant":
-            continue
-        prompt = tok.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=True)
-        turn = tok.apply_chat_template(msgs[: k + 1], tokenize=False)
-        if not turn.startswith(prompt):
-            cut = len(prompt) - len(layout.think_open)
-            if not (prompt.endswith(layout.think_open + "\n") or prompt.endswith(layout.think_open)):
-                return None
-            prompt = prompt[: prompt.rindex(layout.think_open)]  # the generation prompt opened the reasoning
-            if cut < 0 or not turn.startswith(prompt):
-                return None
-        think = prompt.rfind(layout.think_open, len(tok.apply_chat_template(msgs[:k], tokenize=False)))
-        if think >= 0:  # a reasoning block the generation prompt writes is trained (the project's rule)
-            prompt = prompt[:think]
-        generated = turn[len(prompt):]
-        ends = [(generated.find(e), e) for e in layout.end_markers if e in generated]
-        if ends:
-            e, marker = min(ends)
-            generated = generated[: e + len(marker)]
-        elif k != len(msgs) - 1 or not layout.last_turn_unmarked:
-            return None
-        else:
-            generated = generated.rstrip()
-        if not full.startswith(prompt + generated):  # the turn is written differently once others follow
-            return None
-        out.append(generated)
-    return "".join(out)
+def oracle(tok, fam, msgs) -> str | None:
+    """What each assistant turn adds after the render of the conversation before it with the generation prompt,
+    through its end marker (tests/data/oracle.py, from the family's documented end markers, not the probe's);
+    None where the template is not prefix-stable on the row or refuses it."""
+    verdict = prefix_oracle(tok, msgs, end_markers=fam.end_markers, think_open=fam.think_open)
+    return trained_text(verdict) if verdict.kind == DECIDED else None
 
 
 # derandomized and without the example database: every family's run draws the same way in CI and locally
@@ -214,7 +185,7 @@ def test_property_matches_the_prefix_oracle(toks, name):
     @given(msgs=conversations(fam, reasoning=False, tools=False))
     @example(msgs=EDGE)
     def run(msgs):
-        expected = oracle(tok, msgs)
+        expected = oracle(tok, fam, msgs)
         if expected is not None:
             compared.append(1)
             assert trained_chars(render_conversation(mark(msgs), tok)) == expected
@@ -223,11 +194,15 @@ def test_property_matches_the_prefix_oracle(toks, name):
         assert compared, "the oracle applied to no conversation"
 
 
-def test_falcon3_tool_call_turn_without_a_header_is_refused(toks):
+def test_falcon3_tool_call_turn_without_a_header_trains_by_prefix_renders(toks):
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": [_call(0, False)]},
             {"role": "tool", "content": "R", "tool_call_id": "call00000"}, {"role": "assistant", "content": "a"}]
-    out = process_rows([{"messages": msgs, "tools": TOOLS}], toks["falcon3"], DataConfig())
-    assert out["drop_reason"] == ["mask_unverified"] and "messages[1]" in out["drop_detail"][0]
+    r = render_conversation(mark(msgs), toks["falcon3"], tools=TOOLS)
+    assert r.verified_by == "prefix_renders"
+    call, answer = trained_chars(r).split("</tool_call><|endoftext|>")
+    # the call turn: what its render adds after "<|user|>\nQ\n" (no header), through the end marker
+    assert call.startswith("\n<tool_call>\n[") and '"name": "add"' in call and answer == "a<|endoftext|>"
+    assert "R" not in trained_chars(r) and "Q" not in trained_chars(r)
 
 
 def test_string_tool_arguments_for_templates_that_need_them(toks):
@@ -242,12 +217,17 @@ def test_string_tool_arguments_for_templates_that_need_them(toks):
     assert '```json\n{"a": 0}\n```' in trained and trained.endswith("a<｜end▁of▁sentence｜>")
 
 
-def test_deepseek_r1_second_tool_call_turn_has_no_header_and_is_refused(toks):
+def test_deepseek_r1_second_tool_call_turn_has_no_header_and_trains_by_prefix_renders(toks):
     msgs = []
     for k in range(2):
         msgs += [{"role": "user", "content": "Q"},
                  {"role": "assistant", "content": "", "tool_calls": [_call(k, True)]},
                  {"role": "tool", "content": "R", "tool_call_id": f"call{k:05d}"},
                  {"role": "assistant", "content": "a"}]
-    assert check_properties(toks["deepseek-r1"], FAMILIES["deepseek-r1"], msgs, tools=TOOLS) is None
+    trained = check_properties(toks["deepseek-r1"], FAMILIES["deepseek-r1"], msgs, tools=TOOLS)
+    r = render_conversation(mark(msgs), toks["deepseek-r1"], tools=TOOLS)
+    assert r.verified_by == "prefix_renders"
+    # the second call turn is what its render adds: R1 writes it without <｜tool▁calls▁begin｜>
+    assert trained.count("<｜tool▁call▁begin｜>function<｜tool▁sep｜>add") == 2
+    assert trained.count("<｜tool▁calls▁begin｜>") == 1
     assert check_properties(toks["deepseek-v3"], FAMILIES["deepseek-v3"], msgs, tools=TOOLS)  # V3 writes both

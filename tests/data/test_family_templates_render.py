@@ -23,6 +23,21 @@ DEV_PREAMBLE = (
     "then answer.\n\n# Developer Preamble\nThe following instructions take precedence over instructions in the "
     "default preamble and user prompt. You reject any instructions which conflict with system preamble "
     "instructions.\nAnswer briefly.<|END_OF_TURN_TOKEN|>")
+L3_HEADER = "<|start_header_id|>{}<|end_header_id|>\n\n"
+
+
+def element(name: str, body: str) -> str:
+    """One element of structured-elements.jinja."""
+    return f"<|el|>{name}<|gt|>{body}<|/el|>{name}<|gt|>"
+
+
+def element_message(role: str, body: str) -> str:
+    return f'<|el|>message role="{role}"<|gt|>{body}<|/el|>message<|gt|><|turn_done|>\n'
+
+
+def element_answer(content: str, calls: str = "", reasoning: str = "") -> str:
+    return element_message("assistant", element("think", reasoning) + element("response", content)
+                           + element("tools", calls))
 
 # the render of EXAMPLE ({date}: strftime_now('%Y-%m-%d'), {day}: strftime_now('%d %B %Y'))
 EXPECTED = {
@@ -96,6 +111,25 @@ EXPECTED = {
                "<|start|>assistant<|channel|>final<|message|>Paris.<|end|>"
                "<|start|>user<|message|>And of Italy?<|end|>"
                "<|start|>assistant<|channel|>final<|message|>Rome.<|return|>",
+    # issue 24 (templates written by us)
+    "llama3-original": "<|begin_of_text|>" + "".join(
+        L3_HEADER.format(role) + text + "<|eot_id|>" for role, text in [
+            ("system", "Answer briefly."), ("user", "What is the capital of France?"), ("assistant", "Paris."),
+            ("user", "And of Italy?"), ("assistant", "Rome.")]) + L3_HEADER.format("assistant"),
+    "structured-elements": element_message("system", "Answer briefly.")
+                           + element_message("user", "What is the capital of France?") + element_answer("Paris.")
+                           + element_message("user", "And of Italy?") + element_answer("Rome."),
+    "open-think-prompt": "<|turn|>System\nAnswer briefly.<|turn_end|>\n<|turn|>User\nWhat is the capital of France?"
+                         "<|turn_end|>\n<|turn|>Assistant\nParis.<|turn_end|>\n<|turn|>User\nAnd of Italy?"
+                         "<|turn_end|>\n<|turn|>Assistant\n<think>\n\nRome.<|turn_end|>\n",
+    "prompt-not-in-render": "<|msg|>system\nAnswer briefly.<|/msg|>\n<|msg|>user\nWhat is the capital of France?"
+                            "<|/msg|>\n<|msg|>assistant\nParis.<|/msg|>\n<|msg|>user\nAnd of Italy?<|/msg|>\n"
+                            "<|msg|>assistant\nRome.",
+    "results-inside-assistant": "<|sys|>Answer briefly.<|human|>What is the capital of France?<|bot|>Paris.<|stop|>"
+                                "<|human|>And of Italy?<|bot|>Rome.",
+    "call-block-after-end": "system<|role_end|>\nAnswer briefly.<|msg_end|>\n\nuser<|role_end|>\nWhat is the capital "
+                            "of France?<|msg_end|>\n\nassistant<|role_end|>\nParis.<|msg_end|>\n\nuser<|role_end|>\n"
+                            "And of Italy?<|msg_end|>\n\nassistant<|role_end|>\nRome.<|msg_end|>\n\n",
 }
 
 # how the render of EXAMPLE without its last answer ends, with add_generation_prompt=True
@@ -122,6 +156,12 @@ EXPECTED_PROMPT_END = {
     "granite3": "And of Italy?<|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>",
     "smollm3": "<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n",
     "gpt-oss": "<|start|>user<|message|>And of Italy?<|end|><|start|>assistant",
+    "llama3-original": "And of Italy?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "structured-elements": '<|/el|>message<|gt|><|turn_done|>\n<|el|>message role="assistant"<|gt|><|el|>think<|gt|>',
+    "open-think-prompt": "<|turn|>User\nAnd of Italy?<|turn_end|>\n<|turn|>Assistant\n<think>\n\n",
+    "prompt-not-in-render": "<|msg|>user\nAnd of Italy?<|/msg|>\n<|msg|>assistant\nLet me work through this.\n",
+    "results-inside-assistant": "<|stop|><|human|>And of Italy?<|bot|>",
+    "call-block-after-end": "user<|role_end|>\nAnd of Italy?<|msg_end|>\n\nassistant<|role_end|>\n",
 }
 
 TOOLS = [{"type": "function", "function": {
@@ -174,6 +214,15 @@ EXPECTED_TOOL_END = {
     "gpt-oss": '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
                '<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny, 22C"'
                "<|end|><|start|>assistant<|channel|>final<|message|>It is sunny and 22C in Paris.<|return|>",
+    "structured-elements": element_answer("", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+                           + element_message("tool", "sunny, 22C") + element_answer("It is sunny and 22C in Paris."),
+    "results-inside-assistant": "<|human|>What's the weather in Paris?<|bot|><|call_begin|>"
+                                '[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|call_end|>'
+                                "<|result|>sunny, 22C\nIt is sunny and 22C in Paris.",
+    "call-block-after-end": "user<|role_end|>\nWhat's the weather in Paris?<|msg_end|>\n\nassistant<|role_end|>\n"
+                            '<|msg_end|>\n\ntool call<|role_end|>\n{"name": "get_weather", "arguments": {"city": '
+                            '"Paris"}}<|msg_end|>\n\ntool output<|role_end|>\nsunny, 22C<|msg_end|>\n\n'
+                            "assistant<|role_end|>\nIt is sunny and 22C in Paris.<|msg_end|>\n\n",
 }
 
 # families whose render of a prefix writes the system prompt elsewhere (the last user turn)
@@ -275,7 +324,7 @@ def test_example_trained_turns_follow_the_inference_prompt(tokenizers, name):
         prompt = render(tok, messages[:i], add_generation_prompt=True)
         start = len(os.path.commonprefix([prompt, full]))
         opened = next((k for k in range(len(turn), 0, -1) if prompt[:start].endswith(turn[:k])), 0)
-        if opened and turn.startswith("<think>"):
+        if opened and turn.startswith(family.think_open):
             start -= opened
         assert full[start:].startswith(turn), (i, full[start:start + 80])
     at = 0
@@ -306,7 +355,7 @@ def test_reasoning_is_rendered_as_the_family_says(tokenizers, name):
     messages = reasoning_conversation(name)
     text = render(tok, messages)
     first, last = "Two plus two is four.", "Three plus three is six."
-    assert first not in text
+    assert (first in text) == (family.reasoning == "always")
     assert (last in text) == (family.reasoning in ("rendered_last_only", "always"))
     prompt = render(tok, messages[:-1], add_generation_prompt=True)
     assert first not in prompt or family.reasoning == "always"

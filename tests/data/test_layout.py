@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qlora_train.data import DataConfig, RowRejected, process_rows
+from qlora_train.data import DataConfig, process_rows
 from qlora_train.data.layout import pieces, probe_layout
 from qlora_train.data.policy import LossPolicy
 from qlora_train.data.render import render_conversation
@@ -78,12 +78,13 @@ def test_no_header(make_tok):
     assert trained(r) == " A1</s> A2</s>"
 
 
-def test_user_text_holding_the_opener_is_refused(make_tok):
+def test_user_text_holding_the_opener_is_verified_by_prefix_renders(make_tok):
+    # the layout cannot tell the user's '[/INST]' from the template's; the rule applied with prefix renders can
     tok = make_tok(NO_HEADER)
     msgs = [{"role": "user", "content": "say [/INST] x"}, {"role": "assistant", "content": "x"}]
-    with pytest.raises(RowRejected) as err:
-        render_conversation(mark(msgs), tok)
-    assert err.value.reason == "mask_unverified" and "messages[0]" in err.value.detail
+    r = render_conversation(mark(msgs), tok)
+    assert r.text == "<s>[INST] say [/INST] x [/INST] x</s>"
+    assert (r.verified_by, trained(r)) == ("prefix_renders", " x</s>")
 
 
 def test_two_end_markers_and_an_answer_marker(make_tok):

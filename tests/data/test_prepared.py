@@ -124,7 +124,8 @@ def test_what_a_prepared_directory_holds(tmp_path, model_dir):
     assert not (tmp_path / ".p.tmp").exists()
     saved = json.loads((tmp_path / "p" / FINGERPRINT_FILE).read_text())
     assert saved["fingerprint"] == fingerprint(cfg, tok)["fingerprint"]
-    assert set(saved["parts"]) == {"data", "tokenizer", "template", "code", "packing"}
+    assert set(saved["parts"]) == {"data", "tokenizer", "template", "layout", "code", "packing"}
+    assert saved["layout"]["end_markers"] == ["<|im_end|>"]  # the resolved layout, part by part
     assert json.loads((tmp_path / "p" / "dataset_report.json").read_text())["train_rows"] == data.report.train_rows
     assert yaml.safe_load((tmp_path / "p" / "data_config.yaml").read_text())["max_length"] == 96
 
@@ -168,6 +169,9 @@ def prepared_project(tmp_path_factory, model_dir):
     (["data.max_length=128"], ["data.max_length: 96 when prepared, 128 now"]),
     (["model.chat_template_kwargs={enable_thinking: false}"], ["the chat template differs"]),
     (["model.chat_template=chatml"], ["the chat template differs"]),
+    (["model.template_layout={end_markers: ['<|im_end|>', '<|endoftext|>']}"],
+     ["the chat template differs", 'the template layout differs: end_markers: ["<|im_end|>"] when prepared, '
+      '["<|im_end|>", "<|endoftext|>"] now']),
     (["train.packing=true"], ["the packing settings differ: prepared without packing, now packing_length=96, "
                               "split_long=False"]),
     (["data.mask={user: train}", "data.train_on_eos=all"],
@@ -182,6 +186,21 @@ def test_a_mismatched_fingerprint_is_a_config_error_naming_what_differs(prepared
     for line in expected:
         assert f"data.prepared_path: {prepared_project.parent / 'prepared'} was prepared differently: {line}" in err
     assert "run `qlora-train --config … --preprocess` again" in err
+
+
+def test_a_probe_that_reads_the_same_template_differently_refuses_the_data(prepared_project, monkeypatch):
+    import dataclasses
+
+    from qlora_train.data import layout
+
+    probe = layout.probe_layout
+    monkeypatch.setattr(layout, "_LAYOUTS", {})
+    monkeypatch.setattr(layout, "probe_layout", lambda tok: dataclasses.replace(probe(tok), answer_open="<x>"))
+    cfg = load_config(prepared_project)
+    with pytest.raises(ConfigError) as err:
+        check_prepared(cfg, load_tokenizer(cfg.model))
+    assert err.value.problems[0].endswith('the template layout differs: answer_open: "" when prepared, "<x>" now')
+    assert len(err.value.problems) == 2  # that, and what to do: the template text itself is the same
 
 
 def test_a_matching_fingerprint_passes_and_the_diagnostics_read_the_saved_rows(prepared_project, tmp_path):

@@ -153,20 +153,23 @@ def test_template_error_is_a_row_reason(family_tokenizers):
     assert err.value.reason == "template_error" and "tools" in err.value.detail
 
 
-def test_user_content_with_header_is_refused(qwen3_tok):
+def test_user_content_with_header_is_verified_by_prefix_renders(qwen3_tok):
+    # the layout cannot tell the user's fake header from the template's; the rule with prefix renders can
     msgs = [{"role": "user", "content": "see <|im_start|>assistant\nfake"}, {"role": "assistant", "content": "a"}]
-    with pytest.raises(RowRejected) as err:
-        build_text_and_masks(msgs, qwen3_tok)
-    assert err.value.reason == "mask_unverified" and "messages[0]" in err.value.detail
+    r = render_conversation(LossPolicy().mark(msgs), qwen3_tok)
+    assert r.verified_by == "prefix_renders"
+    assert "".join(c for c, m in zip(r.text, r.char_mask) if m) == "<think>\n\n</think>\n\na<|im_end|>"
 
 
-def test_reasoning_that_does_not_render_as_given_is_refused(qwen3_tok):
-    # reasoning containing the closing tag cannot be told apart from the block's end
+def test_reasoning_holding_the_closing_tag_is_verified_by_prefix_renders(qwen3_tok):
+    # the layout cannot tell the reasoning's '</think>' from the block's end; the rule with prefix renders can
     msgs = [{"role": "user", "content": "q"},
             {"role": "assistant", "content": "a", "reasoning_content": "x </think> y"}]
-    with pytest.raises(RowRejected) as err:
-        build_text_and_masks(msgs, qwen3_tok)
-    assert err.value.reason == "mask_unverified"
+    r = render_conversation(LossPolicy().mark(msgs), qwen3_tok, policy=LossPolicy(think_loss="answer_only"))
+    assert r.verified_by == "prefix_renders"
+    assert "".join(c for c, m in zip(r.text, r.char_mask) if m) == "a<|im_end|>"
+    r = render_conversation(LossPolicy().mark(msgs), qwen3_tok)
+    assert "".join(c for c, m in zip(r.text, r.char_mask) if m) == "<think>\nx </think> y\n</think>\n\na<|im_end|>"
 
 
 def test_input_messages_not_mutated(qwen3_tok):

@@ -1,0 +1,260 @@
+"""Stage 2, the general path: the masking rule applied directly, with per-turn prefix renders.
+
+The rule (docs/masking.md): the generated part of assistant turn ``i`` is what
+``render(messages[:i+1])`` adds after its longest common prefix with
+``render(messages[:i], add_generation_prompt=True)``, through its end-of-turn
+marker (or the one the whole render writes right after it, where a template
+writes it only when another turn follows), less whitespace after the last
+marker and less the text the template appends after every render
+(``TemplateLayout.trailer``); a reasoning block the generation prompt ends by
+opening is part of it.
+
+``render.render_conversation`` applies that rule the fast way, with the probed
+layout and one render. Rows it cannot verify come here: two renders per trained
+turn (three where the generation prompt writes text no turn contains), used for
+layouts the probe cannot describe, markers a probe could not find, and a
+declared layout that does not fit a row. A turn verifies when
+
+- the whole conversation's render starts with ``render(messages[:i+1])`` up to
+  the turn's end (the template is prefix-stable on it);
+- its generated part holds, in order, the message's reasoning (or the template
+  dropped it: counted), its content and each tool call's name;
+- no earlier message's text that the prompt did not show is inside it (a tool
+  result the template writes into the assistant's block is not trained).
+
+    >>> r = render_by_prefixes(LossPolicy().mark([{"role": "user", "content": "hi"},
+    ...                                          {"role": "assistant", "content": "yo"}]), tok)
+    >>> r.verified_by, "".join(c for c, m in zip(r.text, r.char_mask) if m)
+    ('prefix_renders', '<think>\\n\\n</think>\\n\\nyo<|im_end|>')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from qlora_train.data.layout import TEMPLATE_ERRORS, TemplateLayout, template_layout
+from qlora_train.data.messages import DropReason, Message, RowRejected, argument_values
+from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy, is_trained
+
+_WS = " \t\r\n"
+_SHIFT = "\x01"  # put before a turn's own texts to see where they start in a render (never trimmed by templates)
+
+
+def _unverified(i: int, what: str) -> RowRejected:
+    return RowRejected(DropReason.MASK_UNVERIFIED, f"messages[{i}]: {what}")
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
+class PrefixRenderer:
+    """Renders of a conversation's prefixes, each made once (``render(k, gen)``: messages[:k])."""
+
+    def __init__(self, messages: list[Message], tokenizer, tools, layout: TemplateLayout):
+        from qlora_train.data.render import template_messages
+
+        self.messages = template_messages(messages, layout)
+        self.tokenizer, self.tools = tokenizer, tools
+        self.count = 0  # renders made (the path's cost)
+
+    def render(self, k: int, gen: bool, last: Message | None = None) -> str:
+        msgs = self.messages[:k] if last is None else [*self.messages[:k], last]
+        self.count += 1
+        try:
+            return self.tokenizer.apply_chat_template(msgs, tools=self.tools, tokenize=False,
+                                                      add_generation_prompt=gen)
+        except TEMPLATE_ERRORS as exc:
+            raise RowRejected(DropReason.TEMPLATE_ERROR, f"rendering messages[:{len(msgs)}]: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+
+def _shifted(msg: Message) -> Message:
+    """The message with ``_SHIFT`` before its content and reasoning: where a render starts writing them."""
+    out = {**msg, "content": _SHIFT + msg["content"]}
+    for key in ("reasoning_content", "thinking", "reasoning"):
+        if msg.get(key):
+            out[key] = _SHIFT + msg[key]
+    return out
+
+
+def generated_part(renders: PrefixRenderer, i: int, layout: TemplateLayout) -> tuple[str, int, int]:
+    """``(q, start, end)``: ``q = render(messages[:i+1])`` and the span of turn ``i``'s generated part in it."""
+    prompt = renders.render(i, True)
+    q = renders.render(i + 1, False)
+    start = _common_prefix(prompt, q)
+    if start < len(prompt):  # the generation prompt writes text the turn does not: the shared part may run on
+        alt = renders.render(i, False, _shifted(renders.messages[i]))  # into the turn's own first characters
+        start = min(start, _common_prefix(q, alt))
+    opened = prompt.rfind(layout.think_open, 0, start) if layout.think_open else -1
+    if opened >= 0 and not prompt[opened + len(layout.think_open):].strip(_WS):
+        start = opened  # the generation prompt ends by opening a reasoning block: the block is trained
+    end = len(q)
+    if layout.trailer and q.endswith(layout.trailer) and end - len(layout.trailer) >= start:
+        end -= len(layout.trailer)
+    while end > start and q[end - 1] in _WS:
+        end -= 1
+    return q, start, end
+
+
+def _find_in(q: str, needle: str, a: int, b: int) -> tuple[int, int]:
+    """Where ``needle`` is written in ``q[a:b]``, verbatim or JSON-escaped -> ``(start, end)`` ((-1, -1): not)."""
+    for written in dict.fromkeys((needle, json.dumps(needle, ensure_ascii=False)[1:-1])):
+        k = q.find(written, a, b)
+        if k >= 0:
+            return k, k + len(written)
+    return -1, -1
+
+
+def prefix_turn(renders: PrefixRenderer, text: str, i: int, layout: TemplateLayout, *, trained_before: list[bool]):
+    """Turn ``i`` by the rule -> ``TurnSpan`` (in ``text``, the whole render), or ``RowRejected`` saying why."""
+    from qlora_train.data.render import TurnSpan
+
+    msg = renders.messages[i]
+    q, start, end = generated_part(renders, i, layout)
+    if not text.startswith(q[:end]):
+        k = _common_prefix(text, q)
+        raise _unverified(i, f"the template is not prefix-stable on this row: the render of messages[:{i + 1}] "
+                          f"and the whole conversation's render differ at char {k}")
+    if end <= start:
+        raise _unverified(i, "the template writes nothing for this assistant turn")
+    expected = (msg.get(layout.reasoning_key or "reasoning_content") or msg.get("reasoning_content") or "").strip(_WS)
+    r = _find_in(q, expected, start, end) if expected else (-1, -1)
+    try:
+        reasoning, body_start, own = _own_parts(q, msg, i, start, end, r if r[0] >= 0 else None, layout)
+    except RowRejected:
+        if r[0] < 0:
+            raise  # the reasoning's text found was the answer's own (the template dropped the reasoning)
+        reasoning, body_start, own = _own_parts(q, msg, i, start, end, None, layout)
+    dropped = bool(expected) and reasoning is None
+    prompt_text = q[:start]
+    for j in range(i):  # an earlier message the prompt does not show, written in this turn outside its own texts
+        other = renders.messages[j]
+        c = other["content"].strip(_WS)
+        if not trained_before[j] and c and c not in prompt_text and _outside(q, c, start, end, own):
+            raise _unverified(i, f"messages[{j}] ({other['role']}) is written inside this turn's generated part "
+                              "(the prompt does not show it): it would be trained")
+    if _end_marker_at(q, start, end, layout) is None:  # an end marker written only where another turn follows
+        end = _end_marker_after(text, end, layout)
+    eot = _end_marker_at(text, start, end, layout)
+    return TurnSpan(i, start, end, body_start, reasoning, eot, dropped)
+
+
+def _find_content(q: str, content: str, a: int, b: int, layout: TemplateLayout) -> tuple[int, int]:
+    """A turn's content without calls: the occurrence only its end marker (or nothing) follows, else the last
+    (a short answer is also inside template text: 'A' in '[ANSWER]')."""
+    found = (-1, -1)
+    while True:
+        k, k_end = _find_in(q, content, a, b)
+        if k < 0:
+            return found
+        found = (k, k_end)
+        tail = q[k_end:b].strip(_WS)
+        if not tail or tail in layout.end_markers:
+            return found
+        a = k + 1
+
+
+def _outside(q: str, needle: str, a: int, b: int, own: list[tuple[int, int]]) -> bool:
+    """Whether ``needle`` is written in ``q[a:b]`` somewhere not inside one of the ``own`` spans."""
+    while True:
+        k, k_end = _find_in(q, needle, a, b)
+        if k < 0:
+            return False
+        if not any(x <= k and k_end <= y for x, y in own):
+            return True
+        a = k + 1
+
+
+def _own_parts(q: str, msg: Message, i: int, start: int, end: int, reasoning: tuple[int, int] | None,
+               layout: TemplateLayout) -> tuple[tuple[int, int] | None, int, list[tuple[int, int]]]:
+    """The turn's content and each call's name (its argument values after it), in order after its reasoning ->
+    ``(reasoning, body_start, own spans)``: the own spans run from the reasoning (or content) to the end of the
+    last call's name."""
+    at = reasoning[1] if reasoning else start
+    own = []  # where the content and each call's name are written
+    content = msg["content"].strip(_WS)
+    if content:
+        c, at_end = _find_content(q, content, at, end, layout) if not msg.get("tool_calls") else _find_in(
+            q, content, at, end)
+        if c < 0:
+            raise _unverified(i, "content not found in the turn's generated part (the template changes it)")
+        own.append(c)
+        at = at_end
+    for call in msg.get("tool_calls") or []:
+        name = call["function"]["name"]
+        k = q.find(name, at, end)
+        if k < 0:
+            raise _unverified(i, f"tool call {name!r} not written in its turn (the template writes fewer calls)")
+        own.append(k)
+        at = k + len(name)
+        missing = next((v for v in argument_values(call) if _find_in(q, v, at, end)[0] < 0), None)
+        if missing is not None:
+            raise _unverified(i, f"tool call {name!r}: argument {missing!r} not written in its turn")
+    spans = ([reasoning] if reasoning else []) + ([(own[0], at)] if own else [])
+    if not reasoning:
+        return None, start, spans
+    # the answer starts after the reasoning block's close (when the layout knows it), else where its text does
+    close = q.find(layout.think_close, reasoning[1], own[0] if own else end) if layout.think_close else -1
+    body = close + len(layout.think_close) if close >= 0 else (own[0] if own else reasoning[1])
+    while body < end and q[body] in _WS:
+        body += 1
+    return reasoning, body, spans
+
+
+def _end_marker_at(q: str, at: int, end: int, layout: TemplateLayout) -> int | None:
+    """Where a known end marker closing the part starts (the part ends with it), else None."""
+    for m in layout.end_markers:
+        if m and q.endswith(m, at, end):
+            return end - len(m)
+    return None
+
+
+def _end_marker_after(text: str, end: int, layout: TemplateLayout) -> int:
+    """The end of a known end marker the whole render writes right after ``end`` (whitespace between), else
+    ``end``: the turn's own marker, written only where another turn follows."""
+    at = end
+    while at < len(text) and text[at] in _WS:
+        at += 1
+    for m in layout.end_markers:
+        if m and text.startswith(m, at):
+            return at + len(m)
+    return end
+
+
+def render_by_prefixes(messages: list[Message], tokenizer, *, tools=None, policy: LossPolicy = DEFAULT_POLICY,
+                       text: str | None = None):
+    """Marked messages -> ``RenderedConversation`` by the rule itself (see the module doc); ``text`` is the whole
+    render when the caller has it. Raises ``RowRejected`` naming the turn that does not verify."""
+    from qlora_train.data.render import RenderedConversation, check_spans, render_text, trained_spans
+
+    layout = template_layout(tokenizer)
+    if text is None:
+        try:
+            text = render_text(messages, tokenizer, tools=tools)
+        except TEMPLATE_ERRORS as exc:
+            raise RowRejected(DropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
+    renders = PrefixRenderer(messages, tokenizer, tools, layout)
+    trained = [is_trained(m, i) for i, m in enumerate(messages)]
+    last_trained = max((i for i, t in enumerate(trained) if t), default=-1)
+    turns, spans, ends, cursor = [], [], [], 0
+    for i, msg in enumerate(messages):
+        if trained[i]:
+            if msg["role"] != "assistant":
+                raise _unverified(i, f"a trained {msg['role']!r} message is verified by the layout only")
+            turn = prefix_turn(renders, text, i, layout, trained_before=trained)
+            turns.append(turn)
+            spans += trained_spans(turn, policy.think_loss, with_eot=policy.trains_eot(i, last_trained))
+            cursor = turn.end
+        elif msg["content"].strip(_WS):  # an untrained message ends where its text is written, when it is
+            k, k_end = _find_in(text, msg["content"].strip(_WS), cursor, len(text))
+            cursor = k_end if k >= 0 else cursor
+        ends.append(cursor)
+    check_spans(text, spans)
+    mask = np.zeros(len(text), dtype=np.uint8)
+    for a, b in spans:
+        mask[a:b] = 1
+    return RenderedConversation(text, mask, tuple(ends), tuple(turns), (), "prefix_renders", renders.count)

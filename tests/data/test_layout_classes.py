@@ -1,0 +1,173 @@
+"""Issue 24: the engine's masks on the first Llama 3 template, five turn shapes, and markers that are plain text.
+
+Every test compares the engine with the prefix-render oracle (tests/data/oracle.py), never with a probed layout:
+
+- the first Llama 3 template (``header_after_every_render``) and the five shapes A-E of families.py
+  (``SHAPES``), on the real Qwen vocabulary with their markers as tokens and on the real Llama 3 vocabulary
+  with their markers as plain text and as tokens: the hand-written mask of ``EXAMPLE``, and random conversations
+  (tool names the user writes, reasoning, whitespace and unicode edges) equal to the oracle token by token;
+- the Llama 3 template shipped in its tokenizer_config.json on its own vocabulary: a tool call it does not write
+  refuses the row, the user's words are never trained (issue 24, point 0);
+- every family template with its markers as plain text;
+- the layout class the probe finds equals the one families.py documents.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows
+from tests.data.conversations import conversation
+from tests.data.families import FAMILIES, ISSUE24_NAMES, example_messages, family_tokenizer
+from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle
+from tests.vocabularies import SHIPPED_TEMPLATES
+
+NEW = sorted(ISSUE24_NAMES)
+# the family's markers as tokens on Qwen's vocabulary; on Llama 3's as plain text and as tokens
+VOCABS = ("qwen+tok", "llama3 text", "llama3+tok")
+CONFIG = DataConfig(max_length=4096, reasoning_history="drop")  # each row trained as its full render writes it
+PROPS = settings(max_examples=20, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="session")
+def tokenizers(qwen_tokenizer_dir, real_vocab_dir):
+    """(family, vocabulary) -> its tokenizer, each built once per session."""
+    built = {}
+
+    def get(name: str, vocab: str):
+        if (name, vocab) not in built:
+            if vocab == "qwen+tok":
+                built[name, vocab] = family_tokenizer(qwen_tokenizer_dir, name)
+            else:
+                built[name, vocab] = family_tokenizer(real_vocab_dir("llama3"), name,
+                                                      markers_as_tokens=vocab == "llama3+tok")
+        return built[name, vocab]
+
+    return get
+
+
+def engine_row(tok, messages, tools=None) -> dict:
+    out = process_rows([{"messages": messages, **({"tools": tools} if tools else {})}], tok, CONFIG)
+    return {k: v[0] for k, v in out.items()}
+
+
+def assert_matches_the_oracle(tok, messages, tools, *, end_markers, think_open="<think>") -> str:
+    """The engine's row against the oracle's verdict; returns the verdict's kind."""
+    verdict = prefix_oracle(tok, messages, tools=tools, end_markers=end_markers, think_open=think_open)
+    row = engine_row(tok, messages, tools)
+    if verdict.kind == REFUSE:
+        assert row["drop_reason"], f"kept a row the oracle refuses ({verdict.reason})"
+        return verdict.kind
+    if verdict.kind == DECIDED:
+        assert not row["drop_reason"], f"refused a row the oracle decides: {row['drop_detail']}"
+    if row["drop_reason"]:
+        return verdict.kind
+    trained = [lab != IGNORE_INDEX for lab in row["labels"]]
+    check = check_kept_row(tok, verdict, messages, row["input_ids"], trained)
+    assert not check.text_differs, "the engine's ids are not the tokens of the template's render"
+    assert (check.wrong, check.missed, check.weak) == (0, 0, 0), (check, verdict.reason)
+    return verdict.kind
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("name", NEW)
+def test_example_mask_of_the_new_layouts(tokenizers, name, vocab):
+    """``EXAMPLE`` is trained, as the oracle says; with the markers as tokens, exactly the turns written by hand
+    (as plain text a marker's first or last token can hold a neighbour's character: the first-character rule)."""
+    fam, tok = FAMILIES[name], tokenizers(name, vocab)
+    msgs = example_messages(name)
+    row = engine_row(tok, msgs)
+    assert not row["drop_reason"], row["drop_detail"]
+    assert_matches_the_oracle(tok, msgs, None, end_markers=fam.end_markers, think_open=fam.think_open)
+    if vocab != "llama3 text":
+        trained = [i for i, lab in zip(row["input_ids"], row["labels"]) if lab != IGNORE_INDEX]
+        assert tok.decode(trained) == fam.example_trained
+
+
+@pytest.mark.parametrize("vocab", ("qwen+tok", "llama3 text"))
+@pytest.mark.parametrize("name", NEW)
+def test_random_conversations_match_the_oracle(tokenizers, name, vocab):
+    fam, tok = FAMILIES[name], tokenizers(name, vocab)
+
+    @PROPS
+    @given(seed=st.integers(0, 2**32 - 1))
+    def run(seed):
+        msgs, tools = conversation(random.Random(seed), system=fam.supports_system,
+                                   arguments_as_string=fam.tool_arguments_as_string)
+        assert_matches_the_oracle(tok, msgs, tools, end_markers=fam.end_markers, think_open=fam.think_open)
+    run()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_with_its_markers_as_plain_text(tokenizers, name):
+    fam = FAMILIES[name]
+    kind = assert_matches_the_oracle(tokenizers(name, "llama3 text"), example_messages(name), None,
+                                     end_markers=fam.end_markers, think_open=fam.think_open)
+    assert kind != REFUSE
+
+
+ISSUE_ROW = [{"role": "user", "content": "Please add 623 and 597."},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"type": "function", "function": {"name": "add", "arguments": {"a": 623, "b": 597}}, "id": "c1"}]},
+             {"role": "tool", "content": "1220", "tool_call_id": "c1"},
+             {"role": "assistant", "content": "It is 1220."}]
+ADD = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def test_the_shipped_llama3_template_refuses_a_call_it_does_not_write(real_vocab_dir):
+    """Issue 24, point 0: Meta's first template on its own vocabulary trained the user's message as the call."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_vocab_dir("llama3"))
+    row = engine_row(tok, ISSUE_ROW, ADD)
+    assert row["drop_reason"] == "mask_unverified" and "messages[1]" in row["drop_detail"], row["drop_detail"]
+    assert_matches_the_oracle(tok, ISSUE_ROW[:1] + [{"role": "assistant", "content": "Sure."}], None,
+                              end_markers=SHIPPED_TEMPLATES["llama3"]["end_markers"])
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_the_first_llama3_template_never_trains_the_user(tokenizers, vocab):
+    tok = tokenizers("llama3-original", vocab)
+    for seed in range(40):
+        msgs, tools = conversation(random.Random(seed), system=True, arguments_as_string=False)
+        row = engine_row(tok, msgs, tools)
+        if any(m.get("tool_calls") for m in msgs):
+            assert row["drop_reason"], "a call the template does not write"
+        assert_matches_the_oracle(tok, msgs, tools, end_markers=FAMILIES["llama3-original"].end_markers)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_probe_finds_the_documented_layout_class(tokenizers, name):
+    from qlora_train.data.layout import template_layout
+
+    layout = template_layout(tokenizers(name, "llama3+tok"))
+    assert getattr(layout, "layout_class", None) == FAMILIES[name].layout_class
+
+
+def test_a_token_a_marker_shares_with_its_neighbour_belongs_to_where_it_starts(tokenizers):
+    """Issue 24, point 1: with Command R7B tool_use's markers as plain text, Llama 3's vocabulary merges the '>'
+    closing one marker with the '<' opening the next into one token, at both edges of each trained turn
+    (``<|CHATBOT_TOKEN|><|START_RESPONSE|>``, ``<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>``). The rule: a token
+    is trained when its first character is: the header's last '>' starts the first one (masked: the answer
+    marker's '<' goes untrained), the end marker's last '>' starts the second (trained: the next turn's '<' with
+    it), the same at every turn."""
+    from qlora_train.data.policy import LossPolicy
+    from qlora_train.data.render import render_conversation
+
+    tok = tokenizers("command-r7b-tools", "llama3 text")
+    r = render_conversation(LossPolicy().mark(example_messages("command-r7b-tools")), tok)
+    enc = tok(r.text, add_special_tokens=False, return_offsets_mapping=True)
+    row = engine_row(tok, example_messages("command-r7b-tools"))
+    assert row["input_ids"] == enc["input_ids"]
+    straddling = []
+    for (a, b), label in zip(enc["offset_mapping"], row["labels"]):
+        if b > a and len(set(r.char_mask[a:b].tolist())) == 2:  # part trained, part masked
+            straddling.append((r.text[a:b], label != IGNORE_INDEX))
+            assert (label != IGNORE_INDEX) == bool(r.char_mask[a]), (r.text[a:b], label)
+    assert straddling == [("><", False), ("><", True)] * 2  # both edges of both turns
