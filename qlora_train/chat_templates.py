@@ -17,6 +17,14 @@ it, so a server can still override it per request::
 
 The first line marks the prelude: applying kwargs to a template that already
 has one (a tokenizer saved by qlora-train) replaces it instead of stacking.
+
+``model.template_layout`` (a declared layout, see ``data/layout_declaration.py``)
+travels the same way, for the same reasons (the ``datasets.map`` workers get the
+tokenizer pickled; the saved tokenizer serves): a comment that renders nothing,
+after the kwargs prelude, read back by the layout probe::
+
+    {# qlora-train template_layout: {"end_markers": ["<|im_end|>"]} #}
+    ...the template...
 """
 
 from __future__ import annotations
@@ -64,8 +72,10 @@ def resolve_chat_template(chat_template: str | None) -> str | None:
     )
 
 
-def get_chat_template(tokenizer, chat_template: str | None = None, kwargs: Mapping[str, Any] | None = None):
-    """Set the chosen template, with ``kwargs`` baked in as defaults, on ``tokenizer`` (in place) and return it.
+def get_chat_template(tokenizer, chat_template: str | None = None, kwargs: Mapping[str, Any] | None = None,
+                      layout: Mapping[str, Any] | None = None):
+    """Set the chosen template, with ``kwargs`` baked in as defaults and the declared ``layout`` parts as a
+    comment (``with_template_layout``), on ``tokenizer`` (in place) and return it.
 
     >>> tok = get_chat_template(tok)                  # the tokenizer's own (also: "tokenizer")
     >>> tok = get_chat_template(tok, "qwen3", {"enable_thinking": False})   # shipped template, kwarg baked in
@@ -79,10 +89,11 @@ def get_chat_template(tokenizer, chat_template: str | None = None, kwargs: Mappi
         if not source:
             raise ConfigError([f"model.chat_template: the tokenizer has no chat template: name one of "
                                f"{shipped_templates()} or a .jinja path"])
+    bake = lambda s: with_template_layout(with_template_kwargs(s, kwargs or {}), layout or {})
     if isinstance(source, dict):  # several named templates (e.g. default + tool_use): each gets the defaults
-        tokenizer.chat_template = {name: with_template_kwargs(s, kwargs or {}) for name, s in source.items()}
+        tokenizer.chat_template = {name: bake(s) for name, s in source.items()}
     else:
-        tokenizer.chat_template = with_template_kwargs(source, kwargs or {})
+        tokenizer.chat_template = bake(source)
     return tokenizer
 
 
@@ -130,6 +141,43 @@ def split_template_kwargs(template: str) -> tuple[dict[str, Any], str]:
             return {}, template
         end += len(line)
     return baked, template[end:]
+
+
+_LAYOUT_MARK = re.compile(r"\{# qlora-train template_layout: (.*) #\}\n")
+
+
+def with_template_layout(template: str, layout: Mapping[str, Any]) -> str:
+    """Template source -> the same with the declared ``layout`` parts in a comment line after the kwargs
+    prelude (see the module doc); the parts a line already there held are kept unless declared again. The
+    comment renders nothing: trim_blocks, which every chat template render uses, drops the newline after it.
+
+    >>> print(with_template_layout("{{ x }}", {"end_markers": ["<|im_end|>"]}))
+    {# qlora-train template_layout: {"end_markers": ["<|im_end|>"]} #}
+    {{ x }}
+    """
+    baked, rest = split_template_layout(template)
+    merged = {**baked, **layout}
+    if not merged:
+        return template
+    _, body = split_template_kwargs(rest)
+    prelude = rest[:len(rest) - len(body)]
+    line = json.dumps(merged, ensure_ascii=False).replace("#}", "#\\u007d")  # cannot end the comment early
+    return f"{prelude}{{# qlora-train template_layout: {line} #}}\n{body}"
+
+
+def split_template_layout(template: str) -> tuple[dict[str, Any], str]:
+    """Template source -> (the layout parts its qlora-train comment declares, the template without it);
+    ``({}, template)`` when it has none."""
+    _, body = split_template_kwargs(template)
+    found = _LAYOUT_MARK.match(body)
+    try:
+        declared = json.loads(found.group(1)) if found else None
+    except ValueError:
+        declared = None
+    if not isinstance(declared, dict):
+        return {}, template  # none, or not a line we wrote: leave the template alone
+    at = len(template) - len(body)
+    return declared, template[:at] + body[found.end():]
 
 
 def template_kwargs_problems(kwargs: Mapping[str, Any]) -> list[str]:

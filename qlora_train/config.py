@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qlora_train.chat_templates import ALIASES, shipped_templates, template_kwargs_problems
 from qlora_train.errors import ConfigError
@@ -248,6 +248,13 @@ class ModelConfig(_Section):
         "low}: baked into the template as defaults, so every render and the saved tokenizer use them (a caller "
         "can still pass its own).",
     )
+    template_layout: dict[str, Any] | None = Field(
+        None, description="Parts of the chat template's layout declared instead of probed, e.g. {end_markers: "
+        "['<|im_end|>']}: where a turn opens (assistant_header, turn_openers), reasoning (think_open, "
+        "think_close), answer_open, end_markers, …. `--stats-only` and `--debug-samples` print the resolved "
+        "layout in this form, to paste here and edit; every row is verified against it as against a probed one "
+        "(docs/masking.md#seeing-and-declaring-the-layout). Baked into the template like chat_template_kwargs.",
+    )
     load_in_4bit: bool = Field(True, description="Load the base in 4-bit nf4 with double quantisation.")
     load_in_8bit: bool = Field(False, description="Load the base in 8-bit instead.")
     compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
@@ -255,11 +262,34 @@ class ModelConfig(_Section):
     )
     attn_implementation: str | None = Field(None, description="eager / sdpa / flash_attention_2 (default: model's).")
     trust_remote_code: bool = Field(False, description="Allow code from the model repository to run.")
+    new_tokens: list[str] | Literal["auto"] | None = Field(
+        None, description="Texts added to the vocabulary as special tokens (never merged with the text around "
+        "them), e.g. [\"<|im_start|>\", \"<|im_end|>\"]; or `auto`: the chat template's markers that are not "
+        "single tokens of the vocabulary (a base model with a foreign template: ChatML on Llama 3). Training grows "
+        "the embeddings when needed, starts each new row as the mean of the rows of the pieces the text was split "
+        "into, and trains those rows only (embedding, and output head when untied), saved with the adapter; "
+        "`--merge` and `--generate` resize the base to the saved tokenizer. Texts that are single tokens already "
+        "are skipped. See docs/training.md#new-tokens-for-a-templates-markers.",
+    )
+
+    @field_validator("new_tokens", mode="before")
+    @classmethod
+    def _auto_or_a_list(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            raise ValueError(f"use `auto` or a list of texts, e.g. [{value!r}]")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("load_in_8bit: cannot be true together with load_in_4bit (pick one)")
+        if isinstance(self.new_tokens, list):
+            bad = [t for t in self.new_tokens if not t.strip()]
+            if bad:
+                raise ValueError(f"new_tokens: {bad[0]!r} is empty or only whitespace (a token must have text)")
+            if len(set(self.new_tokens)) != len(self.new_tokens):
+                twice = next(t for t in self.new_tokens if self.new_tokens.count(t) > 1)
+                raise ValueError(f"new_tokens: {twice!r} is listed twice")
         if self.chat_template_kwargs:
 
             problems = template_kwargs_problems(self.chat_template_kwargs)

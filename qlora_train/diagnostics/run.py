@@ -2,7 +2,9 @@
 
 ``--stats-only`` prints the length report and writes ``stats.json`` and
 ``token_lengths.png``; ``--debug-samples N`` prints N processed samples and
-writes ``debug_samples.html``. Both write into ``out_dir`` (``--stats-dir``,
+writes ``debug_samples.html``. Both first print the chat template's resolved
+layout as YAML that pastes into ``model.template_layout`` and write it to
+``template_layout.yaml``. Both write into ``out_dir`` (``--stats-dir``,
 default ``train.output_dir``). With ``data.prepared_path`` set they read the rows ``--preprocess`` saved there.
 """
 
@@ -17,14 +19,24 @@ from pathlib import Path
 from typing import TextIO
 
 from qlora_train.config import Config
+from qlora_train.data.layout_declaration import layout_yaml, resolve_layout
 from qlora_train.data.prepared import diagnostic_rows
 from qlora_train.diagnostics.html import debug_html
 from qlora_train.diagnostics.samples import format_sample, legend, load_samples, select_indices
-from qlora_train.diagnostics.stats import STATS_COLUMNS, compute_stats, stats_lines, tool_schema_tokens, write_histogram
+from qlora_train.diagnostics.stats import (
+    STATS_COLUMNS,
+    compute_stats,
+    marker_stats,
+    stats_lines,
+    tool_schema_tokens,
+    write_histogram,
+)
 from qlora_train.files import write_atomic
+from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens
 
 log = logging.getLogger(__name__)
 STATS_FILE, HISTOGRAM_FILE, HTML_FILE = "stats.json", "token_lengths.png", "debug_samples.html"
+LAYOUT_FILE = "template_layout.yaml"
 
 
 @dataclass(frozen=True)
@@ -53,11 +65,23 @@ def tool_tokens_per_row(raw, cols: dict[str, list], tokenizer, cfg: Config) -> d
     return found
 
 
-def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, stream: TextIO) -> dict:
+def layout_report(tokenizer, *, out_dir: Path, stream: TextIO) -> str:
+    """Print the template's resolved layout (probed, and declared in ``model.template_layout``) as the YAML
+    that declares it; write it to ``template_layout.yaml``. Returns the YAML."""
+    text = layout_yaml(resolve_layout(tokenizer))
+    write_atomic(out_dir / LAYOUT_FILE, text)
+    print("== template layout", file=stream)
+    print(text + f"wrote {out_dir / LAYOUT_FILE}", file=stream)
+    return text
+
+
+def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, stream: TextIO,
+                 new_tokens: NewTokens = NO_NEW_TOKENS) -> dict:
     """Print the report; write ``stats.json`` and the histogram. Returns the stats."""
     cols = processed.select_columns(list(STATS_COLUMNS)).to_dict()
     tools = tool_tokens_per_row(raw, cols, tokenizer, cfg)
-    stats = compute_stats(cols, max_length=cfg.data.max_length, tool_tokens=tools, data=cfg.data)
+    markers = marker_stats(tokenizer, new_tokens, cfg.model.new_tokens)
+    stats = compute_stats(cols, max_length=cfg.data.max_length, tool_tokens=tools, data=cfg.data, markers=markers)
     write_atomic(out_dir / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False))
     write_histogram(cols, max_length=cfg.data.max_length, path=out_dir / HISTOGRAM_FILE)
     print("\n".join(stats_lines(stats)), file=stream)
@@ -85,17 +109,18 @@ def debug_report(raw, processed, tokenizer, opts: DebugOptions, *, out_dir: Path
 
 def diagnose(cfg: Config, *, stats: bool, debug: DebugOptions, out_dir: str | Path | None = None,
              stream: TextIO | None = None) -> dict:
-    """Run the requested diagnostics; returns ``{"stats": …, "samples": …}`` for what ran."""
-    from qlora_train.tokenizer import load_tokenizer
+    """Run the requested diagnostics; returns ``{"layout": yaml, "stats": …, "samples": …}`` for what ran."""
+    from qlora_train.tokenizer import load_tokenizer_with_new_tokens
 
     stream = stream or sys.stdout
     out = Path(out_dir or cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)
+    result = {"layout": layout_report(tokenizer, out_dir=out, stream=stream)}
     raw, processed = diagnostic_rows(cfg, tokenizer)  # or the rows saved under data.prepared_path
-    result = {}
     if stats:
-        result["stats"] = stats_report(raw, processed, tokenizer, cfg, out_dir=out, stream=stream)
+        result["stats"] = stats_report(raw, processed, tokenizer, cfg, out_dir=out, stream=stream,
+                                       new_tokens=new_tokens)
     if debug.samples:
         result["samples"] = debug_report(raw, processed, tokenizer, debug, out_dir=out, stream=stream)
     return result

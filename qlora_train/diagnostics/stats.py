@@ -24,6 +24,7 @@ from qlora_train.data.messages import DropReason
 from qlora_train.data.parse import canonicalize_row
 from qlora_train.data.processed import STATS_COLUMNS
 from qlora_train.data.render import render_text
+from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, template_markers, token_count
 
 PERCENTILES = (25, 50, 75, 90, 95, 99)
 
@@ -191,7 +192,63 @@ def unrendered_messages_advice(unrendered: dict[str, int]) -> str | None:
             f"{{user: [{max(unrendered, key=unrendered.get)}]}}) or use a template that renders it")
 
 
-def advice(overall: dict, *, max_length: int, data: DataConfig | None = None) -> list[str]:
+def layout_advice(overall: dict) -> list[str]:
+    """Rows the probed layout could not verify -> how many took prefix renders, how many neither path verified,
+    and the fixes: declare the layout (``model.template_layout``), or add plain-text markers as tokens."""
+    out = []
+    slow = overall["parse"].get("verified_by_prefix_renders", 0)
+    if slow:
+        out.append(f"{slow} rows were verified by per-turn prefix renders ({overall['parse'].get('prefix_renders', 0)}"
+                   " renders) because the probed layout did not verify them: correct or complete the layout printed "
+                   "above in model.template_layout to verify them with one render")
+    n = overall["dropped"].get(DropReason.MASK_UNVERIFIED, 0)
+    if n:
+        out.append(f"{n} rows are refused as mask_unverified: neither the probed layout nor per-turn prefix renders "
+                   f"verified them (e.g. {overall['first_dropped'][DropReason.MASK_UNVERIFIED]}); if the template "
+                   "writes those turns, declare where a turn opens and ends in model.template_layout (paste the "
+                   "layout printed above and correct it); if its markers are plain text, model.new_tokens: auto "
+                   "adds them as tokens")
+    return out
+
+
+def marker_stats(tokenizer, new_tokens: NewTokens = NO_NEW_TOKENS, option: list[str] | str | None = None) -> dict:
+    """The chat template's markers (``tokenizer.template_markers``) in this vocabulary: ``plain_text``, marker ->
+    the tokens it costs each time a turn writes it, for those that are not single tokens; ``added``, token ->
+    its id and the tokens it cost before, for what ``model.new_tokens`` (``option``) added."""
+    plain = {m: n for m in template_markers(tokenizer) if (n := token_count(tokenizer, m)) > 1}
+    added = {token: {"id": i, "was_tokens": len(pieces)}
+             for token, i, pieces in zip(new_tokens.tokens, new_tokens.ids, new_tokens.pieces)}
+    return {"plain_text": plain, "added": added, "already_tokens": list(new_tokens.already), "new_tokens": option}
+
+
+def marker_advice(markers: dict) -> str | None:
+    """Markers that are plain text -> what they cost and the option that makes them tokens (None when none)."""
+    plain = markers.get("plain_text") or {}
+    if not plain:
+        return None
+    listed = isinstance(markers.get("new_tokens"), list)
+    fix = ("add them to model.new_tokens (or set it to auto)" if listed else
+           "set model.new_tokens: auto to add them as tokens (only their embedding rows train)")
+    return (f"the chat template's markers are plain text in this vocabulary, several tokens each time a turn writes "
+            f"one ({', '.join(f'{m} {n}' for m, n in plain.items())}): the model must learn to write its end "
+            f"marker piece by piece and a server stops at it only as a string; {fix}")
+
+
+def marker_lines(markers: dict) -> list[str]:
+    """The ``markers`` section: what ``model.new_tokens`` added, and the markers still plain text."""
+    lines = []
+    if markers.get("added"):
+        lines.append("new tokens (model.new_tokens): " + ", ".join(
+            f"{t} id {a['id']} (was {a['was_tokens']} tokens)" for t, a in markers["added"].items()))
+    if markers.get("already_tokens"):
+        lines.append(f"new tokens already single tokens, not added: {', '.join(markers['already_tokens'])}")
+    plain = markers.get("plain_text") or {}
+    lines.append("template markers as plain text (tokens each time a turn writes one): " + (
+        ", ".join(f"{m} {n}" for m, n in plain.items()) if plain else "none, every marker is a single token"))
+    return lines
+
+
+def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, markers: dict | None = None) -> list[str]:
     """Plain advice lines from the overall statistics (empty when nothing stands out).
 
     ``data`` (default ``DataConfig()``) supplies the options the reasoning advice names.
@@ -215,7 +272,8 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None) ->
                    f"({tools['share_of_their_tokens']:.0%} of the {tools['rows_with_tools']} rows with tools): "
                    "drop unused tools or shorten their descriptions")
     for line in (reasoning_advice(overall["reasoning"], data), unrendered_messages_advice(
-            overall["unrendered_messages"]), unrendered_role_advice(overall)):
+            overall["unrendered_messages"]), unrendered_role_advice(overall), marker_advice(markers or {}),
+            *layout_advice(overall)):
         if line:
             out.append(line)
     dropped = sum(overall["dropped"].values())
@@ -226,10 +284,11 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None) ->
 
 
 def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None,
-                  data: DataConfig | None = None) -> dict:
-    """All processed rows (columns ``STATS_COLUMNS``) -> ``{"max_length", "overall", "sources", "advice"}``.
+                  data: DataConfig | None = None, markers: dict | None = None) -> dict:
+    """All processed rows (columns ``STATS_COLUMNS``) -> ``{"max_length", "overall", "sources", "markers",
+    "advice"}``.
 
-    ``data`` (the run's ``DataConfig``) names the options in the advice.
+    ``data`` (the run's ``DataConfig``) names the options in the advice; ``markers`` is ``marker_stats``.
     """
     tool_tokens = tool_tokens or {}
     sources: dict[str, dict] = {}
@@ -240,8 +299,8 @@ def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[i
         sub_tools = {j: tool_tokens[i] for j, i in enumerate(idx) if i in tool_tokens}
         sources[label] = group_stats(sub, max_length=max_length, tool_tokens=sub_tools)
     overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens)
-    return {"max_length": max_length, "overall": overall, "sources": sources,
-            "advice": advice(overall, max_length=max_length, data=data)}
+    return {"max_length": max_length, "overall": overall, "sources": sources, "markers": markers or {},
+            "advice": advice(overall, max_length=max_length, data=data, markers=markers)}
 
 
 def _pct(d: dict) -> str:
@@ -304,6 +363,8 @@ def stats_lines(stats: dict) -> list[str]:
             *reasoning_lines(s["reasoning"], s["unrendered_messages"]),
             *parse_lines(s["parse"]),
         ]
+    if stats.get("markers"):
+        lines += ["== chat template markers", *marker_lines(stats["markers"])]
     lines.append("== advice")
     lines += [f"- {line}" for line in stats["advice"]] or ["- nothing stands out"]
     return lines

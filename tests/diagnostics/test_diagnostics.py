@@ -183,7 +183,8 @@ def test_debug_refused_shows_reason_and_raw_row(dataset, capsys, monkeypatch):
     assert main(["--config", str(cfg_path), "--debug-samples", "5", "--debug-refused",
                  "--stats-dir", str(cfg_path.parent / "dbg")]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("2 refused samples (first rows)")
+    assert printed.startswith("== template layout\n")  # the layout first (test_layout_declaration.py)
+    assert "\n2 refused samples (first rows)" in printed
     assert f"--- row 1  {a}:2  (source 0:{a})\nrefused: unparseable_json: {a}:2: unparseable JSON line" in printed
     assert f"refused: no_assistant_turn: {a}:4:" in printed and '"content": "only a question"' in printed
 
