@@ -52,20 +52,27 @@ def build_qwen_tokenizer(chat_template: str = "qwen3"):
     return get_chat_template(tok, chat_template)
 
 
-def build_tiny_qwen3(out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: int = 64, layers: int = 2):
-    """Write a tiny random Qwen3 model + the Qwen tokenizer (qwen3 template) to ``out_dir``."""
+def build_tiny_qwen3(out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: int = 64, layers: int = 2,
+                     tie_word_embeddings: bool = True, vocab_size: int = QWEN3_VOCAB_SIZE,
+                     initializer_range: float = 0.02, tokenizer=None):
+    """Write a tiny random Qwen3 model + the Qwen tokenizer (qwen3 template; ``tokenizer`` when given, e.g. one
+    loaded from an earlier build) to ``out_dir``.
+
+    ``tie_word_embeddings=False`` and ``vocab_size=len(tokenizer)`` (151,669: no spare rows, as Llama 3 has none)
+    make a base that needs its embeddings grown and its own output head trained for new tokens."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_qwen_tokenizer("qwen3")
+    tok = tokenizer if tokenizer is not None else build_qwen_tokenizer("qwen3")
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=QWEN3_VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
+        max_position_embeddings=4096, tie_word_embeddings=tie_word_embeddings, bos_token_id=None,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
+        initializer_range=initializer_range,
     )
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(out)

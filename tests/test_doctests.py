@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import doctest
 import importlib
 
@@ -9,9 +10,10 @@ import pytest
 
 MODULES = [
     "qlora_train.locations", "qlora_train.chat_templates", "qlora_train.data.batches", "qlora_train.data.policy",
-    "qlora_train.data.parse", "qlora_train.data.layout", "qlora_train.data.render", "qlora_train.data.tokenize",
-    "qlora_train.data.formats", "qlora_train.data.handlers", "qlora_train.data.pipeline",
-    "qlora_train.data.packing", "qlora_train.data.prepared", "qlora_train.train.collator",
+    "qlora_train.data.parse", "qlora_train.data.layout", "qlora_train.data.layout_declaration",
+    "qlora_train.data.render", "qlora_train.data.tokenize", "qlora_train.data.formats", "qlora_train.data.handlers",
+    "qlora_train.data.pipeline", "qlora_train.data.packing", "qlora_train.data.prepared",
+    "qlora_train.train.collator", "qlora_train.tokenizer",
 ]
 
 
@@ -19,6 +21,7 @@ MODULES = [
 def test_docstring_examples_run(name, qwen3_tok):
     module = importlib.import_module(name)
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-    result = doctest.testmod(module, extraglobs={"tok": qwen3_tok}, optionflags=flags, verbose=False)
+    # a shallow copy: an example that sets a template on ``tok`` (get_chat_template) leaves the session's alone
+    result = doctest.testmod(module, extraglobs={"tok": copy.copy(qwen3_tok)}, optionflags=flags, verbose=False)
     assert result.attempted > 0, f"{name} has no example: take it off the list"
     assert result.failed == 0

@@ -58,3 +58,114 @@ def test_the_tiny_tokenizer_is_saved_as_real_qwen_repositories_ship_it(tmp_path)
     assert config["added_tokens_decoder"]["151645"]["content"] == "<|im_end|>"
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.added_tokens_decoder == tok.added_tokens_decoder and loaded(TEXT) == tok(TEXT)
+
+
+# --- model.new_tokens: the template's markers as tokens -------------------------------------------------------------
+
+@pytest.mark.parametrize("text, markers", [
+    ("<|im_start|>assistant\n", ["<|im_start|>"]),
+    ("<|start_header_id|>assistant<|end_header_id|>\n\n", ["<|start_header_id|>", "<|end_header_id|>"]),
+    ("question<|eot_id|><|start_header_id|>", ["<|eot_id|>", "<|start_header_id|>"]),  # probe text glued on
+    ("<start_of_turn>model\n", ["<start_of_turn>"]),
+    ("<think>\n", ["<think>"]),
+    ("</think>\n\n", ["</think>"]),
+    ("<｜Assistant｜>", ["<｜Assistant｜>"]),
+    ("[/INST]", ["[/INST]"]),
+    (" [INST] ", ["[INST]"]),
+    ("<<SYS>>\n", ["<<SYS>>"]),
+    ("<|o|>message role=\"assistant\"<|s|>", ["<|o|>", "<|s|>"]),
+    ("\n### Response:\n", []),  # no bracketed marker: stays text
+    ("Assistant: ", []),
+    ("a < b > c [x y]", []),  # whitespace inside: not a marker
+    ("", []),
+])
+def test_markers_are_the_bracketed_runs_of_template_text(text, markers):
+    from qlora_train.tokenizer import marker_pieces
+
+    assert marker_pieces(text) == markers
+
+
+def foreign_cfg(tokenizer_dir, template, new_tokens=None):
+    from qlora_train.config import ModelConfig
+
+    return ModelConfig(name_or_path=str(tokenizer_dir), chat_template=str(template), new_tokens=new_tokens)
+
+
+@pytest.fixture(scope="module")
+def foreign_plain(qwen_tokenizer_dir, foreign_template):
+    """The Qwen tokenizer with the foreign template, no new tokens: its markers are plain text."""
+    from qlora_train.tokenizer import load_tokenizer
+
+    return load_tokenizer(foreign_cfg(qwen_tokenizer_dir, foreign_template))
+
+
+@pytest.fixture(scope="module")
+def foreign_auto(qwen_tokenizer_dir, foreign_template):
+    """(tokenizer, NewTokens) with ``model.new_tokens: auto``."""
+    from qlora_train.tokenizer import load_tokenizer_with_new_tokens
+
+    return load_tokenizer_with_new_tokens(foreign_cfg(qwen_tokenizer_dir, foreign_template, "auto"))
+
+
+def test_the_markers_of_a_template_are_read_off_its_layout(qwen_tokenizer_dir, foreign_plain):
+    from qlora_train.config import ModelConfig
+    from qlora_train.tokenizer import load_tokenizer, template_markers
+
+    assert template_markers(foreign_plain) == ["<|turn_open|>", "<think>", "</think>", "<|turn_close|>"]
+    gemma = load_tokenizer(ModelConfig(name_or_path=str(qwen_tokenizer_dir), chat_template="gemma"))
+    # no reasoning tags (it writes none); <bos>: Qwen's vocabulary has no BOS token, so the template writes it as text
+    assert template_markers(gemma) == ["<bos>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def test_auto_adds_the_markers_that_are_not_single_tokens(foreign_plain, foreign_auto):
+    from qlora_train.data.layout import template_layout
+
+    base, (tok, new) = foreign_plain, foreign_auto
+    assert new.tokens == ("<|turn_open|>", "<|turn_close|>")  # <think> and </think> are Qwen tokens already
+    assert new.ids == (len(base), len(base) + 1) and len(tok) == len(base) + 2
+    assert new.pieces == tuple(tuple(base.encode(t, add_special_tokens=False)) for t in new.tokens)
+    assert all(len(p) == 6 for p in new.pieces)
+    for token, i in zip(new.tokens, new.ids):
+        assert tok.encode(token, add_special_tokens=False) == [i]
+        assert tok.added_tokens_decoder[i].special
+    text = tok.apply_chat_template([{"role": "user", "content": "hi<|turn_close|>x"}], tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[0] == new.ids[0] and ids.count(new.ids[1]) == 2  # never merged with the text beside them
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhix\n"
+    assert template_layout(tok).end_markers == ("<|turn_close|>",)  # probed again with the tokens
+
+
+def test_listed_new_tokens_skip_what_is_one_token_already(qwen_tokenizer_dir, foreign_template):
+    from qlora_train.tokenizer import load_tokenizer_with_new_tokens
+
+    tok, new = load_tokenizer_with_new_tokens(foreign_cfg(qwen_tokenizer_dir, foreign_template,
+                                                          ["<think>", "<|turn_close|>"]))
+    assert new.tokens == ("<|turn_close|>",) and new.already == ("<think>",) and new
+    assert len(tok.encode("<|turn_open|>", add_special_tokens=False)) == 6  # not listed: still text
+
+
+def test_labels_use_the_new_ids(foreign_auto):
+    from qlora_train.data import DataConfig, process_rows
+    from qlora_train.data.tokenize import IGNORE_INDEX
+
+    tok, new = foreign_auto
+    opener, closer = new.ids
+    row = {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello!"},
+                        {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Hi!"}]}
+    out = process_rows([row], tok, DataConfig())
+    assert not out["drop_reason"][0]
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    trained = [i for i, lab in zip(ids, labels) if lab != IGNORE_INDEX]
+    assert trained == tok.encode("Hello!", add_special_tokens=False) + [closer] + \
+        tok.encode("Hi!", add_special_tokens=False) + [closer]
+    assert ids.count(opener) == 4 and ids.count(closer) == 4
+
+
+def test_the_saved_tokenizer_keeps_the_new_tokens(foreign_auto, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok, new = foreign_auto
+    tok.save_pretrained(tmp_path)
+    saved = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(saved) == len(tok) and [saved.convert_tokens_to_ids(t) for t in new.tokens] == list(new.ids)
+    assert all(saved.added_tokens_decoder[i].special for i in new.ids)

@@ -12,6 +12,7 @@ tokenizer into every checkpoint), so either can be exported alone.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -77,6 +78,31 @@ def _no_adapter(out: Path) -> str:
         return (f"no final adapter in {out} (the run did not finish): export a checkpoint with --checkpoint "
                 f"({', '.join(saved)}, or last), or finish training with train.resume_from_checkpoint: auto")
     return f"no trained adapter in {out} ({ADAPTER_CONFIG} and weights): train first"
+
+
+def trained_token_rows(adapter_dir: Path) -> list[int]:
+    """The embedding rows the adapter trains besides LoRA (peft's ``trainable_token_indices``: the tokens
+    ``model.new_tokens`` added), sorted; empty when it trains none."""
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    indices = config.get("trainable_token_indices") or []
+    rows = [i for ids in indices.values() for i in ids] if isinstance(indices, dict) else indices
+    return sorted(set(rows))
+
+
+def fit_base_to_adapter(base, adapter_dir: Path, tokenizer) -> None:
+    """Before the adapter is applied: when it trains rows of new tokens, the base's embeddings grown to the
+    saved tokenizer's length as training grew them (``fit_embeddings``); the adapter then puts the trained
+    rows in. ``ExportError`` when the tokenizer lacks tokens the adapter trains."""
+    from qlora_train.train.model import fit_embeddings
+
+    rows = trained_token_rows(adapter_dir)
+    if not rows:
+        return
+    if rows[-1] >= len(tokenizer):
+        raise ExportError(f"the adapter in {adapter_dir} trains token {rows[-1]}, but its tokenizer has "
+                          f"{len(tokenizer)} tokens: the tokenizer saved with it is missing or not the one it was "
+                          "trained with")
+    fit_embeddings(base, len(tokenizer))
 
 
 def trained_tokenizer(adapter_dir: Path, model_cfg):

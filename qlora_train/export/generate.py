@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qlora_train.config import Config
-from qlora_train.export.adapter import ExportError, find_adapter, trained_tokenizer
+from qlora_train.export.adapter import ExportError, find_adapter, fit_base_to_adapter, trained_tokenizer
 from qlora_train.export.stop_tokens import eos_ids, serving_generation_config, stop_tokens
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ def load_chat_model(cfg: Config, *, merged_dir: Path | None = None, checkpoint: 
         adapter_dir = find_adapter(cfg.train.output_dir, checkpoint)
         tokenizer = trained_tokenizer(adapter_dir, cfg.model)
         base = load_base_model(cfg.model, runtime)
+        fit_base_to_adapter(base, adapter_dir, tokenizer)  # rows for the tokens model.new_tokens added
         model = PeftModel.from_pretrained(base, adapter_dir)
         gen, source = serving_generation_config(base.generation_config, tokenizer), f"base + adapter {adapter_dir}"
     model.eval()

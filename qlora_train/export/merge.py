@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 from qlora_train.config import Config
-from qlora_train.export.adapter import ExportError, find_adapter, trained_tokenizer
+from qlora_train.export.adapter import ExportError, find_adapter, fit_base_to_adapter, trained_tokenizer
 from qlora_train.export.stop_tokens import eos_ids, serving_generation_config, stop_tokens
 from qlora_train.files import publish_dir, write_atomic
 
@@ -80,6 +80,7 @@ def merge(cfg: Config, options: MergeOptions = MergeOptions()) -> Path:
     log.info("merging %s into %s (%s weights, %s)", adapter_dir, cfg.model.name_or_path, options.base,
              runtime.compute_dtype)
     base = load_merge_base(cfg, runtime, options.base)
+    fit_base_to_adapter(base, adapter_dir, tokenizer)  # rows for the tokens model.new_tokens added
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload(safe_merge=True)
     merged.generation_config = serving_generation_config(merged.generation_config, tokenizer)
 

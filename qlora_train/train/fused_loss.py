@@ -11,7 +11,8 @@ self.loss_function(...)`` (``ForCausalLMLoss``), nothing changing the hidden sta
 or the loss in between. ``fused_loss_blocker`` checks that, and says what is not so:
 
 - the output head is not a plain bias-free ``torch.nn.Linear`` (a peft LoRA layer or
-  ``modules_to_save`` copy of it, a quantised head);
+  ``modules_to_save`` copy of it, a quantised head); peft's trainable tokens around one
+  (``model.new_tokens``) are fine: the wrapper's ``weight`` is the Linear's with the trained rows put in;
 - the config scales the logits: ``final_logit_softcapping`` (Gemma 2/3), ``logit_scale`` (Cohere),
   ``logits_scaling`` (Granite);
 - the model's ``loss_function`` is not ``ForCausalLMLoss``;
@@ -68,9 +69,10 @@ def fused_loss_blocker(causal_lm) -> str | None:
     head = getattr(causal_lm, "lm_head", None)
     if head is None:
         return "the model has no `lm_head`"
-    if type(head) is not torch.nn.Linear:
+    linear = head_linear(head)
+    if type(linear) is not torch.nn.Linear:
         return f"the output head is a {type(head).__module__}.{type(head).__qualname__}, not a plain torch.nn.Linear"
-    if head.bias is not None:
+    if linear.bias is not None:
         return "the output head has a bias"
     configs = [causal_lm.config]
     if hasattr(causal_lm.config, "get_text_config"):
@@ -88,6 +90,14 @@ def fused_loss_blocker(causal_lm) -> str | None:
     if "forward" in vars(causal_lm):
         return "the model's forward is already replaced on the instance (e.g. by accelerate's device hooks)"
     return forward_blocker(type(causal_lm))
+
+
+def head_linear(head):
+    """The layer an output head computes with: the head, or the one peft's trainable tokens wrap (its
+    ``weight`` is then that layer's with the trained rows put in, differentiable in them)."""
+    from peft.utils import TrainableTokensWrapper
+
+    return head.token_adapter.base_layer if isinstance(head, TrainableTokensWrapper) else head
 
 
 def forward_blocker(cls) -> str | None:

@@ -1,19 +1,24 @@
-"""Load the base model in 4-bit (nf4, double quant) with a LoRA adapter (the tokenizer: ``qlora_train.tokenizer``)."""
+"""Load the base model in 4-bit (nf4, double quant) with a LoRA adapter (the tokenizer: ``qlora_train.tokenizer``);
+with ``model.new_tokens``, embedding rows for the new tokens, trained alone (``fit_embeddings``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from qlora_train.config import Config, ModelConfig
 from qlora_train.errors import ModelLoadError
+from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CUDA_ONLY_OPTIMIZERS = ("paged_", "8bit", "bnb")
+PAD_VOCABULARY_TO = 64  # embeddings grown for new tokens get a multiple of this many rows (tensor-core friendly)
 
 
 @dataclass(frozen=True)
@@ -90,11 +95,55 @@ def load_base_model(m: ModelConfig, runtime: Runtime, *, quantized: bool = True)
         raise ModelLoadError(f"cannot load the model {m.name_or_path}: {' '.join(str(exc).split())}") from None
 
 
-def load_model(cfg: Config, runtime: Runtime):
-    """Base model (quantised as configured) prepared for k-bit training, wrapped in a peft LoRA adapter."""
+def fit_embeddings(model, vocab_size: int, init_from: Mapping[int, Sequence[int]] | None = None) -> None:
+    """Give ``model``'s embedding, and its output head when untied, a row for each of ``vocab_size`` tokens (in
+    place).
+
+    With fewer rows, both grow to the next multiple of ``PAD_VOCABULARY_TO``, each added row the mean of the old
+    rows: deterministic, so ``--merge`` and ``--generate`` rebuild what training started from. Each id of
+    ``init_from`` (a new token -> the ids its text was split into before) then starts as the mean of those
+    ids' rows, in the embedding and in an untied head alike. Rows of the old vocabulary stay as they were.
+
+        >>> fit_embeddings(model, 128260, {128256: (27, 91, 318, 5011, 91, 29)})  # Llama 3 + <|im_start|>
+        >>> model.get_input_embeddings().weight.shape[0]
+        128320
+    """
+    rows = model.get_input_embeddings().weight.shape[0]
+    if vocab_size > rows:
+        model.resize_token_embeddings(vocab_size, pad_to_multiple_of=PAD_VOCABULARY_TO, mean_resizing=False)
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    matrices = [embedding] + ([head.weight] if head is not None and head.weight is not embedding else [])
+    with torch.no_grad():
+        for weight in matrices:
+            if weight.shape[0] > rows:
+                weight[rows:] = weight[:rows].float().mean(dim=0).to(weight.dtype)
+            for new_id, pieces in (init_from or {}).items():
+                weight[new_id] = weight[list(pieces)].float().mean(dim=0).to(weight.dtype)
+
+
+def trainable_token_indices(model, ids: Sequence[int]) -> list[int] | dict[str, list[int]]:
+    """peft's ``LoraConfig.trainable_token_indices`` for training the rows of ``ids``: the embedding's (peft
+    trains a tied output head's with them), or, when the head is untied, the embedding's and the head's by
+    module name: the model must learn to write the new tokens, not only to read them."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is embedding.weight:
+        return list(ids)
+    names = {module: name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
+    return {names[embedding]: list(ids), names[head]: list(ids)}
+
+
+def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOKENS):
+    """Base model (quantised as configured) prepared for k-bit training, wrapped in a peft LoRA adapter; with
+    ``new_tokens``, the embeddings fitted to them (``fit_embeddings``) and only their rows trained besides
+    LoRA (peft's trainable tokens, not whole embedding matrices)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     model = load_base_model(cfg.model, runtime)
+    if new_tokens:
+        before = model.get_input_embeddings().weight.shape[0]
+        fit_embeddings(model, max(new_tokens.ids) + 1, dict(zip(new_tokens.ids, new_tokens.pieces)))
+        log.info("model.new_tokens: %d tokens, embedding rows %d -> %d, each new row the mean of its pieces' rows",
+                 len(new_tokens.ids), before, model.get_input_embeddings().weight.shape[0])
     gc = cfg.train.gradient_checkpointing
     gc_kwargs = {"use_reentrant": False}
     if cfg.model.load_in_4bit or cfg.model.load_in_8bit:
@@ -102,10 +151,28 @@ def load_model(cfg: Config, runtime: Runtime):
                                                 gradient_checkpointing_kwargs=gc_kwargs)
     elif gc:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+    tokens = trainable_token_indices(model, new_tokens.ids) if new_tokens else None
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save,
-                      task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+                      trainable_token_indices=tokens, task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    if new_tokens:
+        check_head_trains_new_rows(model)
+        # peft saves whole embedding matrices with the adapter of a resized base (save_embedding_layers="auto"),
+        # GBs per checkpoint; the trained rows are in the adapter, and loading fits the base as above
+        model.save_pretrained = functools.partial(model.save_pretrained, save_embedding_layers=False)
+    return model
+
+
+def check_head_trains_new_rows(model) -> None:
+    """``ModelLoadError`` unless peft wrapped the output head too (tied to the embedding's trainable rows, or
+    its own): otherwise the model could read the new tokens but never learn to write them."""
+    from peft.utils import TrainableTokensWrapper
+
+    head = model.get_output_embeddings()
+    if head is not None and not isinstance(head, TrainableTokensWrapper):
+        raise ModelLoadError(f"model.new_tokens: peft did not make the new rows of the output head "
+                             f"({type(head).__name__}) trainable; the model could not learn to write the new tokens")
 
 
 def count_parameters(model) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from qlora_train.config import Config, ConfigError
 from qlora_train.data.packing import PackingStats
 from qlora_train.data.prepared import training_data
 from qlora_train.files import write_atomic
-from qlora_train.tokenizer import load_tokenizer
+from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import PackedCollator, PadCollator
 from qlora_train.train.fused_loss import use_fused_loss
 from qlora_train.train.model import count_parameters, load_model, load_model_config, resolve_runtime
@@ -117,7 +117,8 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
     return PackedCollator(tokenizer.pad_token_id, mask_dtype=torch.bool)
 
 
-def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None) -> list[str]:
+def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None,
+                  new_tokens: NewTokens = NO_NEW_TOKENS) -> list[str]:
     trainable, total = count_parameters(model)
     return [
         "=" * 72,
@@ -125,6 +126,8 @@ def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | N
         f"runtime    {runtime.note}",
         f"LoRA       r={cfg.lora.r} alpha={cfg.lora.alpha}  trainable {trainable:,} of {total:,} "
         f"({trainable / total:.2%})",
+        *([f"tokens     added {', '.join(f'{t} ({i})' for t, i in zip(new_tokens.tokens, new_tokens.ids))}: only "
+           "their embedding rows train (and the output head's, when untied)"] if new_tokens else []),
         *[f"data       {line}" for line in report.lines()],
         *([f"batches    {packing.line()}"] if packing else []),
         f"output     {cfg.train.output_dir}",
@@ -232,19 +235,19 @@ def train(cfg: Config, *, callbacks: list | None = None):
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
     if cfg.train.packing:
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)
 
     with args.main_process_first(desc="preprocessing"):  # or reading data.prepared_path
         data = training_data(cfg, tokenizer)
     train_ds, eval_ds, report, packing = data.train, data.eval, data.report, data.packing
 
-    model = load_model(cfg, runtime)
+    model = load_model(cfg, runtime, new_tokens)
     log.info(use_fused_loss(model, cfg.train.fused_loss))
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so
         write_atomic(out / "dataset_report.json", report.to_json())
-        print("\n".join(summary_lines(cfg, runtime, model, report, packing)), flush=True)
+        print("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens)), flush=True)
 
     stopper = StopOnSignal()
     with handle_stop_signals(stopper):

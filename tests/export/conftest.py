@@ -31,14 +31,14 @@ def base_like_model_dir(tmp_path_factory, tiny_model_dir):
     return out
 
 
-def hello_config(tmp_path, model_dir, **train) -> str:
-    """A config training ``model_dir`` on ``HELLO`` (qwen3 template, enable_thinking false) into
-    ``tmp_path/out``: 30 steps at a high learning rate, checkpoints at 15 and 30."""
+def hello_config(tmp_path, model_dir, model: dict | None = None, **train) -> str:
+    """A config training ``model_dir`` on ``HELLO`` (qwen3 template, enable_thinking false; ``model`` keys
+    replace those) into ``tmp_path/out``: 30 steps at a high learning rate, checkpoints at 15 and 30."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "hello.jsonl").write_text((json.dumps(HELLO) + "\n") * 4)
+    model = {"chat_template": "qwen3", "chat_template_kwargs": {"enable_thinking": False}, **(model or {})}
     cfg = {
-        "model": {"name_or_path": str(model_dir), "chat_template": "qwen3",
-                  "chat_template_kwargs": {"enable_thinking": False}},
+        "model": {"name_or_path": str(model_dir), **model},
         "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
         "data": {"datasets": [{"path": str(tmp_path / "hello.jsonl")}], "max_length": 64},
         "train": {"output_dir": str(tmp_path / "out"), "max_steps": 30, "per_device_train_batch_size": 4,
@@ -56,5 +56,20 @@ def hello_run(tmp_path_factory, base_like_model_dir) -> str:
     from qlora_train.train.run import train
 
     path = hello_config(tmp_path_factory.mktemp("hello"), base_like_model_dir)
+    train(load_config(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def new_tokens_hello_run(tmp_path_factory, foreign_base_dir, foreign_template) -> str:
+    """The config path of a finished ``hello_config`` run with a foreign template whose markers are not tokens of
+    the vocabulary, added by ``model.new_tokens: auto`` (the untied base with no spare rows: its embeddings grow);
+    20 steps teach it "Hello!" and the new end marker."""
+    from qlora_train.config import load_config
+    from qlora_train.train.run import train
+
+    model = {"chat_template": str(foreign_template), "chat_template_kwargs": {}, "new_tokens": "auto"}
+    path = hello_config(tmp_path_factory.mktemp("hello-new-tokens"), foreign_base_dir, model, max_steps=20,
+                        save_steps=20, gradient_checkpointing=False)
     train(load_config(path))
     return path

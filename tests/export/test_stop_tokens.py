@@ -89,3 +89,16 @@ def test_answer_drops_the_stop_token_or_string_and_says_whether_it_stopped(qwen3
     end = plain.encode(" ###END", add_special_tokens=False)
     model = ChatModel(ScriptedModel([*ids, *end]), plain, gen, "scripted")
     assert answer(model, [{"role": "user", "content": "hi"}]) == Answer("Hello! ", (*ids, *end), True)
+
+
+def test_a_new_end_marker_token_is_stopped_at_by_id(qwen_tokenizer_dir, foreign_template):
+    """With its markers plain text the foreign template's end marker is a stop string; once model.new_tokens
+    adds it, a stop id, first in the list."""
+    from qlora_train.config import ModelConfig
+    from qlora_train.tokenizer import load_tokenizer
+
+    cfg = ModelConfig(name_or_path=str(qwen_tokenizer_dir), chat_template=str(foreign_template))
+    plain = load_tokenizer(cfg)
+    assert stop_tokens(plain) == ((plain.eos_token_id,), ("<|turn_close|>",))
+    tok = load_tokenizer(cfg.model_copy(update={"new_tokens": "auto"}))
+    assert stop_tokens(tok) == ((tok.convert_tokens_to_ids("<|turn_close|>"), tok.eos_token_id), ())

@@ -77,7 +77,7 @@ def test_packing_support_is_checked_from_the_model_config_before_the_data_or_any
 
     Qwen3Config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]).save_pretrained(tmp_path)
     loaded = []
-    for name in ("load_tokenizer", "training_data", "load_model"):
+    for name in ("load_tokenizer_with_new_tokens", "training_data", "load_model"):
         monkeypatch.setattr(run, name, lambda *a, name=name, **k: loaded.append(name))
     cfg = Config.model_validate({"model": {"name_or_path": str(tmp_path)}, "data": {"max_length": 64},
                                  "train": {"report_to": "none", "packing": True, "output_dir": str(tmp_path / "o")}})

@@ -154,6 +154,35 @@ def test_tied_head_weight_gets_the_same_gradient(tiny_model_dir, examples):
     assert_loss_and_tensor_close(default, fused)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_trainable_token_rows_get_the_same_gradient(tiny_model_dir, foreign_base_dir, examples, tied):
+    """model.new_tokens: peft's trainable tokens wrap the head (its own rows, or tied to the embedding's); the
+    fused path computes with the wrapper's weight, the head's with the trained rows put in, so the rows and
+    LoRA get the same gradients as on the default path."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from qlora_train.train.model import fit_embeddings, trainable_token_indices
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir if tied else foreign_base_dir, dtype=torch.float32)
+    new = [151669, 151670]
+    fit_embeddings(base, 151671, {new[0]: [27, 91], new[1]: [29]})
+    indices = trainable_token_indices(base, new)
+    assert indices == (new if tied else {"embed_tokens": new, "lm_head": new})
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                                            init_lora_weights=False, trainable_token_indices=indices,
+                                            task_type="CAUSAL_LM"))
+    batch = padded_batches(examples)[0]
+    trained = (batch["labels"] != IGNORE_INDEX).nonzero()
+    batch["input_ids"][0, 1] = new[0]  # read and written: both rows get gradients in both matrices
+    batch["labels"][tuple(trained[:4].t())] = torch.tensor([new[1], new[0], new[1], new[1]])
+    default, fused = run_steps(model, [batch], None), run_steps(fused_copy(model), [batch], None)
+    rows = [n for n in default[1] if "trainable_tokens" in n]
+    assert len(rows) == (1 if tied else 2) and all(default[1][n].norm() > 0 for n in rows)
+    assert_loss_and_tensor_close(default, fused)
+
+
 def assert_loss_and_tensor_close(default, fused):
     (d_losses, d_grads), (f_losses, f_grads) = default, fused
     assert abs(f_losses[0] - d_losses[0]) <= REL * abs(d_losses[0])
