@@ -165,6 +165,31 @@ def _first_piece(text: str, added: list[str]) -> str:
     return parts[0] if parts else ""
 
 
+_MARKER_SHAPE = re.compile(r"<[^<>\s]+>|\[[^\[\]\s]+\]")  # '<|observation|>', '[TOOL_RESULTS]'
+
+
+def _split_at_markers(piece: str) -> list[str]:
+    """A plain-text piece split as added tokens would split it: its bracketed markers and the runs between
+    (``user<|role_end|>`` -> ``['user', '<|role_end|>']``)."""
+    out, at = [], 0
+    for m in _MARKER_SHAPE.finditer(piece):
+        out += [x for x in (piece[at:m.start()], m.group(0)) if x]
+        at = m.end()
+    return out + ([piece[at:]] if piece[at:] else [])
+
+
+def _opening_marker(text: str, added: list[str]) -> str:
+    """The piece ``text`` opens with, plain-text markers split off (``<|start|>`` of ``<|start|>user<|message|>``)."""
+    first = _first_piece(text, added)
+    return first if first in added else next(iter(_split_at_markers(first)), first)
+
+
+def _closing_marker(text: str, added: list[str]) -> str:
+    """The piece ``text`` ends with, plain-text markers split off (``<|call|>`` of ``"}<|call|>``)."""
+    last = _last_piece(text, added)
+    return last if last in added else (_split_at_markers(last) or [last])[-1]
+
+
 def _snap(text: str, n: int, added: list[str]) -> int:
     """The last piece boundary of ``text`` at or before ``n`` (a shared prefix may end inside a token)."""
     at = 0
@@ -295,7 +320,8 @@ def _generated_lead(lead: str, think_open: str, think_close: str, answer_open: s
 
 def _markup_tail(tail: str, added: list[str]) -> str:
     """The opener in the prompt-side text after a probe message: past the probe's own strings (a tool call id
-    the template echoes), and, when it ends in added tokens, just those (``[/TOOL_RESULTS]``)."""
+    the template echoes), and, when it ends in added tokens, just those (``[/TOOL_RESULTS]``); as plain text,
+    from its first marker when only punctuation stands before it."""
     for probe in (_CALL_ID, "qlora_probe", _ARG):
         k = tail.rfind(probe)
         if k >= 0:
@@ -305,7 +331,11 @@ def _markup_tail(tail: str, added: list[str]) -> str:
     while n and (parts[n - 1] in added or not parts[n - 1].strip(_WS)):
         n -= 1
     markup = "".join(parts[n:]).lstrip(_WS)
-    return markup if any(p in added for p in parts[n:]) else tail.lstrip(_WS)
+    if any(p in added for p in parts[n:]):
+        return markup
+    tail = tail.lstrip(_WS)  # plain-text markers: less what closes the probe's text (``"}`` of a JSON result)
+    split = _split_at_markers(tail)
+    return tail[len(split[0]):] if len(split) > 1 and not any(c.isalnum() or c in _WS for c in split[0]) else tail
 
 
 class _CallStyle(NamedTuple):
@@ -356,7 +386,8 @@ def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], n
 
     harmony closes it with ``<|call|>``; GLM writes nothing after the calls (``</tool_call>`` closes each call,
     not the turn) and the model stops by writing the tool result's opener, ``<|observation|>``. A piece that
-    follows every call of a two-call turn closes a call, not the turn.
+    follows every call of a two-call turn closes a call, not the turn. The opener is an added token, or, where
+    the markers there are plain text, a whole bracketed marker (``<|observation|>`` as several tokens).
     """
     last = _try(tokenizer, user + [style.call("qlora_probe")], tools=[_PROBE_TOOL]) if style else None
     if last is None:
@@ -366,11 +397,11 @@ def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], n
     if any(m in after for m in known):
         return None
     two = _try(tokenizer, user + [style.call("qlora_probe", "qlora_probe")], tools=[_PROBE_TOOL])
-    end = _last_piece(after, added)
+    end = _closing_marker(after, added)
     closer = None
     if two is not None and two.count(_ARG) == 2 and end in two[two.index(_ARG) + len(_ARG):two.rindex(_ARG)]:
         closer = end  # it follows the first call too: it closes a call
-    if end in added and end != closer:
+    if end != closer and (end in added or _MARKER_SHAPE.fullmatch(end)):
         return end
     result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
     mid = _try(tokenizer, user + [style.call("qlora_probe"), result], tools=[_PROBE_TOOL])
@@ -379,7 +410,10 @@ def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], n
     rest = mid[mid.rindex(_ARG) + len(_ARG):mid.rindex(_TOOL_RESULT)]
     rest = rest[rest.find(closer) + len(closer):] if closer and closer in rest else rest
     opener = _first_piece(rest, added)
-    return opener if opener in added else None
+    if opener in added:
+        return opener
+    plain = not any(p in added for p in pieces(rest, added))  # markers that are plain text: a whole one
+    return opener if plain and _MARKER_SHAPE.fullmatch(opener) else None
 
 
 def _template_key(tokenizer) -> str:
@@ -506,7 +540,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
         a1 = two.index(_ANSWER) + len(_ANSWER)
         mid = two[a1:two.index(_USER2, a1)]
         after_last = two[two.rindex(_ANSWER2) + len(_ANSWER2):]
-        user_open = _first_piece(user_text, added)
+        user_open = _opening_marker(user_text, added)
         known = _known_end(mid, head, user_text) or _end_before_header(tokenizer, user, header, lead)
         if known and after_last.lstrip(_WS).startswith(known):
             markers = [known]
@@ -515,7 +549,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
             if known and known not in markers:
                 markers = [known] + [m for m in markers if not m.startswith(known)]
     else:
-        user_open = _first_piece(user_text, added)
+        user_open = _opening_marker(user_text, added)
     trailer = _trailer(plain, prompted, full, two or "", markers)
     if trailer:  # the header every render ends with opens every answer
         header, found = trailer, [(trailer, lead)]

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows
+from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows, template_layout
 from tests.data.conversations import conversation
 from tests.data.families import FAMILIES, ISSUE24_NAMES, example_messages, family_tokenizer
 from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle
@@ -109,6 +109,27 @@ def test_every_family_with_its_markers_as_plain_text(tokenizers, name):
     kind = assert_matches_the_oracle(tokenizers(name, "llama3 text"), example_messages(name), None,
                                      end_markers=fam.end_markers, think_open=fam.think_open)
     assert kind != REFUSE
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_probe_finds_the_same_layout_whether_markers_are_tokens_or_plain_text(tokenizers, name):
+    """Issue 24, point 1: layout facts do not depend on how the tokenizer splits the markers. Regressions:
+    GLM 4.5's ``<|observation|>`` and harmony's ``<|call|>`` (what ends a tool-call turn) were found only as
+    added tokens, so as plain text a call turn's end marker went untrained, or ran on into the tool result."""
+    plain, tokens = (template_layout(tokenizers(name, v)) for v in ("llama3 text", "llama3+tok"))
+    assert plain == tokens
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_a_call_turn_ends_at_its_own_marker_with_the_markers_as_plain_text(tokenizers, vocab):
+    """GLM 4.5 writes nothing after a call; the model stops by writing ``<|observation|>``, which is trained
+    (its first token may hold the call's last '>'); the tool result after it never is."""
+    tok = tokenizers("glm4.5", vocab)
+    row = engine_row(tok, ISSUE_ROW[:1] + [{**ISSUE_ROW[1], "content": "let me add."}] + ISSUE_ROW[2:], ADD)
+    assert not row["drop_reason"], row["drop_detail"]
+    trained = tok.decode([i for i, lab in zip(row["input_ids"], row["labels"]) if lab != IGNORE_INDEX])
+    assert "</tool_call><|observation|>" in trained
+    assert "1220\n" not in trained and "tool_response" not in trained
 
 
 ISSUE_ROW = [{"role": "user", "content": "Please add 623 and 597."},
