@@ -53,6 +53,14 @@ class DropReason:
     DUPLICATE = "duplicate"
     INVALID_UNICODE = "invalid_unicode"
     TOO_LONG = "too_long"
+    # preference pairs (data/pairs.py)
+    PAIR_MISSING_SIDE = "pair_missing_side"
+    UNPAIRED_PREFERENCE = "unpaired_preference"
+    PAIR_BAD_PROMPT = "pair_bad_prompt"
+    PAIR_EMPTY_RESPONSE = "pair_empty_response"
+    PAIR_BAD_RESPONSE = "pair_bad_response"
+    PAIR_IDENTICAL = "pair_identical"
+    PAIR_PROMPT_DIFFERS = "pair_prompt_differs"
 
 
 # Drops the user asked for (``on_too_long: drop``, ``dedup``, ``min_chars``/``max_chars``):
