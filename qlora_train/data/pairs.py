@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from qlora_train.config import DataConfig
-from qlora_train.data.messages import DropReason, Message, RowRejected
+from qlora_train.data.messages import DropReason, Message, RowRejected, check_unicode
 from qlora_train.data.parse import (
     ParseReport,
     canonical_messages,
@@ -321,7 +321,9 @@ def build_preference_example(
 
 def _render_side(side: str, messages: list[Message], tokenizer, tools, policy: LossPolicy) -> RenderedConversation:
     try:
-        return render_conversation(messages, tokenizer, tools=tools, policy=policy)
+        rendered = render_conversation(messages, tokenizer, tools=tools, policy=policy)
+        check_unicode(rendered.text, rendered.message_ends)
+        return rendered
     except RowRejected as rej:
         raise RowRejected(rej.reason, f"{side}: {rej.detail} (messages counted over prompt + response)") from None
 

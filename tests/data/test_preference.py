@@ -176,6 +176,14 @@ def test_a_side_the_mask_check_refuses_names_the_side(qwen3_tok):
                                      "text) (messages counted over prompt + response)")
 
 
+def test_a_lone_surrogate_is_refused_not_a_crash(qwen3_tok):
+    with pytest.raises(RowRejected) as err:
+        build_preference_example([U], [A4], [{"role": "assistant", "content": "a\ud800"}], qwen3_tok)
+    assert (err.value.reason, err.value.detail) == (
+        "invalid_unicode", "rejected: messages[1]: lone surrogate '\\ud800' at character 82 of the render (messages "
+        "counted over prompt + response)")
+
+
 def test_max_length_refuses_a_long_side(qwen3_tok):
     with pytest.raises(RowRejected) as err:
         build_preference_example([U], [A4], [{"role": "assistant", "content": "five " * 40}], qwen3_tok, max_length=30)
