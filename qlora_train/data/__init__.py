@@ -17,6 +17,9 @@ offsets, and a processed row whose columns ``processed.PROCESSED_ROW`` defines):
     3 tokenize.encode_batch           one batched tokenizer call per batch; offsets project the char mask
     4 truncate.structured_truncate_messages   fit max_length, keep system + latest exchange
       tokenize.make_labels            the one place labels are made
+    pairs.canonicalize_pair           a preference row -> prompt, chosen and rejected Messages (parse's normalisation)
+    pairs.build_preference_example    prompt + two responses -> two sides, each SFT's render, walk and labels, and
+                                      the prompt's tokens checked shared
     pipeline.process_rows             stages 1-4 for a batch of rows -> processed rows (processed.PROCESSED_ROW)
     dataset.build_datasets            per-source processing, dedup, blocks, eval split, mixing, report
     packing.pack_dataset              optional: whole examples into max_length sequences (best fit decreasing)
@@ -36,6 +39,8 @@ _EXPORTS = {
     "IGNORE_INDEX": "qlora_train.data.tokenize", "make_labels": "qlora_train.data.tokenize",
     "tokenize_with_char_mask": "qlora_train.data.tokenize", "TruncationResult": "qlora_train.data.truncate",
     "structured_truncate_messages": "qlora_train.data.truncate", "LossPolicy": "qlora_train.data.policy",
+    "CanonicalPair": "qlora_train.data.pairs", "build_preference_example": "qlora_train.data.pairs",
+    "canonicalize_pair": "qlora_train.data.pairs",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -13,7 +13,9 @@ the row has them. ``train`` is decided once, by the parse stage
 
 from __future__ import annotations
 
+import bisect
 import json
+import re
 from typing import Any, NotRequired, TypedDict
 
 from qlora_train.errors import DataError
@@ -53,6 +55,14 @@ class DropReason:
     DUPLICATE = "duplicate"
     INVALID_UNICODE = "invalid_unicode"
     TOO_LONG = "too_long"
+    # preference pairs (data/pairs.py)
+    PAIR_MISSING_SIDE = "pair_missing_side"
+    UNPAIRED_PREFERENCE = "unpaired_preference"
+    PAIR_BAD_PROMPT = "pair_bad_prompt"
+    PAIR_EMPTY_RESPONSE = "pair_empty_response"
+    PAIR_BAD_RESPONSE = "pair_bad_response"
+    PAIR_IDENTICAL = "pair_identical"
+    PAIR_PROMPT_DIFFERS = "pair_prompt_differs"
 
 
 # Drops the user asked for (``on_too_long: drop``, ``dedup``, ``min_chars``/``max_chars``):
@@ -87,3 +97,23 @@ def argument_values(call: dict) -> list[str]:
         return []
     return [v if isinstance(v, str) else json.dumps(v) for v in args.values()
             if isinstance(v, (str, int, float, bool)) and (not isinstance(v, str) or v.strip())]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str, message_ends: list[int] | None = None) -> None:
+    """Refuse text holding a lone surrogate (a broken escape or undecodable bytes): no tokenizer can encode it.
+
+    ``message_ends`` (a render's) name the message it is in.
+    """
+    m = _SURROGATE.search(text)
+    if m is None:
+        return
+    if message_ends is None:
+        part = "text"
+    else:
+        k = bisect.bisect_left(message_ends, m.start() + 1)  # first message whose part ends after it
+        part = f"messages[{k}]" if k < len(message_ends) else "tools or template text"
+    raise RowRejected(DropReason.INVALID_UNICODE,
+                      f"{part}: lone surrogate {m.group()!a} at character {m.start()} of the render")

@@ -158,7 +158,7 @@ def resolve_schema(row: dict | list, cfg: DataConfig) -> str:
     return "text" if cfg.dataset_schema == "completion" else cfg.dataset_schema
 
 
-def _text(value: Any, where: str) -> str:
+def content_text(value: Any, where: str) -> str:
     """Message content -> str. Lists of text parts are joined; dicts become JSON."""
     if value is None:
         return ""
@@ -218,10 +218,10 @@ def _fill(fmt: str, instruction: str, inp: str) -> str:
     return fmt.replace("{instruction}", instruction).replace("{input}", inp)
 
 
-def _alpaca_prompt(row: dict, cfg: DataConfig) -> str:
+def instruction_prompt(row: dict, cfg: DataConfig) -> str:
     """instruction + optional input -> the user turn text (``format`` / ``no_input_format``)."""
-    instruction = _text(row.get("instruction"), "field 'instruction'")
-    inp = _text(row.get("input"), "field 'input'")
+    instruction = content_text(row.get("instruction"), "field 'instruction'")
+    inp = content_text(row.get("input"), "field 'input'")
     if inp.strip():
         return _fill(cfg.format, instruction, inp) if cfg.format else f"{instruction}\n\n{inp}"
     fmt = cfg.no_input_format or cfg.format
@@ -238,7 +238,7 @@ def _raw_messages(row: dict, schema: str, cfg: DataConfig) -> list[dict]:
         if "instruction" not in row or "output" not in row:
             raise RowRejected(DropReason.UNKNOWN_SCHEMA,
                               f"alpaca needs 'instruction' and 'output', got {sorted(row)[:8]}")
-        prompt, response = _alpaca_prompt(row, cfg), row["output"]
+        prompt, response = instruction_prompt(row, cfg), row["output"]
     else:
         prompt_key = next((k for k in PROMPT_KEYS if k in row), None)
         response_key = next((k for k in RESPONSE_KEYS if k in row), None)
@@ -316,7 +316,9 @@ def _message(raw: Any, i: int, rules: _MessageRules, report: ParseReport) -> Mes
         raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: missing role (key '{rules.props[style]['role']}')")
     if rules.aliases:
         role = rules.aliases.get(role.lower(), role)
-    msg: Message = {"role": role, "content": content if isinstance(content, str) else _text(content, f"messages[{i}]")}
+    if not isinstance(content, str):
+        content = content_text(content, f"messages[{i}]")
+    msg: Message = {"role": role, "content": content}
     if role not in KNOWN_ROLES:
         _count(report.unknown_roles, role)
         if role not in _warned_roles:
@@ -349,7 +351,8 @@ def _message(raw: Any, i: int, rules: _MessageRules, report: ParseReport) -> Mes
     return msg
 
 
-def _tools(row: dict, cfg: DataConfig, report: ParseReport) -> list[dict] | None:
+def row_tools(row: dict, cfg: DataConfig, report: ParseReport) -> list[dict] | None:
+    """The row's tools: the first non-empty column of ``cfg.tools_columns`` (a JSON string is parsed)."""
     for column in cfg.tools_columns:
         value = row.get(column)
         if value is None or value == "" or value == []:
@@ -401,7 +404,35 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"no known schema among keys {sorted(row)[:8]}")
     if schema not in CHAT_SCHEMAS:
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"schema {schema!r} is template-free: it has no messages")
-    raw = _raw_messages(row, schema, cfg)
+    messages = canonical_messages(_raw_messages(row, schema, cfg), cfg, report, schema=schema, tokenizer=tokenizer)
+    messages = (policy or LossPolicy.of(cfg)).mark(messages)
+    trained = [i for i, m in enumerate(messages) if m["train"]]
+    if not trained:
+        rule = f"mask rules {cfg.mask}" if cfg.mask is not None else f"a role in {list(cfg.assistant_roles)}"
+        raise RowRejected(DropReason.NO_ASSISTANT_TURN, f"no trained message ({rule})")
+    for i in trained:
+        m = messages[i]
+        if not m["content"].strip() and not m.get("tool_calls") and not m.get("reasoning_content"):
+            raise RowRejected(DropReason.EMPTY_ASSISTANT, f"messages[{i}]: empty {m['role']} turn without tool calls")
+    tools = row_tools(row, cfg, report)
+    return CanonicalRow(messages=messages, tools=tools, report=report)
+
+
+def canonical_messages(raw: list, cfg: DataConfig, report: ParseReport, *, schema: str = "messages",
+                       tokenizer=None) -> list[Message]:
+    """A row's raw message list -> canonical Messages, not yet marked (no ``train`` flag unless a message's
+    own ``training`` / ``weight`` sets one).
+
+    Message keys and roles mapped (``message_property_mappings``, ``roles``, ShareGPT's names under
+    ``schema='sharegpt'``), content made text, reasoning keys moved into ``reasoning_content``, inline
+    ``<think>`` blocks extracted, tool calls normalised, then ``think_mode`` / ``think_max_tokens`` applied
+    (the latter needs ``tokenizer``). What the row's messages and a preference pair's prompt and responses
+    (``pairs.canonicalize_pair``) both go through.
+
+        >>> canonical_messages([{"from": "gpt", "value": "<think>r</think>a"}], DataConfig(), ParseReport(),
+        ...                    schema="sharegpt")
+        [{'role': 'assistant', 'content': 'a', 'reasoning_content': 'r'}]
+    """
     rules = _MessageRules.of(schema, cfg)
     messages = [_message(m, i, rules, report) for i, m in enumerate(raw)]
     if cfg.think_mode == "drop":
@@ -417,14 +448,4 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
                 if capped != m["reasoning_content"]:
                     m["reasoning_content"] = capped
                     report.think_capped_messages += 1
-    messages = (policy or LossPolicy.of(cfg)).mark(messages)
-    trained = [i for i, m in enumerate(messages) if m["train"]]
-    if not trained:
-        rule = f"mask rules {cfg.mask}" if cfg.mask is not None else f"a role in {list(cfg.assistant_roles)}"
-        raise RowRejected(DropReason.NO_ASSISTANT_TURN, f"no trained message ({rule})")
-    for i in trained:
-        m = messages[i]
-        if not m["content"].strip() and not m.get("tool_calls") and not m.get("reasoning_content"):
-            raise RowRejected(DropReason.EMPTY_ASSISTANT, f"messages[{i}]: empty {m['role']} turn without tool calls")
-    tools = _tools(row, cfg, report)
-    return CanonicalRow(messages=messages, tools=tools, report=report)
+    return messages

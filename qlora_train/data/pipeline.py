@@ -16,10 +16,8 @@ keep all their tokens here (``formats.split_into_blocks`` cuts them later).
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
-import re
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -35,7 +33,7 @@ from qlora_train.data.formats import (
     token_offsets,
 )
 from qlora_train.data.layout import template_layout, tool_block
-from qlora_train.data.messages import DropReason, RowRejected
+from qlora_train.data.messages import DropReason, RowRejected, check_unicode
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
 from qlora_train.data.policy import LossPolicy
 from qlora_train.data.processed import OUTPUT_COLUMNS, empty_output
@@ -81,26 +79,6 @@ def guarded(stage, *args, **kwargs):
         raise
     except Exception as exc:  # a bug or an input nobody foresaw: counted with its location, not fatal
         raise RowRejected(DropReason.BAD_ROW, f"unexpected {describe_exception(exc)}") from exc
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def check_unicode(text: str, message_ends: list[int] | None = None) -> None:
-    """Refuse text holding a lone surrogate (a broken escape or undecodable bytes): no tokenizer can encode it.
-
-    ``message_ends`` (a render's) name the message it is in.
-    """
-    m = _SURROGATE.search(text)
-    if m is None:
-        return
-    if message_ends is None:
-        part = "text"
-    else:
-        k = bisect.bisect_left(message_ends, m.start() + 1)  # first message whose part ends after it
-        part = f"messages[{k}]" if k < len(message_ends) else "tools or template text"
-    raise RowRejected(DropReason.INVALID_UNICODE,
-                      f"{part}: lone surrogate {m.group()!a} at character {m.start()} of the render")
 
 
 def _encode_each(texts: list[str], tokenizer) -> list[tuple[list[int], np.ndarray] | RowRejected]:

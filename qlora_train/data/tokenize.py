@@ -79,6 +79,12 @@ class OffsetArray:
         lo, hi = np.searchsorted(self.array[:, 0], (a, b))
         return int(hi - lo)
 
+    def tokens_before(self, pos: int, n_chars: int) -> tuple[int, int]:
+        """``(tokens wholly before pos, tokens starting before pos)``: they differ by one where a token
+        straddles ``pos``."""
+        starting = int(np.searchsorted(self.array[:, 0], pos, "left"))
+        return starting - int(starting > 0 and self.array[starting - 1, 1] > pos), starting
+
     def project(self, char_mask: np.ndarray) -> TokenMask:
         starts, ends = self.array[:, 0], self.array[:, 1]
         if len(char_mask) == 0:
@@ -120,6 +126,15 @@ class EncodingOffsets:
             return self._first_starting_at(b, n_chars) - self._first_starting_at(a, n_chars)
         except _Uncovered:
             return OffsetArray.from_pairs(self.encoding.offsets).count_starting_in(a, b, n_chars)
+
+    def tokens_before(self, pos: int, n_chars: int) -> tuple[int, int]:
+        """``(tokens wholly before pos, tokens starting before pos)``: they differ by one where a token
+        straddles ``pos``."""
+        try:
+            starting = self._first_starting_at(pos, n_chars)
+        except _Uncovered:
+            return OffsetArray.from_pairs(self.encoding.offsets).tokens_before(pos, n_chars)
+        return starting - int(starting > 0 and self.encoding.token_to_chars(starting - 1)[1] > pos), starting
 
     def _first_starting_at(self, pos: int, n_chars: int) -> int:
         """Index of the first token whose start is >= ``pos`` (``n`` when none)."""
