@@ -89,9 +89,10 @@ def generated_part(renders: PrefixRenderer, i: int, layout: TemplateLayout) -> t
     if start < len(prompt):  # the generation prompt writes text the turn does not: the shared part may run on
         alt = renders.render(i, False, _shifted(renders.messages[i]))  # into the turn's own first characters
         start = min(start, _common_prefix(q, alt))
-    opened = prompt.rfind(layout.think_open, 0, start) if layout.think_open else -1
-    if opened >= 0 and not prompt[opened + len(layout.think_open):].strip(_WS):
-        start = opened  # the generation prompt ends by opening a reasoning block: the block is trained
+    opened = prompt.rfind(layout.think_open) if layout.think_open else -1
+    if 0 <= opened <= start and not prompt[opened + len(layout.think_open):].strip(_WS):
+        start = opened  # the generation prompt ends by opening a reasoning block: the block is trained (also when
+        # the shared part ends inside the opener: '<think>' and the turn's '<｜tool▁calls▁begin｜>' share '<')
     end = len(q)
     if layout.trailer and q.endswith(layout.trailer) and end - len(layout.trailer) >= start:
         end -= len(layout.trailer)
@@ -173,17 +174,50 @@ def _own_parts(q: str, msg: Message, i: int, start: int, end: int, reasoning: tu
                layout: TemplateLayout) -> tuple[tuple[int, int] | None, int, list[tuple[int, int]]]:
     """The turn's content and each call's name (its argument values after it), in order after its reasoning ->
     ``(reasoning, body_start, own spans)``: the own spans run from the reasoning (or content) to the end of the
-    last call's name."""
+    last call's name (or of the content, where the template writes the calls first: DeepSeek R1's distills)."""
     at = reasoning[1] if reasoning else start
-    own = []  # where the content and each call's name are written
     content = msg["content"].strip(_WS)
-    if content:
-        c, at_end = _find_content(q, content, at, end, layout) if not msg.get("tool_calls") else _find_in(
-            q, content, at, end)
-        if c < 0:
-            raise _unverified(i, "content not found in the turn's generated part (the template changes it)")
-        own.append(c)
-        at = at_end
+    try:
+        own, at = _content(q, msg, i, at, end, layout, calls_after=True)
+        names, at = _calls(q, msg, i, at, end)
+        own += names
+    except RowRejected as rej:
+        if not (content and msg.get("tool_calls")):
+            raise
+        try:  # the calls written before the content
+            own, at = _calls(q, msg, i, reasoning[1] if reasoning else start, end)
+            written, at = _content(q, msg, i, at, end, layout, calls_after=False)
+            own += written
+        except RowRejected:
+            raise rej from None
+    spans = ([reasoning] if reasoning else []) + ([(own[0], at)] if own else [])
+    if not reasoning:
+        return None, start, spans
+    # the answer starts after the reasoning block's close (when the layout knows it), else where its text does
+    close = q.find(layout.think_close, reasoning[1], own[0] if own else end) if layout.think_close else -1
+    body = close + len(layout.think_close) if close >= 0 else (own[0] if own else reasoning[1])
+    while body < end and q[body] in _WS:
+        body += 1
+    return reasoning, body, spans
+
+
+def _content(q: str, msg: Message, i: int, at: int, end: int, layout: TemplateLayout, *, calls_after: bool
+             ) -> tuple[list[int], int]:
+    """Where the turn's content is written in ``q[at:end]`` -> ``([its start] or [], where it ends)``."""
+    content = msg["content"].strip(_WS)
+    if not content:
+        return [], at
+    c, c_end = _find_content(q, content, at, end, layout) if not (calls_after and msg.get("tool_calls")) else (
+        _find_in(q, content, at, end))
+    if c < 0:
+        raise _unverified(i, "content not found in the turn's generated part (the template changes it)")
+    return [c], c_end
+
+
+def _calls(q: str, msg: Message, i: int, at: int, end: int) -> tuple[list[int], int]:
+    """Where each call's name is written in ``q[at:end]``, in order, its argument values after it -> ``(the
+    names' starts, the end of the last name)``."""
+    own = []
     for call in msg.get("tool_calls") or []:
         name = call["function"]["name"]
         k = q.find(name, at, end)
@@ -194,15 +228,7 @@ def _own_parts(q: str, msg: Message, i: int, start: int, end: int, reasoning: tu
         missing = next((v for v in argument_values(call) if _find_in(q, v, at, end)[0] < 0), None)
         if missing is not None:
             raise _unverified(i, f"tool call {name!r}: argument {missing!r} not written in its turn")
-    spans = ([reasoning] if reasoning else []) + ([(own[0], at)] if own else [])
-    if not reasoning:
-        return None, start, spans
-    # the answer starts after the reasoning block's close (when the layout knows it), else where its text does
-    close = q.find(layout.think_close, reasoning[1], own[0] if own else end) if layout.think_close else -1
-    body = close + len(layout.think_close) if close >= 0 else (own[0] if own else reasoning[1])
-    while body < end and q[body] in _WS:
-        body += 1
-    return reasoning, body, spans
+    return own, at
 
 
 def _end_marker_at(q: str, at: int, end: int, layout: TemplateLayout) -> int | None:

@@ -103,3 +103,28 @@ def test_a_tool_result_written_inside_the_answer_is_never_trained(make_tok):
             {"role": "tool", "content": "RESULT"}, {"role": "assistant", "content": "RESULT is 5"}]
     r = render_by_prefixes(mark(msgs), tok)
     assert trained(r) == ["calling<|endoftext|>", "RESULT is 5<|endoftext|>"]  # the answer may quote it
+
+
+# a turn's calls in a block of their own before its content, which opens a new header (DeepSeek R1's distills
+# do this); the generation prompt opens a reasoning block whose first character the calls block shares ('<')
+CALLS_FIRST = ("{% for m in messages %}{% if m.role == 'user' %}{{ '<|U|>' + m.content }}"
+               "{% elif m.role == 'tool' %}{{ '<|R|>' + m.content + '<|/R|>' }}"
+               "{% else %}{{ '<|A|>' }}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+               "{{ '<calls>' + c.function.name + ' ' + (c.function.arguments | tojson) + '</calls>' }}{% endfor %}"
+               "{{ '<|end|>' }}{% if m.content %}{{ '<|A|>' }}{% endif %}{% endif %}"
+               "{{ m.content + '<|end|>' }}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|A|><think>\\n' }}{% endif %}")
+
+
+def test_calls_written_before_the_content_and_a_block_sharing_the_prompts_first_character(make_tok):
+    """Regressions from held-out DeepSeek R1 distills: a call turn with content was refused ('tool call not
+    written in its turn': the calls were looked for only after the content), and a call turn's first character
+    ('<' of '<calls>', shared with the generation prompt's '<think>') went untrained."""
+    tok = make_tok(CALLS_FIRST)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}, "id": "c1"}
+    convo = [{"role": "user", "content": "Add 2."}, {"role": "assistant", "content": "let me check.",
+                                                     "tool_calls": [call]},
+             {"role": "tool", "content": "2", "tool_call_id": "c1"}, {"role": "assistant", "content": "It is 2."}]
+    r = render_conversation(mark(convo), tok)
+    assert r.verified_by == "prefix_renders"
+    assert trained(r) == ['<calls>add {"a": 2}</calls><|end|><|A|>let me check.<|end|>', "It is 2.<|end|>"]
