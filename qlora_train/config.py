@@ -241,6 +241,10 @@ class DataConfig(_Section):
         weighted = [s.weight is not None for s in self.datasets]
         if any(weighted) and not all(weighted):
             raise ValueError("datasets: set `weight` on every source or on none")
+        if self.objective == "preference" and (self.dataset_schema != "auto" or any(
+                s.dataset_schema not in (None, "auto") for s in self.datasets + self.eval_datasets)):
+            raise ValueError("dataset_schema: names an SFT row schema, but with objective: preference every row is "
+                             "read as a pair (docs/preference.md formats): leave dataset_schema unset")
         if self.min_score_margin is not None and self.objective != "preference":
             raise ValueError("min_score_margin: filters preference pairs; set objective: preference (or unset it)")
         return self

@@ -206,6 +206,20 @@ def test_preference_config_refuses_packing_and_a_margin_without_pairs(tmp_path, 
         load_config(path, ["data.objective=sft", "data.min_score_margin=1"])
     with pytest.raises(ConfigError, match="data.objective"):
         load_config(path, ["data.objective=dpo"])
+    with pytest.raises(ConfigError, match="data.dataset_schema: names an SFT row schema"):
+        load_config(path, ["data.datasets=[{path: x.jsonl, schema: messages}]"])
+
+
+def test_an_unexpected_error_in_a_pair_stage_is_a_bad_row_with_its_location(qwen3_tok, monkeypatch):
+    from qlora_train.data import pipeline
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(pipeline, "fit_pair", broken)
+    out = process_rows([GOOD[0]], qwen3_tok, DataConfig(objective="preference"), locations=["f:1"])
+    assert out["drop_reason"] == [DropReason.BAD_ROW]
+    assert out["drop_detail"] == ["f:1: unexpected ValueError: a bug"]
 
 
 def test_stats_only_and_debug_samples_on_pairs_through_the_cli(tmp_path, qwen_tokenizer_dir, pairs_file, capsys):
