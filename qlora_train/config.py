@@ -32,6 +32,7 @@ SCHEMAS = ("auto", "messages", "sharegpt", "prompt_response", "alpaca", "segment
 SchemaName = Literal["auto", "messages", "sharegpt", "prompt_response", "alpaca", "segments", "pretokenized",
                      "text", "completion"]
 MaskRule = Literal["train", "mask"]
+Objective = Literal["sft", "preference"]  # data.objective: what a row is
 # DatasetSource keys that override the data-level value of the same name for that source's rows
 FORMAT_OVERRIDES = ("dataset_schema", "messages_field", "message_property_mappings", "roles", "field_mappings",
                     "format", "no_input_format")
@@ -107,6 +108,15 @@ class DataConfig(_Section):
     """Dataset settings (the ``data:`` section)."""
 
     datasets: list[DatasetSource] = Field(default_factory=list, description="Training data sources.")
+    objective: Objective = Field(
+        "sft", description="What a row is: `sft`, a conversation (or template-free row) to imitate; `preference`, "
+        "a pair of responses to one prompt (`chosen`/`rejected` in any of the formats of docs/preference.md), "
+        "each side rendered and masked as SFT would, both sides sharing the prompt. Applies to every source.",
+    )
+    min_score_margin: float | None = Field(
+        None, description="With `objective: preference`: drop pairs whose `score_chosen - score_rejected` is below "
+        "this (reason `below_score_margin`, also pairs without both scores).",
+    )
     eval_datasets: list[DatasetSource] = Field(
         default_factory=list, description="Evaluation sources (instead of `eval_fraction`), concatenated."
     )
@@ -231,6 +241,12 @@ class DataConfig(_Section):
         weighted = [s.weight is not None for s in self.datasets]
         if any(weighted) and not all(weighted):
             raise ValueError("datasets: set `weight` on every source or on none")
+        if self.objective == "preference" and (self.dataset_schema != "auto" or any(
+                s.dataset_schema not in (None, "auto") for s in self.datasets + self.eval_datasets)):
+            raise ValueError("dataset_schema: names an SFT row schema, but with objective: preference every row is "
+                             "read as a pair (docs/preference.md formats): leave dataset_schema unset")
+        if self.min_score_margin is not None and self.objective != "preference":
+            raise ValueError("min_score_margin: filters preference pairs; set objective: preference (or unset it)")
         return self
 
 
@@ -387,6 +403,16 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
 
+    @model_validator(mode="after")
+    def _check_preference_data(self) -> Config:
+        if self.data.objective == "preference" and self.train.packing:
+            raise ValueError("train.packing: preference pairs are not packed (each pair is two whole sequences "
+                             "sharing a prompt): set train.packing: false for data.objective: preference")
+        if self.data.objective == "preference" and self.train.group_by_length:
+            raise ValueError("train.group_by_length: not built for preference pairs: set train.group_by_length: "
+                             "false for data.objective: preference")
+        return self
+
     @property
     def packing_length(self) -> int:
         """Tokens per packed sequence: ``train.packing_length``, else ``data.max_length``."""
@@ -424,7 +450,7 @@ def _describe(err: dict) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     key, sep, why = msg.partition(": ")
     if err["type"] == "value_error" and sep and key.split(".")[0] in _known_keys(Config, loc + (key,)):
-        return f"{path}.{key}: {why}"  # a section check naming its key
+        return f"{path}.{key}: {why}" if loc else f"{key}: {why}"  # a section (or whole-config) check naming its key
     return f"{path}: {msg}"
 
 

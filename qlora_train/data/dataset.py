@@ -35,11 +35,12 @@ from qlora_train.data.parse import ParseReport
 from qlora_train.data.pipeline import process_rows
 from qlora_train.data.processed import (
     EXPANDED_COLUMNS,
-    KEPT_COLUMNS,
     MODEL_COLUMNS,
     OUTPUT_COLUMNS,
     REPORT_COLUMNS,
     empty_output,
+    kept_columns,
+    model_columns,
     processed_features,
 )
 from qlora_train.data.sources import SourceError, load_labelled_source, source_label
@@ -52,6 +53,7 @@ class EmptyDatasetError(DataError):
 
 @dataclass
 class DatasetReport:
+    objective: str = "sft"  # data.objective; with preference a row is a pair and its tokens are both sides'
     rows_in: int = 0
     rows_kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
@@ -97,14 +99,17 @@ class DatasetReport:
         for reason, n in sorted(self.dropped.items(), key=lambda kv: -kv[1]):
             out.append(f"  dropped {n:>6} {reason}  e.g. {self.first_dropped[reason]}")
         share = self.trained_tokens / self.tokens if self.tokens else 0.0
-        out.append(f"tokens {self.tokens}, trained {self.trained_tokens} ({share:.1%})")
+        sides = " (both sides of each pair)" if self.objective == "preference" else ""
+        out.append(f"tokens {self.tokens}, trained {self.trained_tokens} ({share:.1%}){sides}")
         if self.mixing_weights:
             out.append("mixing: " + ", ".join(
                 f"{src} w={self.mixing_weights[src]:.3f} {self.rows_per_source_before_mixing.get(src, 0)}"
                 f"->{self.rows_per_source_after_mixing.get(src, 0)} rows" for src in self.mixing_weights))
         if self.text_blocks_added:
             out.append(f"long texts cut into blocks: {self.text_blocks_added} extra blocks")
-        if self.rows_turns_dropped or self.rows_reasoning_trimmed or self.rows_token_fallback:
+        if self.objective == "preference" and self.rows_turns_dropped:
+            out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} pairs")
+        elif self.rows_turns_dropped or self.rows_reasoning_trimmed or self.rows_token_fallback:
             out.append(f"truncation: turns dropped in {self.rows_turns_dropped} rows, reasoning trimmed in "
                        f"{self.rows_reasoning_trimmed}, token-level cut in {sum(self.rows_token_fallback.values())}")
         if self.expanded_examples:
@@ -397,12 +402,13 @@ def datasets_from_processed(processed: datasets.Dataset, cfg: DataConfig, tokeni
                             ) -> tuple[datasets.Dataset, datasets.Dataset | None, DatasetReport]:
     """``load_and_process``'s processed rows -> (train, eval or None, report): the rest of ``build_datasets``."""
     report = summarize(processed)
+    report.objective = cfg.objective
     report.duplicates = report.dropped.get(DropReason.DUPLICATE, 0)
     if report.rows_kept == 0:
         reasons = ", ".join(f"{r}: {n}" for r, n in report.dropped.items())
         raise EmptyDatasetError(f"all {report.rows_in} rows were dropped ({reasons}); first: "
                                 + "; ".join(report.first_dropped.values()))
-    carry = list(KEPT_COLUMNS)
+    carry = list(kept_columns(cfg.objective))
     kept = _kept_rows(processed).select_columns(carry)
     if cfg.domain_key:
         report.domains = _domain_stats(_kept_rows(processed))
@@ -415,18 +421,23 @@ def datasets_from_processed(processed: datasets.Dataset, cfg: DataConfig, tokeni
         split = kept.train_test_split(test_size=cfg.eval_fraction, seed=cfg.shuffle_seed)
         kept, eval_ds = split["train"], split["test"]
     # examples and blocks after the split, so that one conversation or long text never lands on both sides
+    # (pairs have neither: their num_tokens count both sides, each within max_length already)
+    pairs = cfg.objective == "preference"
     kept, _ = explode_examples(kept)
-    kept, report.text_blocks_added = split_long_texts(kept, cfg.max_length)
+    if not pairs:
+        kept, report.text_blocks_added = split_long_texts(kept, cfg.max_length)
     if eval_ds is not None:
         eval_ds, _ = explode_examples(eval_ds)
-        eval_ds, _ = split_long_texts(eval_ds, cfg.max_length)
+        if not pairs:
+            eval_ds, _ = split_long_texts(eval_ds, cfg.max_length)
     train = mix_sources(kept, cfg, report)
     if cfg.shuffle:
         train = train.shuffle(seed=cfg.shuffle_seed)
     if cfg.max_samples is not None and len(train) > cfg.max_samples:
         train = train.select(range(cfg.max_samples))
-    train = train.select_columns(list(MODEL_COLUMNS))
-    eval_ds = eval_ds.select_columns(list(MODEL_COLUMNS)) if eval_ds is not None else None
+    fed = list(model_columns(cfg.objective))
+    train = train.select_columns(fed)
+    eval_ds = eval_ds.select_columns(fed) if eval_ds is not None else None
     report.train_rows, report.eval_rows = len(train), len(eval_ds) if eval_ds is not None else 0
     for reason, n in report.dropped.items():
         log.warning("dropped %d rows: %s (first: %s)", n, reason, report.first_dropped[reason])

@@ -63,11 +63,13 @@ class DropReason:
     PAIR_BAD_RESPONSE = "pair_bad_response"
     PAIR_IDENTICAL = "pair_identical"
     PAIR_PROMPT_DIFFERS = "pair_prompt_differs"
+    BELOW_SCORE_MARGIN = "below_score_margin"  # data.min_score_margin
 
 
-# Drops the user asked for (``on_too_long: drop``, ``dedup``, ``min_chars``/``max_chars``):
+# Drops the user asked for (``on_too_long: drop``, ``dedup``, ``min_chars``/``max_chars``, ``min_score_margin``):
 # ``data.on_bad_row: error`` does not stop on them.
-CONFIGURED_DROPS = frozenset({DropReason.TOO_LONG, DropReason.DUPLICATE, DropReason.FILTERED_BY_LENGTH})
+CONFIGURED_DROPS = frozenset({DropReason.TOO_LONG, DropReason.DUPLICATE, DropReason.FILTERED_BY_LENGTH,
+                              DropReason.BELOW_SCORE_MARGIN})
 KNOWN_DROP_REASONS = frozenset(v for k, v in vars(DropReason).items() if k.isupper())
 
 

@@ -46,7 +46,8 @@ from qlora_train.data.parse import (
 )
 from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy
 from qlora_train.data.render import RenderedConversation, render_conversation
-from qlora_train.data.tokenize import encode_batch, make_labels, project_char_mask
+from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, make_labels, project_char_mask
+from qlora_train.data.truncate import exchanges_to_fit, measure, middle_exchanges
 
 SIDES = ("chosen", "rejected")
 # the layouts of a preference row canonicalize_pair reads (CanonicalPair.format)
@@ -64,7 +65,7 @@ class CanonicalPair:
     rejected: list[Message]
     tools: list[dict] | None
     format: str  # one of PAIR_FORMATS
-    score_chosen: float | None = None  # kept for a margin filter (not applied here)
+    score_chosen: float | None = None  # for data.min_score_margin (check_score_margin)
     score_rejected: float | None = None
     report: ParseReport = field(default_factory=ParseReport)
 
@@ -294,7 +295,7 @@ def build_preference_example(
     Refused: a pair of the wrong shape (``check_pair``), a side the template or the mask check refuses (its
     reason, the detail naming the side), a prompt rendered or tokenized differently on the two sides
     (``pair_prompt_differs``), two sides with the same ids (``pair_identical``), and, with ``max_length``, a side
-    longer than it (``too_long``: pairs are not truncated yet).
+    longer than it (``too_long``; ``fit_pair`` drops prompt exchanges first).
     """
     for where, messages in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         _check_messages(messages, where)
@@ -312,8 +313,8 @@ def build_preference_example(
     for side in SIDES:
         ids, offsets = encoded[side]
         if max_length is not None and len(ids) > max_length:
-            raise RowRejected(DropReason.TOO_LONG, f"{side}: {len(ids)} tokens > max_length={max_length} (pairs are "
-                              "not truncated yet)")
+            raise RowRejected(DropReason.TOO_LONG, f"{side}: {len(ids)} tokens > max_length={max_length} "
+                              "(fit_pair drops prompt exchanges first)")
         example = make_labels(ids, project_char_mask(offsets, rendered[side].char_mask))
         out.update({f"{side}_{key}": value for key, value in example.items()})
     return out
@@ -358,3 +359,92 @@ def shared_prompt_length(rendered: dict[str, RenderedConversation], boundary: di
                           f"rejected beyond one boundary token (tokens starting in the prompt after the shared "
                           f"{prompt_length}: {unshared['chosen']} and {unshared['rejected']})")
     return prompt_length, sum(starting - whole for whole, starting in before.values())
+
+
+# ------------------------------------------------------------------------------- filters and truncation of a pair
+
+
+def check_score_margin(pair: CanonicalPair, min_margin: float | None) -> None:
+    """``data.min_score_margin``: a pair whose ``score_chosen - score_rejected`` is below ``min_margin``, or that
+    lacks either score, is refused as ``below_score_margin`` (``None``: no filter).
+
+    >>> check_score_margin(CanonicalPair([], [], [], None, "instruction", 7.0, 6.5), 1.0)
+    Traceback (most recent call last):
+    ...
+    qlora_train.data.messages.RowRejected: below_score_margin: score_chosen - score_rejected = 0.5 < \
+data.min_score_margin=1
+    """
+    if min_margin is None:
+        return
+    if pair.score_chosen is None or pair.score_rejected is None:
+        missing = " and ".join(k for k, v in (("score_chosen", pair.score_chosen),
+                                              ("score_rejected", pair.score_rejected)) if v is None)
+        raise RowRejected(DropReason.BELOW_SCORE_MARGIN, f"no {missing}: data.min_score_margin={min_margin:g} "
+                          "compares the two scores")
+    margin = pair.score_chosen - pair.score_rejected
+    if margin < min_margin:
+        raise RowRejected(DropReason.BELOW_SCORE_MARGIN, f"score_chosen - score_rejected = {margin:g} < "
+                          f"data.min_score_margin={min_margin:g}")
+
+
+@dataclass(frozen=True)
+class FittedPair:
+    """A pair's example within ``max_length`` (``fit_pair``) and what fitting it took."""
+
+    example: dict  # build_preference_example's columns
+    tokens_before: int  # both sides' tokens before truncation
+    dropped_turns: int  # middle prompt exchanges dropped (0: the pair fitted as it was)
+
+
+def side_lengths(example: dict) -> dict[str, int]:
+    """``{"chosen": tokens, "rejected": tokens}`` of a pair's example."""
+    return {side: len(example[f"{side}_input_ids"]) for side in SIDES}
+
+
+def trained_tokens(example: dict) -> int:
+    """Trained tokens of both sides together."""
+    return sum(len(example[f"{side}_labels"]) - example[f"{side}_labels"].count(IGNORE_INDEX) for side in SIDES)
+
+
+def fit_pair(pair: CanonicalPair, tokenizer, *, max_length: int, policy: LossPolicy = DEFAULT_POLICY,
+             on_too_long: str = "truncate") -> FittedPair:
+    """A canonical pair -> its example with both sides within ``max_length`` tokens, or ``RowRejected``.
+
+    Both sides share one prompt, so only the prompt is shortened, as SFT's structured truncation shortens a
+    conversation: the leading system message(s) and the last exchange (the last user message and what follows
+    it in the prompt) are kept, and whole middle exchanges are dropped, oldest first, as many as the longer
+    side's one render says are needed (``truncate.exchanges_to_fit``), then one more at a time until both sides
+    fit. A response is never cut: a pair still too long with every middle exchange gone, or any pair over
+    ``max_length`` with ``on_too_long: drop``, is refused as ``too_long``, naming the side and its tokens.
+    """
+    example = build_preference_example(pair.prompt, pair.chosen, pair.rejected, tokenizer, tools=pair.tools,
+                                       policy=policy)
+    lengths = side_lengths(example)
+    before = sum(lengths.values())
+    longer = max(SIDES, key=lengths.__getitem__)
+    if lengths[longer] <= max_length:
+        return FittedPair(example, before, 0)
+    if on_too_long == "drop":
+        raise RowRejected(DropReason.TOO_LONG, f"{longer}: {lengths[longer]} tokens > max_length={max_length} "
+                          "(data.on_too_long: drop)")
+    groups = middle_exchanges(pair.prompt)
+    n = 0
+    if groups:
+        side_policy = pair_policy(policy)
+        response = pair.chosen if longer == "chosen" else pair.rejected
+        measured = measure(mark_side(pair.prompt, response, side_policy), tokenizer, tools=pair.tools,
+                           policy=side_policy)
+        n = max(1, exchanges_to_fit(measured, groups, max_length))
+    while 0 < n <= len(groups):
+        drop = {i for group in groups[:n] for i in group}
+        prompt = [m for i, m in enumerate(pair.prompt) if i not in drop]
+        example = build_preference_example(prompt, pair.chosen, pair.rejected, tokenizer, tools=pair.tools,
+                                           policy=policy)
+        lengths = side_lengths(example)
+        longer = max(SIDES, key=lengths.__getitem__)
+        if lengths[longer] <= max_length:
+            return FittedPair(example, before, n)
+        n += 1
+    raise RowRejected(DropReason.TOO_LONG, f"{longer}: {lengths[longer]} tokens > max_length={max_length} with "
+                      f"{len(groups)} of {len(groups)} middle prompt exchanges dropped (a pair keeps the system "
+                      "message, the prompt's last exchange and both whole responses)")

@@ -12,6 +12,8 @@ Chat schemas go parse (1) -> render (2) -> tokenize (3) -> truncate (4) -> ``mak
 ``segments`` and ``text`` rows skip the template (``formats``) and join at
 tokenize; ``pretokenized`` rows join at ``make_labels``. Plain ``text`` rows
 keep all their tokens here (``formats.split_into_blocks`` cuts them later).
+With ``data.objective: preference`` every row is a pair (``_pair_row``): the
+``chosen_*`` / ``rejected_*`` columns are written instead of the SFT ones.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from qlora_train.data.formats import (
 )
 from qlora_train.data.layout import template_layout, tool_block
 from qlora_train.data.messages import DropReason, RowRejected, check_unicode
+from qlora_train.data.pairs import SIDES, canonicalize_pair, check_score_margin, fit_pair, side_lengths, trained_tokens
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
 from qlora_train.data.policy import LossPolicy
 from qlora_train.data.processed import OUTPUT_COLUMNS, empty_output
@@ -204,6 +207,13 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     outs = [empty_output() for _ in rows]
     policy = LossPolicy.of(cfg)
     template_layout(tokenizer)  # probed once, before the rows (facts it cannot find stay unknown)
+    if cfg.objective == "preference":
+        for i, row in enumerate(rows):
+            try:
+                _pair_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i])
+            except RowRejected as rej:
+                outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
+        return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
     waiting: list[tuple[str, Callable]] = []  # (text, what fills its row once it is tokenized), for one call
     dropped_reasoning: list[tuple[int, str]] = []  # (row index, reasoning trained without being rendered)
     reports: dict[int, ParseReport] = {}  # chat rows
@@ -262,6 +272,33 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     for i, report in reports.items():
         outs[i]["parse_report"] = _report_json(report)
     return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
+
+
+def _pair_row(row, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict) -> None:
+    """A raw preference row (``data.objective: preference``) -> ``out`` filled with its pair, or ``RowRejected``.
+
+    ``pairs.canonicalize_pair`` -> ``data.min_score_margin`` (``check_score_margin``) -> ``min_chars`` /
+    ``max_chars`` over prompt and both responses -> ``pairs.fit_pair`` (both sides within ``max_length``, prompt
+    exchanges dropped first). ``num_tokens_before`` / ``num_tokens`` / ``num_trained_tokens`` count both sides;
+    ``dropped_turns`` the prompt exchanges dropped. A pair is built with its own tokenizer call (two texts)."""
+    pair = guarded(canonicalize_pair, row, cfg, tokenizer=tokenizer)
+    out["parse_report"] = _report_json(pair.report)  # a pair refused from here on is counted as parsed
+    check_score_margin(pair, cfg.min_score_margin)
+    _check_length(content_chars(pair.prompt + pair.chosen + pair.rejected), cfg)
+    if cfg.dedup:
+        out["content_hash"] = guarded(_hash, ["preference", pair.prompt, pair.chosen, pair.rejected, pair.tools])
+    fitted = guarded(fit_pair, pair, tokenizer, max_length=cfg.max_length, policy=policy,
+                     on_too_long=cfg.on_too_long)
+    ex = fitted.example
+    if ex["reasoning_dropped_turns"]:
+        pair.report.reasoning_dropped_rows = 1
+        pair.report.reasoning_dropped_turns = ex["reasoning_dropped_turns"]
+    lengths = side_lengths(ex)
+    out.update({f"{side}_{key}": ex[f"{side}_{key}"] for side in SIDES for key in ("input_ids", "labels")})
+    out.update(prompt_length=ex["prompt_length"], chosen_tokens=lengths["chosen"],
+               rejected_tokens=lengths["rejected"], num_tokens_before=fitted.tokens_before,
+               num_tokens=sum(lengths.values()), num_trained_tokens=trained_tokens(ex),
+               dropped_turns=fitted.dropped_turns, parse_report=_report_json(pair.report))
 
 
 def _stage_chat_row(i: int, canon, rendered, tokenizer, policy: LossPolicy,

@@ -4,11 +4,12 @@
 rows have tokens, refused rows a ``drop_reason``); ``dataset`` adds where the
 row came from. Every other column set is derived from ``PROCESSED_ROW``:
 
-- ``MODEL_COLUMNS``: what the model is fed;
+- ``MODEL_COLUMNS``: what the model is fed (``model_columns(objective)``: an SFT example, or a preference pair's
+  two sides and their shared prompt length; attention masks of a pair are all ones, made by the collator);
 - ``REPORT_COLUMNS``: what the dataset report counts (``summarize_columns``);
 - ``STATS_COLUMNS``: what ``--stats-only`` reads;
 - ``KEPT_COLUMNS``: what a kept row carries past the filter into the eval split, the extra examples, the text
-  blocks and the mixing;
+  blocks and the mixing (``kept_columns(objective)``: less the other objective's model columns);
 - ``EXPANDED_COLUMNS``: a row's extra examples (``reasoning_history: expand``), exploded after the split.
 
 Types are stated, not inferred: a batch whose token lists are all empty (every row refused, or no row expanded)
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-MODEL, REPORT, STATS, KEPT, EXPANDED = "model", "report", "stats", "kept", "expanded"
+MODEL, PAIR, REPORT, STATS, KEPT, EXPANDED = "model", "pair", "report", "stats", "kept", "expanded"
 
 
 class Column(NamedTuple):
@@ -60,6 +61,15 @@ PROCESSED_ROW: tuple[Column, ...] = (
     _c("expanded_tokens", "int64", REPORT, STATS),
     _c("expanded_trained_tokens", "int64", REPORT, STATS),
     _c("tool_schema_tokens", "int64", STATS),  # tokens of the template's tool block; -1: tools, block not found
+    # a preference pair (data.objective: preference): its two sides, as build_preference_example makes them; the
+    # SFT columns above stay empty, and num_tokens* / num_trained_tokens / dropped_turns count both sides together
+    _c("chosen_input_ids", "int32", PAIR, KEPT, depth=1),
+    _c("chosen_labels", "int64", PAIR, KEPT, depth=1),
+    _c("rejected_input_ids", "int32", PAIR, KEPT, depth=1),
+    _c("rejected_labels", "int64", PAIR, KEPT, depth=1),
+    _c("prompt_length", "int64", PAIR, KEPT, STATS),  # tokens both sides share before the response
+    _c("chosen_tokens", "int64", STATS),  # each side's length (after truncation)
+    _c("rejected_tokens", "int64", STATS),
     _c("source", "string", STATS, KEPT, written_by="dataset"),  # index:path of its data.datasets entry
     _c("location", "string", written_by="dataset"),  # file:line
     _c("domain", "string", KEPT, written_by="dataset"),  # data.domain_key's value
@@ -72,11 +82,24 @@ def columns(reader: str | None = None, *, written_by: str | None = None) -> tupl
                  if (reader is None or reader in c.readers) and (written_by is None or c.written_by == written_by))
 
 
+def model_columns(objective: str = "sft") -> tuple[str, ...]:
+    """What the model is fed (``data.objective``): ``input_ids``, ``attention_mask``, ``labels`` of an SFT example;
+    ``chosen_*``, ``rejected_*`` and ``prompt_length`` of a preference pair."""
+    return columns(PAIR if objective == "preference" else MODEL)
+
+
+def kept_columns(objective: str = "sft") -> tuple[str, ...]:
+    """What a kept row carries past the filter: ``KEPT`` columns less the other objective's model columns."""
+    other = set(model_columns("sft" if objective == "preference" else "preference"))
+    return tuple(c for c in columns(KEPT) if c not in other)
+
+
 OUTPUT_COLUMNS = columns(written_by="pipeline")
-MODEL_COLUMNS = columns(MODEL)
+MODEL_COLUMNS = model_columns("sft")
+PAIR_COLUMNS = model_columns("preference")
 REPORT_COLUMNS = columns(REPORT)
 STATS_COLUMNS = columns(STATS)
-KEPT_COLUMNS = columns(KEPT)
+KEPT_COLUMNS = kept_columns("sft")
 EXPANDED_COLUMNS = columns(EXPANDED)
 
 

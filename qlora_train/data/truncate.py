@@ -74,6 +74,29 @@ def _message_token_costs(m: Measured) -> np.ndarray:
     return np.diff(bounds)
 
 
+def exchanges_to_fit(measured: Measured, groups: list[list[int]], max_length: int) -> int:
+    """How many of ``groups`` (message index lists, oldest first) to drop so that ``measured`` fits
+    ``max_length``, estimated from each message's tokens in the one render (a re-render confirms it)."""
+    costs = _message_token_costs(measured)
+    estimate, n = measured.num_tokens, 0
+    for group in groups:
+        if estimate <= max_length:
+            break
+        estimate -= int(costs[group].sum())
+        n += 1
+    return n
+
+
+def middle_exchanges(messages: list[Message]) -> list[list[int]]:
+    """The exchanges truncation may drop, oldest first: every whole exchange (a user message and the turns
+    answering it) between the leading system message(s) and the last user message.
+
+    >>> middle_exchanges([{"role": "system"}, {"role": "user"}, {"role": "assistant"}, {"role": "user"}])
+    [[1, 2]]
+    """
+    return _exchanges(messages)[2]
+
+
 def _exchanges(messages: list[Message]) -> tuple[int, int, list[list[int]]]:
     """(end of protected head, start of protected tail, middle exchanges as index lists)."""
     head = 0
@@ -113,16 +136,9 @@ def structured_truncate_messages(
         return result
 
     # 2. drop whole middle exchanges, oldest first, sized on the one measured render
-    _, _, groups = _exchanges(messages)
-    costs = _message_token_costs(current)
-    drop: set[int] = set()
-    estimate = before
-    for group in groups:
-        if estimate <= max_length:
-            break
-        drop.update(group)
-        estimate -= int(costs[group].sum())
-        result.dropped_turns += 1
+    groups = middle_exchanges(messages)
+    result.dropped_turns = exchanges_to_fit(current, groups, max_length)
+    drop = {i for group in groups[:result.dropped_turns] for i in group}
     kept = [m for i, m in enumerate(messages) if i not in drop]
     if drop:
         current = measure(kept, tokenizer, tools=tools, policy=policy)

@@ -83,7 +83,8 @@ def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, strea
     markers = marker_stats(tokenizer, new_tokens, cfg.model.new_tokens)
     stats = compute_stats(cols, max_length=cfg.data.max_length, tool_tokens=tools, data=cfg.data, markers=markers)
     write_atomic(out_dir / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False))
-    write_histogram(cols, max_length=cfg.data.max_length, path=out_dir / HISTOGRAM_FILE)
+    write_histogram(cols, max_length=cfg.data.max_length, path=out_dir / HISTOGRAM_FILE,
+                    pairs=cfg.data.objective == "preference")
     print("\n".join(stats_lines(stats)), file=stream)
     print(f"wrote {out_dir / STATS_FILE} and {out_dir / HISTOGRAM_FILE}", file=stream)
     return stats

@@ -43,16 +43,20 @@ class Sample:
     raw: str = ""  # refused rows: the raw row as JSON text
     extra: int = 0  # 0: the row's own example; k: its k-th extra example (reasoning_history: expand)
     extras: int = 0  # how many extra examples the row has
+    side: str = ""  # a preference pair's side ("chosen", "rejected"): each is a sample of its own
+    prompt_length: int = 0  # a side's tokens shared with the other side
 
     @property
     def name(self) -> str:
-        """``row 3``, or ``row 3 extra 1/2`` for the row's first of two extra examples."""
-        return f"row {self.index}" + (f" extra {self.extra}/{self.extras}" if self.extra else "")
+        """``row 3``, ``row 3 extra 1/2`` for the row's first of two extra examples, ``row 3 chosen``."""
+        return f"row {self.index}" + (f" extra {self.extra}/{self.extras}" if self.extra else "") + (
+            f" {self.side}" if self.side else "")
 
     @property
     def anchor(self) -> str:
-        """The sample's id in the HTML page: ``row-3``, ``row-3-extra-1``."""
-        return f"row-{self.index}" + (f"-extra-{self.extra}" if self.extra else "")
+        """The sample's id in the HTML page: ``row-3``, ``row-3-extra-1``, ``row-3-chosen``."""
+        return f"row-{self.index}" + (f"-extra-{self.extra}" if self.extra else "") + (
+            f"-{self.side}" if self.side else "")
 
     @property
     def trained(self) -> list[bool]:
@@ -114,6 +118,14 @@ def load_samples(raw, processed, tokenizer, indices: list[int]) -> list[Sample]:
     out = []
     for i in indices:
         p, r = processed[i], raw[i]
+        if p.get("chosen_input_ids"):  # a preference pair: each side shown as SFT's rows are
+            out += [Sample(
+                index=i, location=r["location"], source=r["source"], input_ids=p[f"{side}_input_ids"],
+                labels=p[f"{side}_labels"], pieces=token_pieces(p[f"{side}_input_ids"], tokenizer),
+                num_tokens_before=p["num_tokens_before"], side=side, prompt_length=p["prompt_length"],
+                truncation=truncation_summary(p["dropped_turns"], 0, ""),
+            ) for side in ("chosen", "rejected")]
+            continue
         extras = list(zip(p.get("expanded_input_ids") or [], p.get("expanded_labels") or []))
         out.append(Sample(
             index=i, location=r["location"], source=r["source"], input_ids=p["input_ids"], labels=p["labels"],
@@ -130,6 +142,10 @@ def load_samples(raw, processed, tokenizer, indices: list[int]) -> list[Sample]:
 
 def sample_summary(sample: Sample) -> str:
     """The line under a kept sample's heading: its tokens, trained tokens, truncation, extra examples."""
+    if sample.side:
+        return (f"{sample.side}: tokens {len(sample.input_ids)}, the first {sample.prompt_length} shared with the "
+                f"other side (the prompt, never trained); trained {sample.num_trained}; truncation: "
+                f"{sample.truncation.replace('middle turns', 'middle prompt exchanges')}")
     if sample.extra:
         return (f"tokens {len(sample.input_ids)}; trained {sample.num_trained}; extra example "
                 f"{sample.extra} of {sample.extras} (reasoning_history: expand): the conversation up to a turn whose "

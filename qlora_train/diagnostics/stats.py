@@ -73,8 +73,36 @@ def reasoning_stats(cols: dict[str, list], report: DatasetReport) -> dict:
     }
 
 
-def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None) -> dict:
-    """Statistics of one group of processed rows (columns ``STATS_COLUMNS``)."""
+def pair_stats(cols: dict[str, list]) -> dict:
+    """Preference pairs (``data.objective: preference``): the shared prompt's tokens, each side's response tokens
+    (its tokens after the shared prompt), the longer side, truncation, and refused pairs by reason.
+
+    A pair is over ``max_length`` when a side is: ``share_over_max_length`` is of the pairs that got as far as
+    being measured (kept, or refused as ``too_long``)."""
+    kept = [i for i, r in enumerate(cols["drop_reason"]) if not r]
+    prompt = [cols["prompt_length"][i] for i in kept]
+    sides = {side: [cols[f"{side}_tokens"][i] for i in kept] for side in ("chosen", "rejected")}
+    truncated = sum(1 for i in kept if cols["dropped_turns"][i])
+    refused = Counter(r for r in cols["drop_reason"] if r)
+    measured = len(kept) + refused.get(DropReason.TOO_LONG, 0)
+    return {
+        "pairs_kept": len(kept),
+        "prompt_tokens": percentiles(prompt),
+        **{f"{side}_response_tokens": percentiles([n - p for n, p in zip(lengths, prompt)])
+           for side, lengths in sides.items()},
+        "longer_side_tokens": percentiles([max(c, r) for c, r in zip(*sides.values())]),
+        "truncated_pairs": truncated,
+        "prompt_exchanges_dropped": int(sum(cols["dropped_turns"][i] for i in kept)),
+        "too_long": refused.get(DropReason.TOO_LONG, 0),
+        "share_over_max_length": _share(truncated + refused.get(DropReason.TOO_LONG, 0), measured),
+        "refused": dict(sorted(refused.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None,
+                pairs: bool = False) -> dict:
+    """Statistics of one group of processed rows (columns ``STATS_COLUMNS``); with ``pairs`` (preference
+    rows) also ``pairs`` (``pair_stats``), whose over-``max_length`` share the length advice reads."""
     report = summarize_columns(cols)
     kept = np.array([not r for r in cols["drop_reason"]], dtype=bool)
     before = np.asarray(cols["num_tokens_before"], dtype=np.int64)
@@ -83,7 +111,9 @@ def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int
     trained = np.asarray(cols["num_trained_tokens"], dtype=np.int64)[kept]
     fallback = Counter(s for s in cols["token_fallback"] if s)
     tools = list((tool_tokens or {}).values())
+    extra = {"pairs": pair_stats(cols)} if pairs else {}
     return {
+        **extra,
         "rows_in": report.rows_in,
         "rows_kept": report.rows_kept,
         "dropped": dict(sorted(report.dropped.items())),
@@ -256,12 +286,20 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, ma
     data = data or DataConfig()
     out = []
     at_max = overall["share_at_max_length"]
-    if at_max > AT_MAX_SHARE:
+    pairs = overall.get("pairs")
+    if pairs:  # a pair's length is its longer side; its tokens_* percentiles count both sides
+        over = pairs["share_over_max_length"]
+        if over > AT_MAX_SHARE:
+            out.append(f"{over:.0%} of pairs have a side over max_length={max_length} (more than "
+                       f"{AT_MAX_SHARE:.0%}; {pairs['truncated_pairs']} lost prompt exchanges, {pairs['too_long']} "
+                       f"refused as too_long): raise data.max_length (the longer side of kept pairs: p95 "
+                       f"{pairs['longer_side_tokens']['p95']}) or pre-filter long pairs")
+    elif at_max > AT_MAX_SHARE:
         out.append(f"{at_max:.0%} of rows reach max_length={max_length} (more than {AT_MAX_SHARE:.0%}): raise "
                    f"data.max_length (p95 before truncation is {overall['tokens_before_truncation']['p95']}) "
                    "or pre-filter long rows")
     under = overall["share_under_25pct_max_length"]
-    if under > UNDER_QUARTER_SHARE:
+    if under > UNDER_QUARTER_SHARE and not pairs:
         p99 = overall["tokens_before_truncation"]["p99"] or 0
         suggestion = max(64, math.ceil(p99 / 64) * 64)
         out.append(f"{under:.0%} of rows use under 25% of max_length={max_length}: lower data.max_length "
@@ -291,14 +329,15 @@ def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[i
     ``data`` (the run's ``DataConfig``) names the options in the advice; ``markers`` is ``marker_stats``.
     """
     tool_tokens = tool_tokens or {}
+    pairs = data is not None and data.objective == "preference"
     sources: dict[str, dict] = {}
     labels = cols["source"]
     for label in dict.fromkeys(labels):  # first-seen order
         idx = [i for i, s in enumerate(labels) if s == label]
         sub = {k: [cols[k][i] for i in idx] for k in STATS_COLUMNS}
         sub_tools = {j: tool_tokens[i] for j, i in enumerate(idx) if i in tool_tokens}
-        sources[label] = group_stats(sub, max_length=max_length, tool_tokens=sub_tools)
-    overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens)
+        sources[label] = group_stats(sub, max_length=max_length, tool_tokens=sub_tools, pairs=pairs)
+    overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens, pairs=pairs)
     return {"max_length": max_length, "overall": overall, "sources": sources, "markers": markers or {},
             "advice": advice(overall, max_length=max_length, data=data, markers=markers)}
 
@@ -334,6 +373,21 @@ def reasoning_lines(r: dict, unrendered: dict[str, int]) -> list[str]:
     ]
 
 
+def pair_lines(p: dict, max_length: int) -> list[str]:
+    """The ``pairs`` section (``pair_stats``) as readable lines."""
+    return [
+        f"pairs kept {p['pairs_kept']}; tokens per pair (kept):",
+        f"  prompt (shared)    {_pct(p['prompt_tokens'])}",
+        f"  chosen response    {_pct(p['chosen_response_tokens'])}",
+        f"  rejected response  {_pct(p['rejected_response_tokens'])}",
+        f"  longer side        {_pct(p['longer_side_tokens'])}",
+        f"pairs with a side over max_length={max_length}: {p['share_over_max_length']:.1%}; truncation: middle "
+        f"prompt exchanges dropped in {p['truncated_pairs']} pairs ({p['prompt_exchanges_dropped']} exchanges), "
+        f"refused as too_long {p['too_long']}",
+        f"refused pairs by reason: {_counts(p['refused'])}",
+    ]
+
+
 def stats_lines(stats: dict) -> list[str]:
     """Human-readable report of ``compute_stats`` output."""
     lines = []
@@ -347,6 +401,15 @@ def stats_lines(stats: dict) -> list[str]:
             f"rows in {s['rows_in']}, kept {s['rows_kept']}, dropped {s['rows_in'] - s['rows_kept']}",
             *[f"  dropped {n:>7}  {reason}  (first: {s['first_dropped'][reason]})"
               for reason, n in s["dropped"].items()],
+        ]
+        if "pairs" in s:  # the SFT length lines would count both sides of a pair as one row's length
+            lines += [*pair_lines(s["pairs"], stats["max_length"]),
+                      f"trained tokens (both sides): {s['trained_tokens']['total']} "
+                      f"({s['trained_tokens']['share_of_tokens']:.1%} of tokens); per pair "
+                      f"{_pct(s['trained_tokens']['per_row'])}",
+                      *reasoning_lines(s["reasoning"], s["unrendered_messages"]), *parse_lines(s["parse"])]
+            continue
+        lines += [
             f"tokens before truncation ({s['tokens_before_truncation']['rows']} rows): "
             f"{_pct(s['tokens_before_truncation'])}",
             f"tokens after truncation  ({s['tokens_after_truncation']['rows']} rows): "
@@ -370,13 +433,15 @@ def stats_lines(stats: dict) -> list[str]:
     return lines
 
 
-def write_histogram(cols: dict[str, list], *, max_length: int, path) -> None:
-    """PNG histogram of token lengths before and after truncation, with the max_length line."""
+def write_histogram(cols: dict[str, list], *, max_length: int, path, pairs: bool = False) -> None:
+    """PNG histogram of token lengths before and after truncation, with the max_length line; with ``pairs``, the
+    longer side of each kept pair (what ``max_length`` bounds)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure state, a faster import
 
-    before = [n for n in cols["num_tokens_before"] if n > 0]
-    after = [n for n, r in zip(cols["num_tokens"], cols["drop_reason"]) if not r]
+    before = [n for n in cols["num_tokens_before"] if n > 0] if not pairs else []
+    after = [n for n, r in zip(cols["num_tokens"], cols["drop_reason"]) if not r] if not pairs else [
+        max(c, j) for c, j, r in zip(cols["chosen_tokens"], cols["rejected_tokens"], cols["drop_reason"]) if not r]
     fig = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
@@ -384,7 +449,8 @@ def write_histogram(cols: dict[str, list], *, max_length: int, path) -> None:
     bins = np.linspace(0, top, 51)
     ax.hist(before, bins=bins, histtype="step", linewidth=1.5, color="black",
             label=f"before truncation ({len(before)} rows)")
-    ax.hist(after, bins=bins, alpha=0.6, label=f"after truncation, kept ({len(after)} rows)")
+    what = "longer side of kept pairs" if pairs else "after truncation, kept"
+    ax.hist(after, bins=bins, alpha=0.6, label=f"{what} ({len(after)} rows)")
     ax.axvline(max_length, color="red", linestyle="--", label=f"max_length = {max_length}")
     ax.set_xlabel("tokens per row")
     ax.set_ylabel("rows")

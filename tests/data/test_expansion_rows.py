@@ -22,9 +22,12 @@ from qlora_train.data.processed import (
     KEPT_COLUMNS,
     MODEL_COLUMNS,
     OUTPUT_COLUMNS,
+    PAIR_COLUMNS,
     REPORT_COLUMNS,
     STATS_COLUMNS,
     empty_output,
+    kept_columns,
+    model_columns,
     processed_features,
 )
 from qlora_train.data.tokenize import IGNORE_INDEX
@@ -37,8 +40,12 @@ def test_the_column_sets_derive_from_the_one_row_definition():
     assert list(empty_output()) == list(OUTPUT_COLUMNS) and empty_output()["parse_report"] == "{}"
     assert MODEL_COLUMNS == ("input_ids", "attention_mask", "labels")
     assert KEPT_COLUMNS == (*MODEL_COLUMNS, "num_tokens", "expanded_input_ids", "expanded_labels", "source", "domain")
+    assert PAIR_COLUMNS == model_columns("preference") == (
+        "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "prompt_length")
+    assert kept_columns("preference") == ("num_tokens", "expanded_input_ids", "expanded_labels", *PAIR_COLUMNS,
+                                          "source", "domain")
     assert set(REPORT_COLUMNS) < set(STATS_COLUMNS) and set(STATS_COLUMNS) - set(REPORT_COLUMNS) == {
-        "num_tokens_before", "source", "tool_schema_tokens"}
+        "num_tokens_before", "source", "tool_schema_tokens", "prompt_length", "chosen_tokens", "rejected_tokens"}
     f = processed_features()
     assert (f["input_ids"].feature.dtype, f["labels"].feature.dtype, f["expanded_labels"].feature.feature.dtype,
             f["drop_reason"].dtype) == ("int32", "int64", "int64", "string")
