@@ -1,5 +1,6 @@
-"""Preference objectives: chunked sequence log-probs equal log_softmax of full logits (values and gradients);
-DPO, IPO and ORPO on numbers checkable by hand; config keys refused with the fix named."""
+"""Preference objectives: chunked sequence log-probs equal log_softmax of full logits (values and gradients); DPO,
+IPO and ORPO equal naive formulas on full logits; the reference is the base (fresh adapter) or a frozen copy of
+the starting adapter; real 4-bit QLoRA DPO steps run and log what users watch."""
 
 from __future__ import annotations
 
@@ -9,11 +10,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qlora_train.config import ConfigError, load_config
+from qlora_train.config import Config, ConfigError, load_config
+from qlora_train.data import build_preference_example, canonicalize_pair
 from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.train.collator import PairCollator
+from qlora_train.train.preference import REFERENCE_ADAPTER, preference_step
 from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps, sequence_logps
 
+CHUNK = 16  # small: every batch here is cut into several chunks, the last one short
 REL = 1e-5
+PAIRS = [
+    {"prompt": "What is 2 + 2?", "chosen": "4.", "rejected": "It is 5, I think."},
+    {"prompt": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Capital of France?"}],
+     "chosen": "<think>\nEasy.\n</think>\n\nParis.", "rejected": "Lyon, the capital of Gaul."},
+    {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "A number: 7."},
+]
 
 
 # ------------------------------------------------------------------------------------- sequence_logps, by hand
@@ -84,7 +95,203 @@ def test_objectives_on_numbers_checkable_by_hand():
     assert metrics["rewards/chosen"] == pytest.approx(-0.2)  # orpo_lambda x mean log-prob
 
 
-# ----------------------------------------------------------------------------------------------------- config
+# --------------------------------------------------------------------------------- on the tiny model with LoRA
+
+
+@pytest.fixture(scope="module")
+def pair_examples(qwen3_tok):
+    out = []
+    for row in PAIRS:
+        pair = canonicalize_pair(row)
+        out.append(build_preference_example(pair.prompt, pair.chosen, pair.rejected, qwen3_tok))
+    return out
+
+
+@pytest.fixture(scope="module")
+def batch(pair_examples, qwen3_tok):
+    """Two pairs (the one with reasoning among them): a [4, L] batch."""
+    return PairCollator(qwen3_tok.pad_token_id)(pair_examples[:2])
+
+
+def lora_model(model_dir, *, fresh: bool, seed: int = 0):
+    """The tiny model in float32 with LoRA on every linear layer: B = 0 (``fresh``, peft's default), or A and B
+    random (policy != reference)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=fresh,
+                      task_type="CAUSAL_LM")
+    return get_peft_model(base, lora)
+
+
+@pytest.fixture(scope="module")
+def trained_lora(tiny_model_dir):
+    return lora_model(tiny_model_dir, fresh=False)
+
+
+def model_logps(model, batch):
+    """The model's own forward (full logits) -> naive per-row sums and counts."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return naive_sequence_logps(logits, batch["labels"])
+
+
+def halves(t):
+    n = t.shape[0] // 2
+    return t[:n], t[n:]
+
+
+def naive_dpo(policy, reference, beta, smoothing=0.0):
+    (pc, pr), (rc, rr) = halves(policy), halves(reference)
+    h = (pc - rc) - (pr - rr)
+    return (-(1 - smoothing) * F.logsigmoid(beta * h) - smoothing * F.logsigmoid(-beta * h)).mean()
+
+
+def naive_ipo(policy, reference, beta):
+    (pc, pr), (rc, rr) = halves(policy), halves(reference)
+    return (((pc - rc) - (pr - rr) - 1 / (2 * beta)) ** 2).mean()
+
+
+def naive_orpo(logits, labels, lam):
+    sums, counts = naive_sequence_logps(logits, labels)
+    (sc, sr), (nc, nr) = halves(sums), halves(counts)
+    mc, mr = sc / nc, sr / nr
+    log_odds = (mc - torch.log1p(-torch.exp(mc))) - (mr - torch.log1p(-torch.exp(mr)))
+    n = sums.shape[0] // 2
+    nll = F.cross_entropy(logits[:n, :-1].reshape(-1, logits.shape[-1]), labels[:n, 1:].reshape(-1),
+                          ignore_index=IGNORE_INDEX)
+    return nll - lam * F.logsigmoid(log_odds).mean()
+
+
+def test_pair_logps_equal_the_models_own_logits(trained_lora, batch):
+    from qlora_train.train.preference import pair_logps
+
+    with torch.no_grad():
+        fused = pair_logps(trained_lora, batch, chunk_tokens=CHUNK)
+        sums, counts = model_logps(trained_lora, batch)
+    assert fused.counts.tolist() == counts.tolist() and min(counts.tolist()) >= 2
+    assert torch.allclose(fused.sums, sums, rtol=REL, atol=0)
+
+
+def test_fresh_adapter_dpo_loss_is_log_2_with_zero_rewards(tiny_model_dir, batch):
+    model = lora_model(tiny_model_dir, fresh=True)
+    loss, metrics = preference_step(model, batch, PreferenceObjective("dpo", beta=0.1), chunk_tokens=CHUNK)
+    assert abs(loss.item() - math.log(2)) < 1e-6
+    assert metrics["rewards/chosen"] == metrics["rewards/rejected"] == metrics["rewards/margins"] == 0
+    assert metrics["rewards/accuracies"] == 0  # a tie is not a win
+    assert metrics["logps/chosen"] < 0 and metrics["logps/rejected"] < 0
+
+
+OBJECTIVES = {"dpo": PreferenceObjective("dpo", beta=0.1),
+              "dpo-label-smoothing": PreferenceObjective("dpo", beta=0.5, label_smoothing=0.2),
+              "ipo": PreferenceObjective("dpo", beta=0.1, dpo_loss="ipo"),
+              "orpo": PreferenceObjective("orpo", orpo_lambda=0.3)}
+
+
+def test_losses_and_lora_gradients_equal_naive_formulas(trained_lora, batch):
+    """Each objective through preference_step (chunked, trained positions only) vs its formula on the model's own
+    full logits (one forward, shared), with the adapter disabled as the reference: loss, margins, LoRA gradients."""
+    model = trained_lora
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert len(params) == 2 * 7 * 2  # A and B of 7 linears in 2 layers
+    with torch.no_grad(), model.disable_adapter():
+        reference, _ = model_logps(model, batch)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    policy, _ = naive_sequence_logps(logits, batch["labels"])
+    for name, objective in OBJECTIVES.items():
+        loss, metrics = preference_step(model, batch, objective, chunk_tokens=CHUNK)
+        fused_grads = torch.autograd.grad(loss, list(params.values()))
+        if objective.method == "orpo":
+            naive = naive_orpo(logits, batch["labels"], objective.orpo_lambda)
+        else:
+            naive = (naive_ipo(policy, reference, objective.beta) if objective.dpo_loss == "ipo" else
+                     naive_dpo(policy, reference, objective.beta, objective.label_smoothing))
+            (pc, pr), (rc, rr) = halves(policy.detach()), halves(reference)
+            margins = objective.beta * ((pc - rc) - (pr - rr))
+            assert metrics["rewards/margins"] == pytest.approx(margins.mean().item(), rel=1e-4), name
+            assert metrics["rewards/margins"] != 0, name  # the adapter moved the policy away from the reference
+        naive_grads = torch.autograd.grad(naive, list(params.values()), retain_graph=True)
+        assert abs(loss.item() - naive.item()) <= REL * max(1.0, abs(naive.item())), name
+        for param, fused, g in zip(params, fused_grads, naive_grads):
+            assert g.norm() > 0, (name, param)
+            assert (fused - g).norm() <= REL * g.norm(), (name, param)
+
+
+def test_starting_adapter_is_the_frozen_reference(tiny_model_dir, tmp_path, batch):
+    """model.adapter_path: the trained copy and a frozen `reference` copy on one base; the reference log-probs are
+    the starting adapter's, and only the trained copy gets gradients (before and after the reference pass)."""
+    from transformers import AutoModelForCausalLM
+
+    from qlora_train.train.model import start_from_adapter
+
+    start = lora_model(tiny_model_dir, fresh=False, seed=1)
+    start.save_pretrained(tmp_path / "sft")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = start_from_adapter(base, str(tmp_path / "sft"), with_reference=True)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".default." in n for n in trainable)
+    assert any(f".{REFERENCE_ADAPTER}." in n for n, _ in model.named_parameters())
+    with torch.no_grad():  # the trained copy moves away from where it started
+        for name, p in model.named_parameters():
+            if name in trainable and "lora_B" in name:
+                p.add_(0.05 * torch.randn_like(p))
+
+    loss, metrics = preference_step(model, batch, PreferenceObjective("dpo", beta=0.1), chunk_tokens=CHUNK)
+    loss.backward()
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == trainable
+    with torch.no_grad():
+        reference, _ = model_logps(start, batch)  # the starting adapter on its own base
+        policy, _ = model_logps(model, batch)
+        with model.disable_adapter():
+            base_logps, _ = model_logps(model, batch)
+    assert abs(loss.item() - naive_dpo(policy, reference, 0.1).item()) <= REL
+    assert abs(loss.item() - naive_dpo(policy, base_logps, 0.1).item()) > 1e-3  # the base would be another reference
+    assert metrics["rewards/margins"] != 0
+
+
+# ------------------------------------------------------------------------------- one real QLoRA step, config
+
+
+def preference_config(model_dir, output_dir, **train) -> Config:
+    return Config.model_validate({
+        "model": {"name_or_path": str(model_dir), "chat_template": "qwen3"},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "train": {"output_dir": str(output_dir), "max_steps": 2, "per_device_train_batch_size": 2,
+                  "learning_rate": 5e-3, "logging_steps": 1, "save_steps": 100, "report_to": "none",
+                  "lr_scheduler": "constant", "warmup_ratio": 0.0, **train},
+    })
+
+
+def test_two_qlora_dpo_steps_log_rewards_and_change_the_adapter(tiny_model_dir, tmp_path, pair_examples, qwen3_tok):
+    from datasets import Dataset
+
+    from qlora_train.train.model import load_model, resolve_runtime
+    from qlora_train.train.preference import PreferenceTrainer, check_preference_head
+    from qlora_train.train.run import training_arguments
+
+    cfg = preference_config(tiny_model_dir, tmp_path / "out", method="dpo")
+    runtime = resolve_runtime(cfg)
+    model = load_model(cfg, runtime)
+    assert any("Linear4bit" in type(m).__name__ for m in model.modules())  # really 4-bit
+    check_preference_head(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    data = Dataset.from_list(pair_examples)
+    trainer = PreferenceTrainer(model=model, args=training_arguments(cfg, runtime, has_eval=True),
+                                data_collator=PairCollator(qwen3_tok.pad_token_id), train_dataset=data,
+                                eval_dataset=data, processing_class=qwen3_tok,
+                                objective=PreferenceObjective.from_config(cfg.train))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    assert all(0 <= h["rewards/accuracies"] <= 1 and "rewards/margins" in h and "logps/chosen" in h for h in logs)
+    assert abs(logs[0]["loss"] - math.log(2)) < 1e-4 and logs[0]["rewards/margins"] == 0  # fresh adapter
+    assert logs[1]["rewards/margins"] != 0  # the first step moved the policy
+    changed = [n for n, p in model.named_parameters() if n in before and not torch.equal(before[n], p.detach())]
+    assert changed and all("lora_" in n for n in changed)
+    metrics = trainer.evaluate()
+    assert "eval_rewards/accuracies" in metrics and "eval_loss" in metrics
 
 
 @pytest.mark.parametrize("train, model, message", [
@@ -104,3 +311,14 @@ def test_preference_config_errors_name_the_fix(tmp_path, train, model, message):
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "cfg.yaml")
     assert any(p.startswith(message) for p in err.value.problems), err.value.problems
+
+
+def test_a_preference_method_on_chat_rows_is_refused(tmp_path, tiny_model_dir):
+    from datasets import Dataset
+
+    from qlora_train.train.run import check_rows_fit_method
+
+    chat_rows = Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[-100, 2]]})
+    with pytest.raises(ConfigError, match="train.method: dpo trains on preference pairs, but the data gave chat"):
+        check_rows_fit_method(preference_config(tiny_model_dir, tmp_path, method="dpo"), chat_rows)
+    check_rows_fit_method(preference_config(tiny_model_dir, tmp_path, method="sft"), chat_rows)
