@@ -249,6 +249,9 @@ def test_starting_adapter_is_the_frozen_reference(tiny_model_dir, tmp_path, batc
     assert abs(loss.item() - naive_dpo(policy, reference, 0.1).item()) <= REL
     assert abs(loss.item() - naive_dpo(policy, base_logps, 0.1).item()) > 1e-3  # the base would be another reference
     assert metrics["rewards/margins"] != 0
+    model.save_pretrained(tmp_path / "run")  # what the Trainer saves: the trained copy only
+    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "run" / REFERENCE_ADAPTER).exists()
 
 
 # ------------------------------------------------------------------------------- one real QLoRA step, config
