@@ -33,7 +33,7 @@ SchemaName = Literal["auto", "messages", "sharegpt", "prompt_response", "alpaca"
                      "text", "completion"]
 MaskRule = Literal["train", "mask"]
 TrainMethod = Literal["sft", "dpo", "orpo"]  # train.method; dpo and orpo train on preference pairs
-DpoLoss = Literal["sigmoid", "ipo"]  # train.dpo_loss
+DpoLoss = Literal["sigmoid", "robust", "ipo"]  # train.dpo_loss
 # DatasetSource keys that override the data-level value of the same name for that source's rows
 FORMAT_OVERRIDES = ("dataset_schema", "messages_field", "message_property_mappings", "roles", "field_mappings",
                     "format", "no_input_format")
@@ -380,11 +380,13 @@ class TrainConfig(_Section):
         0.1, gt=0, description="dpo: the DPO/IPO temperature beta (how far the policy may move from the reference).",
     )
     dpo_loss: DpoLoss = Field(
-        "sigmoid", description="dpo: `sigmoid` (DPO, Rafailov et al.) or `ipo` (IPO, Azar et al.).",
+        "sigmoid", description="dpo: `sigmoid` (DPO, Rafailov et al.; with `label_smoothing`, conservative DPO), "
+        "`robust` (robust DPO, Chowdhury et al.: unbiased under `label_smoothing` flipped labels) or `ipo` (IPO, "
+        "Azar et al.).",
     )
     label_smoothing: float = Field(
-        0.0, ge=0.0, lt=0.5, description="dpo with `dpo_loss: sigmoid`: the assumed share of flipped preference "
-        "labels (conservative / robust DPO); 0 is plain DPO.",
+        0.0, ge=0.0, lt=0.5, description="dpo with `dpo_loss: sigmoid` or `robust`: the assumed share of flipped "
+        "preference labels; 0 is plain DPO.",
     )
     orpo_lambda: float = Field(
         0.1, gt=0, description="orpo: weight of the odds-ratio term beside the NLL of the chosen response.",
@@ -407,8 +409,9 @@ class TrainConfig(_Section):
         if self.method != "sft" and self.group_by_length:
             raise ValueError(f"group_by_length: not available with method: {self.method} (pairs are batched as "
                              "they come); set group_by_length: false")
-        if self.label_smoothing and (self.method != "dpo" or self.dpo_loss != "sigmoid"):
-            raise ValueError("label_smoothing: applies to method: dpo with dpo_loss: sigmoid only; set it to 0")
+        if self.label_smoothing and (self.method != "dpo" or self.dpo_loss == "ipo"):
+            raise ValueError("label_smoothing: applies to method: dpo with dpo_loss: sigmoid or robust only; "
+                             "set it to 0")
         return self
 
 

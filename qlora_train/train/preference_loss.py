@@ -11,8 +11,11 @@ The objectives (``PreferenceObjective``), with ``pi`` the policy (the adapter be
 reference (where training started), ``w`` the chosen and ``l`` the rejected response:
 
 - DPO (Rafailov et al. 2023), ``dpo_loss: sigmoid``: ``h = (log pi(w) - log ref(w)) - (log pi(l) - log ref(l))``,
-  ``loss = -log sigmoid(beta h)``; with ``label_smoothing`` e (conservative DPO / robust to flipped labels,
-  Mitchell 2023): ``-(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)``;
+  ``loss = -log sigmoid(beta h)``; with ``label_smoothing`` e, conservative DPO (cDPO, Mitchell 2023: labels
+  flipped with probability e): ``-(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)``;
+- robust DPO (rDPO, Chowdhury et al. 2024), ``dpo_loss: robust``: the unbiased estimate of the clean loss under
+  flips with probability e, ``(-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) / (1 - 2e)`` (TRL's
+  ``robust``);
 - IPO (Azar et al. 2023), ``dpo_loss: ipo``: ``loss = (h - 1 / (2 beta))^2`` on the summed log-probs, as in the
   paper (TRL divides each log-prob by its token count first);
 - ORPO (Hong et al. 2024), reference-free: ``loss = NLL(w) - lambda log sigmoid(log odds(w) - log odds(l))``,
@@ -141,12 +144,15 @@ class TokenLogProbs(torch.autograd.Function):
 
 def dpo_loss(policy: SequenceLogps, reference: SequenceLogps, *, beta: float, loss_type: DpoLoss = "sigmoid",
              label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """DPO (``sigmoid``, with ``label_smoothing`` the conservative variant) or IPO (``ipo``) -> (loss, metrics)."""
+    """DPO (``sigmoid``, with ``label_smoothing`` cDPO), robust DPO (``robust``) or IPO (``ipo``) -> (loss, metrics)."""
     chosen_ratio = policy.chosen - reference.chosen.detach()
     rejected_ratio = policy.rejected - reference.rejected.detach()
     h = chosen_ratio - rejected_ratio
     if loss_type == "sigmoid":
         losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "robust":
+        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * h) + label_smoothing * F.logsigmoid(-beta * h)) / (
+            1 - 2 * label_smoothing)
     elif loss_type == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2
     else:

@@ -86,6 +86,8 @@ def test_objectives_on_numbers_checkable_by_hand():
     assert metrics["logps/chosen"] == -5 and metrics["logps/rejected"] == -7
     loss, _ = PreferenceObjective("dpo", beta=0.5, label_smoothing=0.25)(policy, reference)
     assert loss.item() == pytest.approx(0.75 * math.log1p(math.exp(-1)) + 0.25 * math.log1p(math.exp(1)))
+    loss, _ = PreferenceObjective("dpo", beta=0.5, dpo_loss="robust", label_smoothing=0.25)(policy, reference)
+    assert loss.item() == pytest.approx((0.75 * math.log1p(math.exp(-1)) - 0.25 * math.log1p(math.exp(1))) / 0.5)
     loss, _ = PreferenceObjective("dpo", beta=0.5, dpo_loss="ipo")(policy, reference)
     assert loss.item() == pytest.approx(1.0)  # (2 - 1 / (2 * 0.5))^2
     # ORPO: mean log-probs -1 and -1, equal odds: log sigmoid(0) = -log 2; NLL = 5 / 5 tokens = 1
@@ -148,6 +150,12 @@ def naive_dpo(policy, reference, beta, smoothing=0.0):
     return (-(1 - smoothing) * F.logsigmoid(beta * h) - smoothing * F.logsigmoid(-beta * h)).mean()
 
 
+def naive_robust(policy, reference, beta, e):
+    (pc, pr), (rc, rr) = halves(policy), halves(reference)
+    h = (pc - rc) - (pr - rr)
+    return ((-(1 - e) * F.logsigmoid(beta * h) + e * F.logsigmoid(-beta * h)) / (1 - 2 * e)).mean()
+
+
 def naive_ipo(policy, reference, beta):
     (pc, pr), (rc, rr) = halves(policy), halves(reference)
     return (((pc - rc) - (pr - rr) - 1 / (2 * beta)) ** 2).mean()
@@ -185,6 +193,7 @@ def test_fresh_adapter_dpo_loss_is_log_2_with_zero_rewards(tiny_model_dir, batch
 
 OBJECTIVES = {"dpo": PreferenceObjective("dpo", beta=0.1),
               "dpo-label-smoothing": PreferenceObjective("dpo", beta=0.5, label_smoothing=0.2),
+              "robust": PreferenceObjective("dpo", beta=0.5, dpo_loss="robust", label_smoothing=0.2),
               "ipo": PreferenceObjective("dpo", beta=0.1, dpo_loss="ipo"),
               "orpo": PreferenceObjective("orpo", orpo_lambda=0.3)}
 
@@ -205,8 +214,12 @@ def test_losses_and_lora_gradients_equal_naive_formulas(trained_lora, batch):
         if objective.method == "orpo":
             naive = naive_orpo(logits, batch["labels"], objective.orpo_lambda)
         else:
-            naive = (naive_ipo(policy, reference, objective.beta) if objective.dpo_loss == "ipo" else
-                     naive_dpo(policy, reference, objective.beta, objective.label_smoothing))
+            if objective.dpo_loss == "ipo":
+                naive = naive_ipo(policy, reference, objective.beta)
+            elif objective.dpo_loss == "robust":
+                naive = naive_robust(policy, reference, objective.beta, objective.label_smoothing)
+            else:
+                naive = naive_dpo(policy, reference, objective.beta, objective.label_smoothing)
             (pc, pr), (rc, rr) = halves(policy.detach()), halves(reference)
             margins = objective.beta * ((pc - rc) - (pr - rr))
             assert metrics["rewards/margins"] == pytest.approx(margins.mean().item(), rel=1e-4), name
@@ -301,7 +314,7 @@ def test_two_qlora_dpo_steps_log_rewards_and_change_the_adapter(tiny_model_dir, 
     ("{method: dpo, packing: true}", "", "train.packing: method: dpo trains each pair as two padded rows"),
     ("{method: orpo, group_by_length: true}", "", "train.group_by_length: not available with method: orpo"),
     ("{method: dpo, dpo_loss: ipo, label_smoothing: 0.1}", "",
-     "train.label_smoothing: applies to method: dpo with dpo_loss: sigmoid only"),
+     "train.label_smoothing: applies to method: dpo with dpo_loss: sigmoid or robust only"),
     ("{method: kto}", "", "train.method: Input should be 'sft', 'dpo' or 'orpo'"),
     ("{method: sft}", ", adapter_path: ADAPTER", "model.adapter_path: starts preference training"),
 ], ids=["packing", "group-by-length", "label-smoothing-ipo", "unknown-method", "adapter-path-sft"])
