@@ -239,6 +239,20 @@ def test_losses_and_lora_gradients_equal_naive_formulas(trained_lora, batch):
             assert (fused - g).norm() <= REL * g.norm(), (name, param)
 
 
+def test_at_most_one_chunk_of_logits_exists(trained_lora, batch):
+    """Forward (reference and policy) and backward of a DPO step make no vocabulary-sized tensor of more than one
+    chunk's rows."""
+    from tests.train.test_fused_loss import LargestLogits
+
+    assert int((batch["labels"][..., 1:] != IGNORE_INDEX).sum()) > 2 * CHUNK
+    watch = LargestLogits()
+    with watch:
+        loss, _ = preference_step(trained_lora, batch, OBJECTIVES["dpo"], chunk_tokens=CHUNK)
+        loss.backward()
+    trained_lora.zero_grad(set_to_none=True)
+    assert watch.rows == CHUNK
+
+
 def test_starting_adapter_is_the_frozen_reference(tiny_model_dir, tmp_path, batch):
     """model.adapter_path: the trained copy and a frozen `reference` copy on one base; the reference log-probs are
     the starting adapter's, and only the trained copy gets gradients (before and after the reference pass)."""
@@ -326,6 +340,32 @@ def test_train_runs_two_qlora_dpo_steps_logs_rewards_and_changes_the_adapter(tin
     assert changed and all("lora_" in n for n in changed)
     out = tmp_path / "out"
     assert (out / "adapter_model.safetensors").is_file() and (out / "training_complete.json").is_file()
+
+
+def test_train_from_an_sft_adapter_starts_at_log_2_and_saves_only_the_trained_copy(tiny_model_dir, tmp_path,
+                                                                                     pair_examples, monkeypatch):
+    """model.adapter_path through run.train: the starting adapter is both the policy and the reference at step 1
+    (loss log 2), only its trained copy changes, and only it is saved."""
+    from datasets import Dataset
+
+    from qlora_train.data.dataset import DatasetReport
+    from qlora_train.data.prepared import TrainingData
+    from qlora_train.train import run
+
+    lora_model(tiny_model_dir, fresh=False, seed=2).save_pretrained(tmp_path / "sft")
+    pairs = Dataset.from_list(pair_examples)
+    monkeypatch.setattr(run, "training_data", lambda cfg, tokenizer: TrainingData(pairs, None, DatasetReport()))
+    cfg = preference_config(tiny_model_dir, tmp_path / "out", method="dpo")
+    cfg.model.adapter_path = str(tmp_path / "sft")
+    snapshot = Snapshot()
+    trainer = run.train(cfg, callbacks=[snapshot])
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert abs(logs[0]["loss"] - math.log(2)) < 1e-4 and logs[1]["rewards/margins"] != 0
+    after = dict(snapshot.model.named_parameters())
+    assert snapshot.before and all(".default." in n for n in snapshot.before)
+    assert any(not torch.equal(b, after[n].detach()) for n, b in snapshot.before.items())
+    out = tmp_path / "out"
+    assert (out / "adapter_model.safetensors").is_file() and not (out / REFERENCE_ADAPTER).exists()
 
 
 @pytest.mark.parametrize("train, model, message", [
