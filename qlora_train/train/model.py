@@ -133,9 +133,10 @@ def trainable_token_indices(model, ids: Sequence[int]) -> list[int] | dict[str, 
 
 
 def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOKENS):
-    """Base model (quantised as configured) prepared for k-bit training, wrapped in a peft LoRA adapter; with
-    ``new_tokens``, the embeddings fitted to them (``fit_embeddings``) and only their rows trained besides
-    LoRA (peft's trainable tokens, not whole embedding matrices)."""
+    """Base model (quantised as configured) prepared for k-bit training, wrapped in a fresh peft LoRA adapter, or
+    in the one ``model.adapter_path`` names (``start_from_adapter``); with ``new_tokens``, the embeddings fitted to
+    them (``fit_embeddings``) and only their rows trained besides LoRA (peft's trainable tokens, not whole
+    embedding matrices)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     model = load_base_model(cfg.model, runtime)
