@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast lint bench bench-scale bench-train demo docs vocab audit
+.PHONY: install browser test test-fast lint bench bench-scale bench-train demo demo-dpo docs vocab audit
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -60,3 +60,7 @@ demo: $(TINY)/config.json
 
 docs:
 	$(PYTHON) -m qlora_train.config > docs/config.md
+
+# preference training (DPO) on the bundled pairs, starting from the SFT demo's adapter (outputs/quickstart)
+demo-dpo: demo
+	qlora-train --config configs/quickstart-dpo.yaml

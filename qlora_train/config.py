@@ -33,6 +33,8 @@ SchemaName = Literal["auto", "messages", "sharegpt", "prompt_response", "alpaca"
                      "text", "completion"]
 MaskRule = Literal["train", "mask"]
 Objective = Literal["sft", "preference"]  # data.objective: what a row is
+TrainMethod = Literal["sft", "dpo", "orpo"]  # train.method; dpo and orpo train on preference pairs
+DpoLoss = Literal["sigmoid", "robust", "ipo"]  # train.dpo_loss
 # DatasetSource keys that override the data-level value of the same name for that source's rows
 FORMAT_OVERRIDES = ("dataset_schema", "messages_field", "message_property_mappings", "roles", "field_mappings",
                     "format", "no_input_format")
@@ -271,6 +273,11 @@ class ModelConfig(_Section):
         "layout in this form, to paste here and edit; every row is verified against it as against a probed one "
         "(docs/masking.md#seeing-and-declaring-the-layout). Baked into the template like chat_template_kwargs.",
     )
+    adapter_path: str | None = Field(
+        None, description="A LoRA adapter directory (an SFT run's output) that preference training "
+        "(`train.method: dpo | orpo`) starts from: it is loaded as the trained adapter (its own LoRA settings, "
+        "not the `lora:` section), and for DPO once more, frozen, as the reference (docs/preference.md#training).",
+    )
     load_in_4bit: bool = Field(True, description="Load the base in 4-bit nf4 with double quantisation.")
     load_in_8bit: bool = Field(False, description="Load the base in 8-bit instead.")
     compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
@@ -380,6 +387,26 @@ class TrainConfig(_Section):
     group_by_length: bool = Field(
         False, description="Without packing: batch examples of similar length together (less padding)."
     )
+    method: TrainMethod = Field(
+        "sft", description="`sft`: supervised fine-tuning on chat rows; `dpo` (DPO / IPO, needs a reference: "
+        "where training starts) or `orpo` (reference-free): preference training on pairs, each step one "
+        "`[2 x batch, length]` batch of chosen and rejected rows (docs/preference.md#training).",
+    )
+    beta: float = Field(
+        0.1, gt=0, description="dpo: the DPO/IPO temperature beta (how far the policy may move from the reference).",
+    )
+    dpo_loss: DpoLoss = Field(
+        "sigmoid", description="dpo: `sigmoid` (DPO, Rafailov et al.; with `label_smoothing`, conservative DPO), "
+        "`robust` (robust DPO, Chowdhury et al.: unbiased under `label_smoothing` flipped labels) or `ipo` (IPO, "
+        "Azar et al.).",
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="dpo with `dpo_loss: sigmoid` or `robust`: the assumed share of flipped "
+        "preference labels; 0 is plain DPO.",
+    )
+    orpo_lambda: float = Field(
+        0.1, gt=0, description="orpo: weight of the odds-ratio term beside the NLL of the chosen response.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -392,6 +419,15 @@ class TrainConfig(_Section):
             raise ValueError("split_long: needs packing: true")
         if not self.packing and self.packing_length is not None:
             raise ValueError("packing_length: needs packing: true")
+        if self.method != "sft" and self.packing:
+            raise ValueError(f"packing: method: {self.method} trains each pair as two padded rows (chosen and "
+                             "rejected) and cannot pack them; set packing: false")
+        if self.method != "sft" and self.group_by_length:
+            raise ValueError(f"group_by_length: not available with method: {self.method} (pairs are batched as "
+                             "they come); set group_by_length: false")
+        if self.label_smoothing and (self.method != "dpo" or self.dpo_loss == "ipo"):
+            raise ValueError("label_smoothing: applies to method: dpo with dpo_loss: sigmoid or robust only; "
+                             "set it to 0")
         return self
 
 
@@ -404,13 +440,20 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
 
     @model_validator(mode="after")
-    def _check_preference_data(self) -> Config:
-        if self.data.objective == "preference" and self.train.packing:
-            raise ValueError("train.packing: preference pairs are not packed (each pair is two whole sequences "
-                             "sharing a prompt): set train.packing: false for data.objective: preference")
-        if self.data.objective == "preference" and self.train.group_by_length:
-            raise ValueError("train.group_by_length: not built for preference pairs: set train.group_by_length: "
-                             "false for data.objective: preference")
+    def _check(self) -> Config:
+        if self.model.adapter_path and self.train.method == "sft":
+            raise ValueError("model.adapter_path: starts preference training (train.method: dpo or orpo); "
+                             "an SFT run starts a fresh adapter, remove the key")
+        pairs = self.train.method != "sft"
+        if pairs and self.data.objective == "sft":
+            if "objective" in self.data.model_fields_set:
+                raise ValueError(f"data.objective: train.method: {self.train.method} trains on preference pairs; "
+                                 "set data.objective: preference (or leave it out)")
+            self.data.objective = "preference"  # train.method decides what a row is
+        if self.data.objective == "preference" and (self.train.packing or self.train.group_by_length):
+            key = "packing" if self.train.packing else "group_by_length"
+            raise ValueError(f"train.{key}: preference pairs are batched as two whole padded rows each (chosen and "
+                             f"rejected sharing a prompt): set train.{key}: false for data.objective: preference")
         return self
 
     @property
@@ -505,6 +548,7 @@ def file_problems(tree: dict) -> list[str]:
     problems = _dataset_problems(data)
     problems += _local_dir_problem("model.name_or_path", model.get("name_or_path"))
     problems += _local_dir_problem("model.tokenizer", model.get("tokenizer"))
+    problems += _local_dir_problem("model.adapter_path", model.get("adapter_path"))
     problems += _chat_template_problem(model.get("chat_template"))
     resume = train.get("resume_from_checkpoint")
     if isinstance(resume, str) and resume != "auto" and not Path(resume).is_dir():

@@ -29,7 +29,7 @@ def test_shipped_configs_say_which_template_and_why(path):
     """Real models keep their own template; the offline quickstart names ours (its tiny model ships it)."""
     text = path.read_text()
     model = yaml.safe_load(text)["model"]
-    if path.name == "quickstart.yaml":
+    if path.name.startswith("quickstart"):  # the SFT and DPO demos
         assert model["chat_template"] == "qwen3" and "keeps the demo the same everywhere" in text
     else:
         assert "chat_template" not in model and "the model's own template is used" in text

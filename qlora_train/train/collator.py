@@ -102,3 +102,27 @@ class PackedCollator:
             mask = torch.zeros((n_rows, 1, width, width), dtype=self.mask_dtype)
             mask.masked_fill_(~allowed[:, None], torch.finfo(self.mask_dtype).min)
         return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
+
+
+PAIR_SIDES = ("chosen", "rejected")  # the order of a pair batch's rows: every chosen row, then every rejected row
+
+
+@dataclass
+class PairCollator:
+    """Preference pairs (``chosen_input_ids``, ``chosen_labels``, ``rejected_*``, as ``build_preference_example``
+    makes them) -> one padded ``[2B, width]`` batch: the B chosen rows first, then the B rejected rows in the same
+    order, so that row i and row B + i are one pair. Padding as ``PadCollator``'s (labels with -100).
+
+    >>> b = PairCollator(0, 4)([{"chosen_input_ids": [5, 6, 7], "chosen_labels": [-100, 6, 7],
+    ...                          "rejected_input_ids": [5, 8], "rejected_labels": [-100, 8]}])
+    >>> b["input_ids"].tolist(), b["labels"].tolist()
+    ([[5, 6, 7, 0], [5, 8, 0, 0]], [[-100, 6, 7, -100], [-100, 8, -100, -100]])
+    """
+
+    pad_token_id: int
+    pad_to_multiple_of: int = 8
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
+                for side in PAIR_SIDES for f in features]
+        return PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)

@@ -101,24 +101,36 @@ def chunked_loss_and_grads(hidden, weight, targets, scale, chunk_tokens: int, *,
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start:start + chunk_tokens].to(dtype), targets[start:start + chunk_tokens]
-        logits = F.linear(h, w).float()
-        target_logit = logits.gather(1, t[:, None])
-        peak = logits.amax(dim=1, keepdim=True)
-        probs = logits.sub_(peak).exp_()  # logits' buffer, reused
-        sum_exp = probs.sum(dim=1, keepdim=True)
-        total += (sum_exp.log() + peak - target_logit).sum()
+        target_logps, probs = log_softmax_at_targets_(F.linear(h, w).float(), t)
+        total -= target_logps.sum()
         if want_hidden or want_weight:
-            grad_logits = probs.div_(sum_exp)
+            grad_logits = probs
             grad_logits[torch.arange(len(t), device=t.device), t] -= 1.0
             grad_logits = grad_logits.mul_(scale).to(dtype)
             if want_hidden:
                 grad_hidden[start:start + chunk_tokens] = grad_logits @ w
             if want_weight:
                 grad_weight += (grad_logits.t() @ h).float()
-        del logits, probs
+        del probs
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return total * scale, grad_hidden, grad_weight
+
+
+def log_softmax_at_targets_(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's float32 ``logits [n, vocab]`` and ``targets [n]`` -> (log-probability of each target ``[n]``,
+    the softmax ``[n, vocab]``). The softmax is made in place in ``logits``' buffer (the logits are gone after),
+    so a chunk holds one ``[n, vocab]`` float32 tensor. Shared by the SFT loss and ``preference_loss``.
+
+    >>> log_softmax_at_targets_(torch.zeros(1, 4), torch.tensor([2]))[0]  # uniform over 4: log(1/4)
+    tensor([-1.3863])
+    """
+    target_logit = logits.gather(1, targets[:, None])
+    peak = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(peak).exp_()
+    sum_exp = probs.sum(dim=1, keepdim=True)
+    target_logps = (target_logit - peak - sum_exp.log()).squeeze(1)
+    return target_logps, probs.div_(sum_exp)
 
 
 def head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

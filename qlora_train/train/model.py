@@ -133,9 +133,10 @@ def trainable_token_indices(model, ids: Sequence[int]) -> list[int] | dict[str, 
 
 
 def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOKENS):
-    """Base model (quantised as configured) prepared for k-bit training, wrapped in a peft LoRA adapter; with
-    ``new_tokens``, the embeddings fitted to them (``fit_embeddings``) and only their rows trained besides
-    LoRA (peft's trainable tokens, not whole embedding matrices)."""
+    """Base model (quantised as configured) prepared for k-bit training, wrapped in a fresh peft LoRA adapter, or
+    in the one ``model.adapter_path`` names (``start_from_adapter``); with ``new_tokens``, the embeddings fitted to
+    them (``fit_embeddings``) and only their rows trained besides LoRA (peft's trainable tokens, not whole
+    embedding matrices)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     model = load_base_model(cfg.model, runtime)
@@ -151,16 +152,39 @@ def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOK
                                                 gradient_checkpointing_kwargs=gc_kwargs)
     elif gc:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
-    tokens = trainable_token_indices(model, new_tokens.ids) if new_tokens else None
-    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save,
-                      trainable_token_indices=tokens, task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
+    if cfg.model.adapter_path:
+        model = start_from_adapter(model, cfg.model.adapter_path, with_reference=cfg.train.method == "dpo")
+    else:
+        tokens = trainable_token_indices(model, new_tokens.ids) if new_tokens else None
+        lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                          target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save,
+                          trainable_token_indices=tokens, task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
     if new_tokens:
         check_head_trains_new_rows(model)
         # peft saves whole embedding matrices with the adapter of a resized base (save_embedding_layers="auto"),
         # GBs per checkpoint; the trained rows are in the adapter, and loading fits the base as above
         model.save_pretrained = functools.partial(model.save_pretrained, save_embedding_layers=False)
+    return model
+
+
+def start_from_adapter(base, path: str, *, with_reference: bool):
+    """``base`` + the LoRA adapter in ``path`` (``model.adapter_path``) as the trained ``default`` adapter; with
+    ``with_reference`` (DPO), the same adapter once more beside it, frozen, as ``reference`` (what
+    ``preference.reference_model`` computes with). Only ``default`` is saved with the run."""
+    from peft import PeftModel
+
+    from qlora_train.train.preference import REFERENCE_ADAPTER, TRAINED_ADAPTER
+
+    try:
+        model = PeftModel.from_pretrained(base, path, adapter_name=TRAINED_ADAPTER, is_trainable=True)
+        if with_reference:
+            model.load_adapter(path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model.adapter_path: cannot load the adapter in {path}: {' '.join(str(exc).split())}") \
+            from None
+    model.set_adapter(TRAINED_ADAPTER)
+    model.save_pretrained = functools.partial(model.save_pretrained, selected_adapters=[TRAINED_ADAPTER])
     return model
 
 

@@ -29,7 +29,7 @@ from qlora_train.data.packing import PackingStats
 from qlora_train.data.prepared import training_data
 from qlora_train.files import write_atomic
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
-from qlora_train.train.collator import PackedCollator, PadCollator
+from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator
 from qlora_train.train.fused_loss import use_fused_loss
 from qlora_train.train.model import count_parameters, load_model, load_model_config, resolve_runtime
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
@@ -105,8 +105,11 @@ def check_packing_support(model_config, packing_length: int) -> None:
 
 
 def make_collator(cfg: Config, tokenizer, model, runtime):
-    """Pad-only collator, or with packing the one whose attention fits the model's implementation:
-    flash-attention (CUDA) reads restarting position ids, SDPA a boolean 4D mask, eager an additive one."""
+    """Pad-only collator (pairs: both sides of each pair in one batch), or with packing the one whose attention
+    fits the model's implementation: flash-attention (CUDA) reads restarting position ids, SDPA a boolean 4D mask,
+    eager an additive one."""
+    if cfg.train.method != "sft":
+        return PairCollator(tokenizer.pad_token_id)
     if not cfg.train.packing:
         return PadCollator(tokenizer.pad_token_id)
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -115,6 +118,21 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
     if attn == "eager":
         return PackedCollator(tokenizer.pad_token_id, mask_dtype=runtime.compute_dtype)
     return PackedCollator(tokenizer.pad_token_id, mask_dtype=torch.bool)
+
+
+def check_rows_fit_method(cfg: Config, dataset) -> None:
+    """A preference method needs pair rows (``chosen_input_ids`` ...), SFT needs ``input_ids``: ``ConfigError``
+    naming the fix when the data is the other kind."""
+    if dataset is None:
+        return
+    columns = set(dataset.column_names)
+    pairs = {f"{side}_{key}" for side in PAIR_SIDES for key in ("input_ids", "labels")} <= columns
+    if cfg.train.method != "sft" and not pairs:
+        raise ConfigError([f"train.method: {cfg.train.method} trains on preference pairs, but the data gave chat "
+                           "rows (no chosen/rejected columns); use pair rows or train.method: sft"])
+    if cfg.train.method == "sft" and pairs and "input_ids" not in columns:
+        raise ConfigError(["train.method: sft trains on chat rows, but the data gave preference pairs; "
+                           "set train.method: dpo or orpo"])
 
 
 def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None,
@@ -241,8 +259,18 @@ def train(cfg: Config, *, callbacks: list | None = None):
         data = training_data(cfg, tokenizer)
     train_ds, eval_ds, report, packing = data.train, data.eval, data.report, data.packing
 
+    check_rows_fit_method(cfg, train_ds)
     model = load_model(cfg, runtime, new_tokens)
-    log.info(use_fused_loss(model, cfg.train.fused_loss))
+    trainer_class, trainer_kwargs = Trainer, {}
+    if cfg.train.method == "sft":
+        log.info(use_fused_loss(model, cfg.train.fused_loss))
+    else:
+        from qlora_train.train.preference import PreferenceTrainer, check_preference_head
+        from qlora_train.train.preference_loss import PreferenceObjective
+
+        check_preference_head(model)
+        trainer_class, trainer_kwargs = PreferenceTrainer, {"objective": PreferenceObjective.from_config(cfg.train)}
+        log.info("loss: %s on log-probs of the trained tokens only, chunked (train.method)", cfg.train.method)
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so
@@ -251,8 +279,8 @@ def train(cfg: Config, *, callbacks: list | None = None):
 
     stopper = StopOnSignal()
     with handle_stop_signals(stopper):
-        trainer = Trainer(
-            model=model, args=args, data_collator=make_collator(cfg, tokenizer, model, runtime),
+        trainer = trainer_class(
+            **trainer_kwargs, model=model, args=args, data_collator=make_collator(cfg, tokenizer, model, runtime),
             train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
             callbacks=[*(callbacks or []), stopper],
         )

@@ -1,0 +1,226 @@
+"""Preference objectives (DPO, IPO, ORPO) on sequence log-probabilities made like the SFT loss.
+
+A batch of B pairs is one ``[2B, L]`` batch, chosen rows first (``PairCollator``). What an objective needs
+from it is, per row, the summed log-probability of its trained tokens and their count (``sequence_logps``):
+``log pi(y | x) = sum over trained positions t of log softmax(h_t @ W.T)[y_t]``, the labels shifted as the SFT
+loss shifts them (``loss.trained_positions``). As for the SFT loss, only the hidden states of trained positions
+reach the head, ``CHUNK_TOKENS`` at a time; no vocabulary-sized logits of the batch exist, and backward
+recomputes each chunk's logits instead of keeping them.
+
+The objectives (``PreferenceObjective``), with ``pi`` the policy (the adapter being trained), ``ref`` the
+reference (where training started), ``w`` the chosen and ``l`` the rejected response:
+
+- DPO (Rafailov et al. 2023), ``dpo_loss: sigmoid``: ``h = (log pi(w) - log ref(w)) - (log pi(l) - log ref(l))``,
+  ``loss = -log sigmoid(beta h)``; with ``label_smoothing`` e, conservative DPO (cDPO, Mitchell 2023: labels
+  flipped with probability e): ``-(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)``;
+- robust DPO (rDPO, Chowdhury et al. 2024), ``dpo_loss: robust``: the unbiased estimate of the clean loss under
+  flips with probability e, ``(-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) / (1 - 2e)`` (TRL's
+  ``robust``);
+- IPO (Azar et al. 2023), ``dpo_loss: ipo``: ``loss = (h - 1 / (2 beta))^2`` on the summed log-probs, as in the
+  paper (TRL divides each log-prob by its token count first);
+- ORPO (Hong et al. 2024), reference-free: ``loss = NLL(w) - lambda log sigmoid(log odds(w) - log odds(l))``,
+  ``odds(y) = P(y) / (1 - P(y))`` with ``log P(y)`` the mean log-prob of y's trained tokens; NLL(w) is the mean
+  over the chosen tokens of the batch, as the SFT loss.
+
+Each returns the loss (a mean over the pairs) and the metrics users watch (``rewards/*``, ``logps/*``; ORPO's
+``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``). DPO's reward of a response is ``beta (log pi - log ref)``;
+ORPO's, as TRL logs it, ``lambda`` times its mean log-prob.
+
+    >>> policy = SequenceLogps(torch.tensor([-5.0, -7.0]), torch.tensor([5, 5]))  # one pair: chosen, rejected
+    >>> loss, metrics = PreferenceObjective("dpo", beta=0.5)(policy, policy)  # reference = policy: log 2
+    >>> round(loss.item(), 4), metrics["rewards/margins"]
+    (0.6931, 0.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qlora_train.config import DpoLoss
+from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.train.loss import CHUNK_TOKENS, head_dtype, log_softmax_at_targets_, trained_positions
+
+
+@dataclass(frozen=True)
+class SequenceLogps:
+    """Per row of a pair batch (chosen rows first): the summed log-prob of its trained tokens and their count."""
+
+    sums: torch.Tensor  # [2B] float32
+    counts: torch.Tensor  # [2B] long
+
+    def halves(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[2B]`` -> (chosen ``[B]``, rejected ``[B]``)."""
+        n = values.shape[0] // 2
+        return values[:n], values[n:]
+
+    @property
+    def chosen(self) -> torch.Tensor:
+        return self.halves(self.sums)[0]
+
+    @property
+    def rejected(self) -> torch.Tensor:
+        return self.halves(self.sums)[1]
+
+    def means(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Length-normalised log-probs (sum / trained tokens) -> (chosen, rejected)."""
+        return self.halves(self.sums / self.counts.clamp(min=1).to(self.sums.dtype))
+
+
+def sequence_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                   chunk_tokens: int = CHUNK_TOKENS) -> SequenceLogps:
+    """Hidden states ``[batch, seq, hidden]`` before a bias-free LM head of ``weight [vocab, hidden]`` and
+    ``labels [batch, seq]`` -> per row the summed float32 log-prob of the labels at trained positions (shifted as
+    the SFT loss) and their count; differentiable in ``hidden`` and ``weight``."""
+    targets = trained_positions(labels).to(hidden.device)
+    trained = targets != IGNORE_INDEX
+    rows = trained.nonzero()[:, 0]  # the row of each trained position, in the order hidden[trained] takes them
+    h, t = hidden[trained], targets[trained]
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        token_logps = TokenLogProbs.apply(h, weight, t, chunk_tokens)
+    else:
+        token_logps = chunked_token_logps(h, weight, t, chunk_tokens, head_dtype(h, weight))
+    sums = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device).index_add(0, rows, token_logps)
+    return SequenceLogps(sums, trained.sum(dim=1))
+
+
+def chunked_token_logps(hidden, weight, targets, chunk_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """``hidden [n, h]``, ``targets [n]`` -> ``log softmax(hidden @ weight.T)[targets]`` ``[n]`` float32, one chunk
+    of logits at a time (in ``dtype``, upcast to float32, as the SFT loss computes them)."""
+    w = weight.to(dtype)
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start:start + chunk_tokens].to(dtype), targets[start:start + chunk_tokens]
+        out[start:start + chunk_tokens], probs = log_softmax_at_targets_(F.linear(h, w).float(), t)
+        del probs
+    return out
+
+
+class TokenLogProbs(torch.autograd.Function):
+    """``(hidden [n, h], weight [v, h], targets [n], chunk_tokens)`` -> the log-prob of each target ``[n]``.
+
+    Unlike the SFT loss, the gradient of each token's log-prob is weighted by what comes after (the DPO sigmoid
+    of the whole pair), unknown in forward; so forward keeps only its inputs, and backward makes each chunk's
+    logits again: ``d logp_i / d logits_i = one_hot(t_i) - softmax_i``, times the incoming gradient of token i.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens):
+        dtype = head_dtype(hidden, weight)  # read here: backward runs outside autocast
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.dtype, ctx.chunk_tokens = dtype, chunk_tokens
+        return chunked_token_logps(hidden, weight, targets, chunk_tokens, dtype)
+
+    @staticmethod
+    def backward(ctx, grad_logps):
+        hidden, weight, targets = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype, size = ctx.dtype, ctx.chunk_tokens
+        w = weight.to(dtype)
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, hidden.shape[0], size):
+            h, t = hidden[start:start + size].to(dtype), targets[start:start + size]
+            g = grad_logps[start:start + size].float()
+            _, probs = log_softmax_at_targets_(F.linear(h, w).float(), t)
+            grad_logits = probs.mul_(-g[:, None])
+            grad_logits[torch.arange(len(t), device=t.device), t] += g
+            grad_logits = grad_logits.to(dtype)
+            if want_hidden:
+                grad_hidden[start:start + size] = grad_logits @ w
+            if want_weight:
+                grad_weight += (grad_logits.t() @ h).float()
+            del probs, grad_logits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+# ----------------------------------------------------------------------------------------------------- objectives
+
+
+def dpo_loss(policy: SequenceLogps, reference: SequenceLogps, *, beta: float, loss_type: DpoLoss = "sigmoid",
+             label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO (``sigmoid``, with ``label_smoothing`` cDPO), robust DPO (``robust``) or IPO (``ipo``) -> (loss, metrics)."""
+    chosen_ratio = policy.chosen - reference.chosen.detach()
+    rejected_ratio = policy.rejected - reference.rejected.detach()
+    h = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "robust":
+        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * h) + label_smoothing * F.logsigmoid(-beta * h)) / (
+            1 - 2 * label_smoothing)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss {loss_type!r}")
+    chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    return losses.mean(), reward_metrics(chosen_rewards, rejected_rewards, policy)
+
+
+def orpo_loss(policy: SequenceLogps, *, orpo_lambda: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """ORPO: NLL on the chosen tokens + ``orpo_lambda`` times the odds-ratio loss -> (loss, metrics)."""
+    chosen_counts = policy.halves(policy.counts)[0]
+    nll = -policy.chosen.sum() / chosen_counts.sum().clamp(min=1)
+    chosen_mean, rejected_mean = policy.means()
+    log_odds = (chosen_mean - log1mexp(chosen_mean)) - (rejected_mean - log1mexp(rejected_mean))
+    ratio = F.logsigmoid(log_odds)
+    loss = nll - orpo_lambda * ratio.mean()
+    metrics = reward_metrics(orpo_lambda * chosen_mean.detach(), orpo_lambda * rejected_mean.detach(), policy)
+    metrics.update({"nll_loss": nll.item(), "log_odds_ratio": ratio.mean().item(),
+                    "log_odds_chosen": log_odds.mean().item()})
+    return loss, metrics
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, accurate at both ends (Maechler 2012): ``log(-expm1(x))`` near 0,
+    ``log1p(-exp(x))`` below ``-log 2``."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                   policy: SequenceLogps) -> dict[str, float]:
+    """The per-batch means users watch: rewards and their margin, how often chosen wins, summed log-probs."""
+    return {
+        "rewards/chosen": chosen_rewards.mean().item(),
+        "rewards/rejected": rejected_rewards.mean().item(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean().item(),
+        "logps/chosen": policy.chosen.detach().mean().item(),
+        "logps/rejected": policy.rejected.detach().mean().item(),
+    }
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """What a preference run optimises, from ``train.method`` and its options (``from_config``).
+
+    ``objective(policy, reference)`` -> (loss, metrics); ``reference`` is None when ``needs_reference`` is false.
+    """
+
+    method: str  # train.method (config.TrainMethod) other than "sft": "dpo" or "orpo"
+    beta: float = 0.1
+    dpo_loss: DpoLoss = "sigmoid"
+    label_smoothing: float = 0.0
+    orpo_lambda: float = 0.1
+
+    @classmethod
+    def from_config(cls, train) -> PreferenceObjective:
+        """``TrainConfig`` -> the objective it names."""
+        return cls(train.method, beta=train.beta, dpo_loss=train.dpo_loss, label_smoothing=train.label_smoothing,
+                   orpo_lambda=train.orpo_lambda)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.method == "dpo"
+
+    def __call__(self, policy: SequenceLogps, reference: SequenceLogps | None):
+        if self.method == "dpo":
+            return dpo_loss(policy, reference, beta=self.beta, loss_type=self.dpo_loss,
+                            label_smoothing=self.label_smoothing)
+        if self.method == "orpo":
+            return orpo_loss(policy, orpo_lambda=self.orpo_lambda)
+        raise ValueError(f"unknown preference method {self.method!r}")
