@@ -200,7 +200,7 @@ def test_preference_config_refuses_packing_and_a_margin_without_pairs(tmp_path, 
     path = write_config(tmp_path, qwen_tokenizer_dir, pairs_file)
     with pytest.raises(ConfigError) as err:
         load_config(path, ["train.packing=true"])
-    assert "train.packing: preference pairs are not packed" in str(err.value)
+    assert "train.packing: preference pairs are batched as two whole padded rows each" in str(err.value)
     assert "set train.packing: false for data.objective: preference" in str(err.value)
     with pytest.raises(ConfigError, match="data.min_score_margin: filters preference pairs"):
         load_config(path, ["data.objective=sft", "data.min_score_margin=1"])
@@ -208,6 +208,15 @@ def test_preference_config_refuses_packing_and_a_margin_without_pairs(tmp_path, 
         load_config(path, ["data.objective=dpo"])
     with pytest.raises(ConfigError, match="data.dataset_schema: names an SFT row schema"):
         load_config(path, ["data.datasets=[{path: x.jsonl, schema: messages}]"])
+    # train.method decides what a row is: dpo reads pairs unless data.objective says otherwise, which is refused
+    assert load_config(path, ["data.objective=sft", "train.method=sft"]).data.objective == "sft"
+    with pytest.raises(ConfigError, match="data.objective: train.method: dpo trains on preference pairs"):
+        load_config(path, ["data.objective=sft", "train.method=dpo"])
+    implicit = yaml.safe_load(path.read_text())
+    del implicit["data"]["objective"]
+    implicit["train"]["method"] = "orpo"
+    path.write_text(yaml.safe_dump(implicit))
+    assert load_config(path).data.objective == "preference"
 
 
 def test_an_unexpected_error_in_a_pair_stage_is_a_bad_row_with_its_location(qwen3_tok, monkeypatch):
