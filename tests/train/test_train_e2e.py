@@ -313,3 +313,37 @@ def test_the_shipped_dpo_quickstart_trains_through_the_cli(tmp_path, tiny_model_
     assert first["loss"] == pytest.approx(0.693147, abs=1e-4)
     assert "rewards/accuracies" in first and any("eval_rewards/accuracies" in h for h in history)
     assert (out / "adapter_model.safetensors").is_file()
+
+
+class CountSteps(TrainerCallback):
+    count = 0
+
+    def on_step_end(self, args, state, control, **kw):
+        self.count += 1
+
+
+def dpo_config(tmp_path, tiny_model_dir, *overrides: str):
+    """The shipped DPO quickstart on the tiny model from a fresh adapter, 6 steps, a checkpoint every 2."""
+    return load_config(REPO / "configs/quickstart-dpo.yaml", [
+        f"model.name_or_path={tiny_model_dir}", "model.adapter_path=null", f"train.output_dir={tmp_path / 'out'}",
+        "train.max_steps=6", "train.save_steps=2", "train.eval_steps=100", "data.eval_fraction=0.0", *overrides])
+
+
+def test_a_dpo_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_adapter(tmp_path, tiny_model_dir,
+                                                                                  monkeypatch):
+    from safetensors.torch import load_file
+
+    monkeypatch.chdir(REPO / "configs")
+    ref = train(dpo_config(tmp_path / "ref", tiny_model_dir))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(dpo_config(tmp_path / "run", tiny_model_dir, "train.resume_from_checkpoint=auto"), callbacks=[CrashAt(3)])
+    assert sorted(p.name for p in (tmp_path / "run" / "out").glob("checkpoint-*")) == ["checkpoint-2"]
+    steps = CountSteps()
+    resumed = train(dpo_config(tmp_path / "run", tiny_model_dir, "train.resume_from_checkpoint=auto"),
+                    callbacks=[steps])
+    assert (resumed.state.global_step, steps.count) == (6, 4)  # resumed at step 2, not started again
+    assert_losses_continue(ref, resumed, steps=(3, 4, 5, 6))
+    a, b = (load_file(tmp_path / run / "out" / "adapter_model.safetensors") for run in ("ref", "run"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
