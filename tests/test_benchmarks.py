@@ -93,6 +93,45 @@ def test_train_bench_table_and_target_line(bench_train, capsys):
 
 
 @pytest.fixture(scope="module")
+def bench_dpo():
+    path = BENCH.with_name("bench_dpo.py")
+    spec = importlib.util.spec_from_file_location("bench_dpo", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dpo_bench_pairs_are_the_same_tokens_for_both_trainers(bench_dpo):
+    """TRL's form (prompt_ids + chosen_ids) and ours (chosen_input_ids, the prompt masked) are one pair; responses
+    are a third of a side and differ between chosen and rejected."""
+    pairs = bench_dpo.pairs(300, 2)
+    assert pairs == bench_dpo.pairs(300, 2) and pairs[0]["prompt_ids"] != pairs[1]["prompt_ids"]
+    for p in pairs:
+        assert len(p["prompt_ids"]) == 200 and len(p["chosen_ids"]) == len(p["rejected_ids"]) == 100
+        assert p["chosen_ids"] != p["rejected_ids"]
+        for side in ("chosen", "rejected"):
+            assert p[f"{side}_input_ids"] == p["prompt_ids"] + p[f"{side}_ids"]
+            assert p[f"{side}_labels"] == [IGNORE_INDEX] * 200 + p[f"{side}_ids"]
+
+
+def test_dpo_bench_target_fits_and_table_compares_with_trl(bench_dpo, capsys):
+    tokens = 2 * bench_dpo.TARGET[0] * bench_dpo.TARGET[1]
+    assert bench_dpo.estimate_gib("ours", tokens) < bench_dpo.estimate_gib("trl", tokens) < 9
+
+    def run(peak, cpu, loss):
+        return {"peak_gib": peak, "before_gib": 0.5, "cuda_peak_gib": None, "device": "cpu", "step_wall": cpu,
+                "step_cpu": cpu, "losses": [loss], "lora_dtype": "float32"}
+
+    results = {(2048, 2): {"ours": run(1.5, 3.0, 0.693147), "trl": run(3.0, 6.0, 0.6931475)}}
+    bench_dpo.print_table(results, argparse.Namespace(steps=3, repeats=1))
+    out = capsys.readouterr().out
+    assert ("2048     2   ours                     1.50   1.00    50.0% (+40.0%)      3.00     3.00    0.50x    "
+            "0.693147") in out
+    assert ("target 2048-token sides x batch 2: our peak 50.0% of TRL's (1.00 vs 2.50 GiB over load: 40.0%); "
+            "step time ours / TRL 0.50 wall, 0.50 cpu; first losses within") in out
+
+
+@pytest.fixture(scope="module")
 def mask_audit():
     path = BENCH.with_name("mask_audit.py")
     spec = importlib.util.spec_from_file_location("mask_audit", path)
