@@ -38,9 +38,10 @@ from collections import defaultdict
 import torch
 from transformers import Trainer
 
+from qlora_train.data.tokenize import IGNORE_INDEX
 from qlora_train.errors import ConfigError
 from qlora_train.train.fused_loss import fused_loss_blocker, inner_causal_lm
-from qlora_train.train.loss import CHUNK_TOKENS
+from qlora_train.train.loss import CHUNK_TOKENS, trained_positions
 from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps, sequence_logps
 
 TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model / from_pretrained make
@@ -114,22 +115,24 @@ def pair_logps(model, batch: dict, *, chunk_tokens: int = CHUNK_TOKENS) -> Seque
 
 
 def preference_step(model, batch: dict, objective: PreferenceObjective, *, chunk_tokens: int = CHUNK_TOKENS,
-                    policy_model=None):
+                    policy_model=None, nll_tokens: float | None = None):
     """A pair batch -> (loss, metrics): reference log-probs when the objective needs them (on ``model``, the peft
-    model), then the policy's, through ``policy_model`` (what the Trainer wrapped ``model`` in; default ``model``)."""
+    model), then the policy's, through ``policy_model`` (what the Trainer wrapped ``model`` in; default ``model``);
+    ``nll_tokens`` as ``orpo_loss`` reads it."""
     reference = None
     if objective.needs_reference:
         with torch.no_grad(), reference_model(model):
             reference = pair_logps(model, batch, chunk_tokens=chunk_tokens)
     policy = pair_logps(model if policy_model is None else policy_model, batch, chunk_tokens=chunk_tokens)
-    return objective(policy, reference)
+    return objective(policy, reference, nll_tokens=nll_tokens)
 
 
 class PreferenceTrainer(Trainer):
     """The ``Trainer`` with ``preference_step`` as its loss; the objective's metrics are averaged over the
     micro-batches since the last log and logged with the loss (``eval_``-prefixed in evaluation). On several
-    processes the policy pass goes through the DDP model ``compute_loss`` is given, and each logged metric is the
-    mean of the ranks' means (every rank runs as many micro-batches), as the Trainer averages the loss."""
+    processes the policy pass goes through the DDP model ``compute_loss`` is given, ORPO's NLL in training divides by
+    the ranks' mean chosen-token count (``mean_chosen_tokens``), and each logged metric is the mean of the ranks' means
+    (every rank runs as many micro-batches), as the Trainer averages the loss."""
 
     # the loss is a mean over this micro-batch's pairs: the Trainer divides it by the accumulation steps
     loss_is_scaled_for_ga = False
@@ -142,11 +145,23 @@ class PreferenceTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         peft_model = self.accelerator.unwrap_model(model)
+        nll_tokens = None
+        if self.objective.method == "orpo" and self.args.world_size > 1 and peft_model.training:
+            nll_tokens = self.mean_chosen_tokens(inputs["labels"])
         loss, metrics = preference_step(peft_model, inputs, self.objective, chunk_tokens=self.chunk_tokens,
-                                        policy_model=model)
+                                        policy_model=model, nll_tokens=nll_tokens)
         for key, value in metrics.items():
             self._metrics["train" if peft_model.training else "eval"][key].append(value)
         return (loss, {"loss": loss}) if return_outputs else loss
+
+    def mean_chosen_tokens(self, labels: torch.Tensor) -> float:
+        """The chosen rows' trained tokens (as ``sequence_logps`` counts them), averaged over the ranks: ORPO's NLL
+        in training divides by it (``orpo_loss``), so that a step on N ranks is the step on their global batch.
+        Every rank calls it at the same micro-batch. Not in evaluation: there each rank's batch is its own, as the
+        Trainer's ``eval_loss`` weighs it, and the pairs accelerate repeats to even out the ranks do not count."""
+        chosen = trained_positions(labels[: labels.shape[0] // 2]) != IGNORE_INDEX
+        count = chosen.sum().to(torch.float64)
+        return self.accelerator.reduce(count, reduction="mean").item()
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
