@@ -349,10 +349,12 @@ def test_a_dpo_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_adapte
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
 
 
-def test_dpo_on_two_processes_equals_one_process_with_their_global_batch(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize(("method", "port"), [("dpo", 29533), ("orpo", 29534)])
+def test_preference_on_two_processes_equals_one_process_with_their_global_batch(tmp_path, tiny_model_dir, method,
+                                                                                port):
     """torchrun, 2 ranks x 1 pair (gloo, float32 on CPU) vs 1 process x 2 pairs: the policy pass goes through the
-    DDP model, so the ranks' gradients are averaged and the runs are the same run: the same losses and metrics at
-    every step and the same adapter."""
+    DDP model, so the ranks' gradients are averaged (and ORPO's NLL divides by the ranks' mean chosen-token count),
+    and the runs are the same run: the same losses and metrics at every step and the same adapter."""
     from safetensors.torch import load_file
 
     # run in configs/ (the config's data path is relative to it), importing this checkout
@@ -361,9 +363,10 @@ def test_dpo_on_two_processes_equals_one_process_with_their_global_batch(tmp_pat
     common = [str(REPO / "configs/quickstart-dpo.yaml"), "--set", f"model.name_or_path={tiny_model_dir}",
               "--set", "model.adapter_path=null", "--set", "train.max_steps=4", "--set", "train.save_steps=4",
               "--set", "train.eval_steps=4",
-              "--set", "data.eval_fraction=0.15"]  # 4 held-out pairs: 2 per rank
+              "--set", "data.eval_fraction=0.15",  # 4 held-out pairs: 2 per rank
+              "--set", f"train.method={method}"]
     runs = {"one": ([sys.executable, "-m", "qlora_train.cli"], 2),
-            "two": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+            "two": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
                      "-m", "qlora_train.cli"], 1)}
     procs = {name: subprocess.Popen(
         [*launch, "--config", *common, "--set", f"train.output_dir={tmp_path / name}",
@@ -380,8 +383,9 @@ def test_dpo_on_two_processes_equals_one_process_with_their_global_batch(tmp_pat
                 for name in runs)
     assert one.keys() == two.keys()
     assert {k for k in one if k[1] == "loss"} == {(s, "loss") for s in (1, 2, 3, 4)}
-    for key in one:  # a reward is beta x (a difference of summed log-probs of ~ -500): float32 leaves ~1e-5 of it
-        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=3e-5 if "rewards/" in key[1] else 1e-7), key
+    for key in one:  # rewards and log odds: differences of summed log-probs of ~ -500, which float32 holds to ~1e-5
+        near_zero = "rewards/" in key[1] or "log_odds" in key[1]
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=3e-5 if near_zero else 1e-7), key
     a, b = (load_file(tmp_path / name / "adapter_model.safetensors") for name in runs)
     assert a.keys() == b.keys()
     for key in a:
