@@ -8,6 +8,13 @@ A step on a ``[2B, L]`` pair batch (``PairCollator``: chosen rows, then rejected
    logits of the batch);
 3. the objective (``PreferenceObjective``): the loss, and the metrics the Trainer logs beside it.
 
+Both passes are calls of the model itself, ``model(..., logps_chunk_tokens=n)``: ``use_pair_forward`` gives the
+CausalLM inside the peft model a forward that, called with ``logps_chunk_tokens``, runs the decoder and returns
+the rows' ``SequenceLogps`` instead of logits (as the fused SFT loss returns its loss). So the policy pass goes
+through whatever the Trainer wrapped the model in: under DDP (``torchrun``, ``accelerate launch``) its forward is
+DDP's, whose reducer then all-reduces the adapter's gradients in backward, and under mixed precision both passes
+run in accelerate's autocast as SFT's forward does. The reference pass (no gradient) runs on the unwrapped model.
+
 The reference is where training starts, never a second copy of the base in memory:
 
 - a fresh adapter (LoRA B = 0, so the policy equals the base): the base itself, the adapter switched off with
@@ -24,14 +31,17 @@ Reference first, then policy: switching adapters sets ``requires_grad`` of their
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from collections import defaultdict
 
 import torch
 from transformers import Trainer
 
+from qlora_train.data.tokenize import IGNORE_INDEX
 from qlora_train.errors import ConfigError
 from qlora_train.train.fused_loss import fused_loss_blocker, inner_causal_lm
-from qlora_train.train.loss import CHUNK_TOKENS
+from qlora_train.train.loss import CHUNK_TOKENS, trained_positions
 from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps, sequence_logps
 
 TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model / from_pretrained make
@@ -63,44 +73,95 @@ def reference_model(model):
         model.set_adapter(active)  # trainable again
 
 
-def pair_logps(model, batch: dict, *, chunk_tokens: int = CHUNK_TOKENS) -> SequenceLogps:
-    """One decoder pass over a pair batch -> per-row log-probs of the trained tokens (``sequence_logps``)."""
+def use_pair_forward(model) -> None:
+    """Give the CausalLM inside ``model`` (a peft model, the CausalLM, or a DDP wrapper around either) the pair
+    forward: called with ``logps_chunk_tokens``, ``pair_forward``; otherwise the model class's own forward.
+    Idempotent; it carries the class forward's signature and binds to the instance (as the fused SFT loss)."""
+    while hasattr(model, "module") and not hasattr(model, "get_base_model"):  # DDP / DataParallel
+        model = model.module
     causal_lm = inner_causal_lm(model)
-    outputs = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    return sequence_logps(outputs[0], causal_lm.lm_head.weight, batch["labels"], chunk_tokens=chunk_tokens)
+    if getattr(causal_lm, "has_pair_forward", False):
+        return
+    cls = type(causal_lm)
+    own = vars(causal_lm).get("forward")  # e.g. the fused SFT forward; else the class's
+
+    @functools.wraps(cls.forward)
+    def forward(self, *args, **kwargs):
+        if "logps_chunk_tokens" in kwargs:
+            return pair_forward(self, *args, **kwargs)
+        return own(*args, **kwargs) if own is not None else cls.forward(self, *args, **kwargs)
+
+    causal_lm.forward = types.MethodType(forward, causal_lm)
+    causal_lm.has_pair_forward = True
 
 
-def preference_step(model, batch: dict, objective: PreferenceObjective, *, chunk_tokens: int = CHUNK_TOKENS):
-    """A pair batch -> (loss, metrics): reference log-probs when the objective needs them, then the policy's."""
+def pair_forward(causal_lm, input_ids=None, attention_mask=None, *, labels, logps_chunk_tokens: int,
+                 **unused) -> SequenceLogps:
+    """The decoder once on a pair batch, then ``sequence_logps`` on its last hidden states and the head's weight:
+    per-row log-probs of the trained tokens, no logits. What peft's forward adds besides is ``None`` here."""
+    extra = sorted(k for k, v in unused.items() if v is not None)
+    if extra:
+        raise TypeError(f"the pair forward takes input_ids, attention_mask and labels only, not {', '.join(extra)}")
+    outputs = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return sequence_logps(outputs[0], causal_lm.lm_head.weight, labels, chunk_tokens=logps_chunk_tokens)
+
+
+def pair_logps(model, batch: dict, *, chunk_tokens: int = CHUNK_TOKENS) -> SequenceLogps:
+    """One decoder pass over a pair batch -> per-row log-probs of the trained tokens (``sequence_logps``), as a
+    call of ``model`` (a peft model, or the DDP wrapper around it) with the pair forward (``use_pair_forward``)."""
+    use_pair_forward(model)
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                 logps_chunk_tokens=chunk_tokens)
+
+
+def preference_step(model, batch: dict, objective: PreferenceObjective, *, chunk_tokens: int = CHUNK_TOKENS,
+                    policy_model=None, nll_tokens: float | None = None):
+    """A pair batch -> (loss, metrics): reference log-probs when the objective needs them (on ``model``, the peft
+    model), then the policy's, through ``policy_model`` (what the Trainer wrapped ``model`` in; default ``model``);
+    ``nll_tokens`` as ``orpo_loss`` reads it."""
     reference = None
     if objective.needs_reference:
         with torch.no_grad(), reference_model(model):
             reference = pair_logps(model, batch, chunk_tokens=chunk_tokens)
-    policy = pair_logps(model, batch, chunk_tokens=chunk_tokens)
-    return objective(policy, reference)
+    policy = pair_logps(model if policy_model is None else policy_model, batch, chunk_tokens=chunk_tokens)
+    return objective(policy, reference, nll_tokens=nll_tokens)
 
 
 class PreferenceTrainer(Trainer):
     """The ``Trainer`` with ``preference_step`` as its loss; the objective's metrics are averaged over the
-    micro-batches since the last log and logged with the loss (``eval_``-prefixed in evaluation)."""
+    micro-batches since the last log and logged with the loss (``eval_``-prefixed in evaluation). On several
+    processes the policy pass goes through the DDP model ``compute_loss`` is given, ORPO's NLL in training divides by
+    the ranks' mean chosen-token count (``mean_chosen_tokens``), and each logged metric is the mean of the ranks' means
+    (every rank runs as many micro-batches), as the Trainer averages the loss."""
 
     # the loss is a mean over this micro-batch's pairs: the Trainer divides it by the accumulation steps
     loss_is_scaled_for_ga = False
 
     def __init__(self, *args, objective: PreferenceObjective, chunk_tokens: int = CHUNK_TOKENS, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.args.world_size > 1:
-            raise ConfigError([f"train.method: {objective.method} runs in one process only for now "
-                               "(launch without torchrun / accelerate)"])
+        use_pair_forward(self.model)
         self.objective, self.chunk_tokens = objective, chunk_tokens
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        model = self.accelerator.unwrap_model(model)
-        loss, metrics = preference_step(model, inputs, self.objective, chunk_tokens=self.chunk_tokens)
+        peft_model = self.accelerator.unwrap_model(model)
+        nll_tokens = None
+        if self.objective.method == "orpo" and self.args.world_size > 1 and peft_model.training:
+            nll_tokens = self.mean_chosen_tokens(inputs["labels"])
+        loss, metrics = preference_step(peft_model, inputs, self.objective, chunk_tokens=self.chunk_tokens,
+                                        policy_model=model, nll_tokens=nll_tokens)
         for key, value in metrics.items():
-            self._metrics["train" if model.training else "eval"][key].append(value)
+            self._metrics["train" if peft_model.training else "eval"][key].append(value)
         return (loss, {"loss": loss}) if return_outputs else loss
+
+    def mean_chosen_tokens(self, labels: torch.Tensor) -> float:
+        """The chosen rows' trained tokens (as ``sequence_logps`` counts them), averaged over the ranks: ORPO's NLL
+        in training divides by it (``orpo_loss``), so that a step on N ranks is the step on their global batch.
+        Every rank calls it at the same micro-batch. Not in evaluation: there each rank's batch is its own, as the
+        Trainer's ``eval_loss`` weighs it, and the pairs accelerate repeats to even out the ranks do not count."""
+        chosen = trained_positions(labels[: labels.shape[0] // 2]) != IGNORE_INDEX
+        count = chosen.sum().to(torch.float64)
+        return self.accelerator.reduce(count, reduction="mean").item()
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -111,7 +172,11 @@ class PreferenceTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         split = "train" if "loss" in logs else "eval"
         prefix = "" if split == "train" else "eval_"
-        for key, values in self._metrics[split].items():
-            logs[prefix + key] = sum(values) / len(values)
+        keys = list(self._metrics[split])  # the objective's order, the same on every rank
+        means = [sum(self._metrics[split][key]) / len(self._metrics[split][key]) for key in keys]
+        if self.args.world_size > 1 and keys:  # every rank logs here at the same step: average the ranks' means
+            means = (self.accelerator.reduce(torch.tensor(means, dtype=torch.float64, device=self.args.device),
+                                             reduction="mean")).tolist()
+        logs.update({prefix + key: mean for key, mean in zip(keys, means)})
         self._metrics[split].clear()
         super().log(logs, start_time)

@@ -161,10 +161,15 @@ def dpo_loss(policy: SequenceLogps, reference: SequenceLogps, *, beta: float, lo
     return losses.mean(), reward_metrics(chosen_rewards, rejected_rewards, policy)
 
 
-def orpo_loss(policy: SequenceLogps, *, orpo_lambda: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """ORPO: NLL on the chosen tokens + ``orpo_lambda`` times the odds-ratio loss -> (loss, metrics)."""
+def orpo_loss(policy: SequenceLogps, *, orpo_lambda: float,
+              nll_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """ORPO: NLL on the chosen tokens + ``orpo_lambda`` times the odds-ratio loss -> (loss, metrics).
+
+    The NLL is the chosen rows' summed log-probs over ``nll_tokens``: by default this batch's chosen tokens; on
+    several processes the ranks' mean of theirs, so that DDP's mean of the ranks' gradients (and the Trainer's of
+    their losses) is the NLL over all the ranks' chosen tokens, as one process with the global batch computes it."""
     chosen_counts = policy.halves(policy.counts)[0]
-    nll = -policy.chosen.sum() / chosen_counts.sum().clamp(min=1)
+    nll = -policy.chosen.sum() / (chosen_counts.sum().clamp(min=1) if nll_tokens is None else nll_tokens)
     chosen_mean, rejected_mean = policy.means()
     log_odds = (chosen_mean - log1mexp(chosen_mean)) - (rejected_mean - log1mexp(rejected_mean))
     ratio = F.logsigmoid(log_odds)
@@ -198,7 +203,8 @@ def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
 class PreferenceObjective:
     """What a preference run optimises, from ``train.method`` and its options (``from_config``).
 
-    ``objective(policy, reference)`` -> (loss, metrics); ``reference`` is None when ``needs_reference`` is false.
+    ``objective(policy, reference)`` -> (loss, metrics); ``reference`` is None when ``needs_reference`` is false;
+    ``nll_tokens``: what ORPO's NLL divides by (``orpo_loss``).
     """
 
     method: str  # train.method (config.TrainMethod) other than "sft": "dpo" or "orpo"
@@ -217,10 +223,10 @@ class PreferenceObjective:
     def needs_reference(self) -> bool:
         return self.method == "dpo"
 
-    def __call__(self, policy: SequenceLogps, reference: SequenceLogps | None):
+    def __call__(self, policy: SequenceLogps, reference: SequenceLogps | None, *, nll_tokens: float | None = None):
         if self.method == "dpo":
             return dpo_loss(policy, reference, beta=self.beta, loss_type=self.dpo_loss,
                             label_smoothing=self.label_smoothing)
         if self.method == "orpo":
-            return orpo_loss(policy, orpo_lambda=self.orpo_lambda)
+            return orpo_loss(policy, orpo_lambda=self.orpo_lambda, nll_tokens=nll_tokens)
         raise ValueError(f"unknown preference method {self.method!r}")

@@ -347,3 +347,46 @@ def test_a_dpo_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_adapte
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("method", "port"), [("dpo", 29533), ("orpo", 29534)])
+def test_preference_on_two_processes_equals_one_process_with_their_global_batch(tmp_path, tiny_model_dir, method,
+                                                                                port):
+    """torchrun, 2 ranks x 1 pair (gloo, float32 on CPU) vs 1 process x 2 pairs: the policy pass goes through the
+    DDP model, so the ranks' gradients are averaged (and ORPO's NLL divides by the ranks' mean chosen-token count),
+    and the runs are the same run: the same losses and metrics at every step and the same adapter."""
+    from safetensors.torch import load_file
+
+    # run in configs/ (the config's data path is relative to it), importing this checkout
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    common = [str(REPO / "configs/quickstart-dpo.yaml"), "--set", f"model.name_or_path={tiny_model_dir}",
+              "--set", "model.adapter_path=null", "--set", "train.max_steps=4", "--set", "train.save_steps=4",
+              "--set", "train.eval_steps=4",
+              "--set", "data.eval_fraction=0.15",  # 4 held-out pairs: 2 per rank
+              "--set", f"train.method={method}"]
+    runs = {"one": ([sys.executable, "-m", "qlora_train.cli"], 2),
+            "two": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+                     "-m", "qlora_train.cli"], 1)}
+    procs = {name: subprocess.Popen(
+        [*launch, "--config", *common, "--set", f"train.output_dir={tmp_path / name}",
+         "--set", f"train.per_device_train_batch_size={batch}"],
+        cwd=REPO / "configs", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, (launch, batch) in runs.items()}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+    history = {name: json.loads((tmp_path / name / "trainer_state.json").read_text())["log_history"]
+               for name in runs}
+    one, two = ({(h["step"], k): v for h in history[name] for k, v in h.items() if isinstance(v, float)
+                 and k not in ("epoch", "total_flos") and not k.endswith(("runtime", "per_second"))}
+                for name in runs)
+    assert one.keys() == two.keys()
+    assert {k for k in one if k[1] == "loss"} == {(s, "loss") for s in (1, 2, 3, 4)}
+    for key in one:  # rewards and log odds: differences of summed log-probs of ~ -500, which float32 holds to ~1e-5
+        near_zero = "rewards/" in key[1] or "log_odds" in key[1]
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=3e-5 if near_zero else 1e-7), key
+    a, b = (load_file(tmp_path / name / "adapter_model.safetensors") for name in runs)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5)
