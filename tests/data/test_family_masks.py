@@ -23,7 +23,7 @@ from qlora_train.data import IGNORE_INDEX, DataConfig, RowRejected, process_rows
 from qlora_train.data.layout import template_layout
 from qlora_train.data.policy import LossPolicy
 from qlora_train.data.render import render_conversation
-from tests.data.families import FAMILIES, example_messages, family_tokenizer
+from tests.data.families import FAMILIES, example_messages
 from tests.data.oracle import DECIDED, prefix_oracle, trained_text
 
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
@@ -32,8 +32,8 @@ NAMES = sorted(FAMILIES)
 
 
 @pytest.fixture(scope="module")
-def toks(qwen_tokenizer_dir):
-    return {name: family_tokenizer(qwen_tokenizer_dir, name) for name in NAMES}
+def toks(family_vocab_tokenizer):
+    return {name: family_vocab_tokenizer(name) for name in NAMES}
 
 
 def trained_chars(r) -> str:

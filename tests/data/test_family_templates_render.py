@@ -13,7 +13,7 @@ from datetime import datetime
 import jinja2
 import pytest
 
-from tests.data.families import EXAMPLE, FAMILIES, example_messages, family_tokenizer
+from tests.data.families import EXAMPLE, FAMILIES, example_messages
 
 NAMES = sorted(FAMILIES)
 DS_EOS = "<｜end▁of▁sentence｜>"
@@ -230,8 +230,8 @@ SYSTEM_MOVES = {"mistral-v3", "mistral-tekken"}
 
 
 @pytest.fixture(scope="module")
-def tokenizers(qwen_tokenizer_dir):
-    return {name: family_tokenizer(qwen_tokenizer_dir, name) for name in NAMES}
+def tokenizers(family_vocab_tokenizer):
+    return {name: family_vocab_tokenizer(name) for name in NAMES}
 
 
 def render(tok, messages, **kw):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows, template_layout
 from tests.data.conversations import conversation
-from tests.data.families import FAMILIES, ISSUE24_NAMES, example_messages, family_tokenizer
+from tests.data.families import FAMILIES, ISSUE24_NAMES, example_messages
 from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle
 from tests.vocabularies import SHIPPED_TEMPLATES
 
@@ -35,20 +35,9 @@ PROPS = settings(max_examples=20, deadline=None, derandomize=True, database=None
 
 
 @pytest.fixture(scope="session")
-def tokenizers(qwen_tokenizer_dir, real_vocab_dir):
+def tokenizers(family_vocab_tokenizer):
     """(family, vocabulary) -> its tokenizer, each built once per session."""
-    built = {}
-
-    def get(name: str, vocab: str):
-        if (name, vocab) not in built:
-            if vocab == "qwen+tok":
-                built[name, vocab] = family_tokenizer(qwen_tokenizer_dir, name)
-            else:
-                built[name, vocab] = family_tokenizer(real_vocab_dir("llama3"), name,
-                                                      markers_as_tokens=vocab == "llama3+tok")
-        return built[name, vocab]
-
-    return get
+    return family_vocab_tokenizer
 
 
 def engine_row(tok, messages, tools=None) -> dict:

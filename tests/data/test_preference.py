@@ -21,7 +21,7 @@ from qlora_train.data import (
     process_rows,
 )
 from qlora_train.data.policy import LossPolicy
-from tests.data.families import FAMILIES, family_tokenizer
+from tests.data.families import FAMILIES
 from tests.data.oracle import DECIDED, check_kept_row, prefix_oracle
 from tests.data.test_family_masks import TOOLS as FAMILY_TOOLS
 from tests.data.test_family_masks import _call, _specials_removed, answer, upper
@@ -351,16 +351,9 @@ PAIR_PROPS = settings(max_examples=12, deadline=None, derandomize=True, database
 
 
 @pytest.fixture(scope="module")
-def family_tok(qwen_tokenizer_dir, real_vocab_dir):
-    built = {}
-
-    def get(name: str, vocab: str):
-        if (name, vocab) not in built:
-            base = qwen_tokenizer_dir if vocab == "qwen" else real_vocab_dir("llama3")
-            built[name, vocab] = family_tokenizer(base, name)
-        return built[name, vocab]
-
-    return get
+def family_tok(family_vocab_tokenizer):
+    """(family, "qwen" | "llama3") -> the family's tokenizer on that real vocabulary, its markers as tokens."""
+    return lambda name, vocab: family_vocab_tokenizer(name, "qwen+tok" if vocab == "qwen" else "llama3+tok")
 
 
 @st.composite
