@@ -39,7 +39,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -47,7 +46,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train import GIB, VOCAB, ensure_model, memory_limit_gib, resident_kib  # noqa: E402
+from bench_train import (  # noqa: E402
+    GIB,
+    VOCAB,
+    ensure_model,
+    keep_best,
+    memory_limit_gib,
+    peak,
+    resident_kib,
+    step_timer,
+)
 
 TARGET = (2048, 2)  # the issue's point: 2,048-token sides, batch 2 (4 rows of 2,048 tokens a step)
 METHODS = ("ours", "trl")
@@ -93,25 +101,10 @@ def pairs(side: int, n: int, seed: int = 0) -> list[dict]:
 def child(args) -> None:
     """One run: load, build the trainer, train ``args.steps`` steps, print a JSON line of what was measured."""
     import torch
-    from transformers import AutoTokenizer, TrainerCallback, set_seed
+    from transformers import AutoTokenizer, set_seed
 
     from qlora_train.config import Config
     from qlora_train.train.model import resolve_runtime
-
-    class StepTimes(TrainerCallback):
-        def __init__(self):
-            self.wall, self.cpu = [], []
-
-        def on_step_begin(self, args, state, control, **kw):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self._wall, self._cpu = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, args, state, control, **kw):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.wall.append(time.perf_counter() - self._wall)
-            self.cpu.append(time.process_time() - self._cpu)
 
     with tempfile.TemporaryDirectory() as out:
         cfg = Config.model_validate({
@@ -125,7 +118,7 @@ def child(args) -> None:
         set_seed(cfg.train.seed)
         data = pairs(args.side, args.batch * args.steps)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        times = StepTimes()
+        times = step_timer()
         trainer = (build_ours if args.method == "ours" else build_trl)(cfg, runtime, data, tokenizer, times)
         model = trainer.model
         rss_before = resident_kib()
@@ -236,19 +229,8 @@ def measure(args) -> dict:
                 print(f"  {method:>4} side {side} x batch {batch}: peak {r['peak_gib']:.2f} GiB "
                       f"(+{r['peak_gib'] - r['before_gib']:.2f}), step {r['step_wall']:.2f} s wall / "
                       f"{r['step_cpu']:.2f} s cpu, loss {r['losses'][0]:.6f}", flush=True)
-                best = results[(side, batch)].get(method)
-                if best is None:
-                    results[(side, batch)][method] = r
-                else:  # memory: the highest peak seen; time: the fastest
-                    best["peak_gib"] = max(best["peak_gib"], r["peak_gib"])
-                    best["before_gib"] = min(best["before_gib"], r["before_gib"])
-                    for key in ("step_wall", "step_cpu"):
-                        best[key] = min(best[key], r[key])
+                keep_best(results[(side, batch)], method, r)
     return results
-
-
-def peak(r: dict) -> float:
-    return r["cuda_peak_gib"] if r.get("cuda_peak_gib") is not None else r["peak_gib"]
 
 
 def added(r: dict) -> float:

@@ -71,16 +71,10 @@ def rows(seq: int, n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def child(args) -> None:
-    """One run: load, train ``args.steps`` steps, print a JSON line of what was measured."""
+def step_timer():
+    """A ``TrainerCallback`` that keeps each step's wall and process CPU seconds (``.wall``, ``.cpu``)."""
     import torch
-    from transformers import Trainer, TrainerCallback, set_seed
-
-    from qlora_train.config import Config
-    from qlora_train.train.collator import PadCollator
-    from qlora_train.train.fused_loss import use_fused_loss, uses_fused_loss
-    from qlora_train.train.model import load_model, resolve_runtime
-    from qlora_train.train.run import training_arguments
+    from transformers import TrainerCallback
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -97,6 +91,33 @@ def child(args) -> None:
             self.wall.append(time.perf_counter() - self._wall)
             self.cpu.append(time.process_time() - self._cpu)
 
+    return StepTimes()
+
+
+def keep_best(cell: dict, key, r: dict) -> None:
+    """``cell[key]``: the first run's result, then memory the highest peak seen, times the fastest."""
+    best = cell.get(key)
+    if best is None:
+        cell[key] = r
+        return
+    best["peak_gib"] = max(best["peak_gib"], r["peak_gib"])
+    if "before_gib" in r:
+        best["before_gib"] = min(best["before_gib"], r["before_gib"])
+    for k in ("step_wall", "step_cpu"):
+        best[k] = min(best[k], r[k])
+
+
+def child(args) -> None:
+    """One run: load, train ``args.steps`` steps, print a JSON line of what was measured."""
+    import torch
+    from transformers import Trainer, set_seed
+
+    from qlora_train.config import Config
+    from qlora_train.train.collator import PadCollator
+    from qlora_train.train.fused_loss import use_fused_loss, uses_fused_loss
+    from qlora_train.train.model import load_model, resolve_runtime
+    from qlora_train.train.run import training_arguments
+
     with tempfile.TemporaryDirectory() as out:
         cfg = Config.model_validate({
             "model": {"name_or_path": args.model},
@@ -109,7 +130,7 @@ def child(args) -> None:
         model = load_model(cfg, runtime)
         use_fused_loss(model, cfg.train.fused_loss)
         assert uses_fused_loss(model) == (args.loss == "fused")
-        times = StepTimes()
+        times = step_timer()
         trainer = Trainer(model=model, args=training_arguments(cfg, runtime, has_eval=False),
                           data_collator=PadCollator(pad_token_id=0),
                           train_dataset=rows(args.seq, args.batch * args.steps), callbacks=[times])
@@ -187,13 +208,7 @@ def measure(args) -> dict:
                 print(f"  {loss:>7} seq {seq} x batch {batch}: peak {r['peak_gib']:.2f} GiB, "
                       f"step {r['step_wall']:.2f} s wall / {r['step_cpu']:.2f} s cpu, loss {r['losses'][0]:.6f}",
                       flush=True)
-                best = results[(seq, batch)].get(loss)
-                if best is None:
-                    results[(seq, batch)][loss] = r
-                else:  # memory: the highest peak seen; time: the fastest
-                    best["peak_gib"] = max(best["peak_gib"], r["peak_gib"])
-                    for key in ("step_wall", "step_cpu"):
-                        best[key] = min(best[key], r[key])
+                keep_best(results[(seq, batch)], loss, r)
     return results
 
 
