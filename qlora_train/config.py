@@ -119,6 +119,15 @@ class DataConfig(_Section):
         None, description="With `objective: preference`: drop pairs whose `score_chosen - score_rejected` is below "
         "this (reason `below_score_margin`, also pairs without both scores).",
     )
+    max_prompt_length: int | None = Field(
+        None, ge=1, description="With `objective: preference`: the shared prompt's limit in tokens: middle prompt "
+        "exchanges dropped, then its rendered reasoning trimmed, to fit; a prompt still over it is `too_long`.",
+    )
+    max_response_length: int | None = Field(
+        None, ge=1, description="With `objective: preference`: each response's limit in tokens (after its "
+        "reasoning is trimmed); a longer one is cut at the token level, losing its end (counted: `responses cut`), "
+        "and so is one that would not otherwise fit `max_length`. Unset: such a pair is `too_long`, never cut.",
+    )
     eval_datasets: list[DatasetSource] = Field(
         default_factory=list, description="Evaluation sources (instead of `eval_fraction`), concatenated."
     )
@@ -247,8 +256,9 @@ class DataConfig(_Section):
                 s.dataset_schema not in (None, "auto") for s in self.datasets + self.eval_datasets)):
             raise ValueError("dataset_schema: names an SFT row schema, but with objective: preference every row is "
                              "read as a pair (docs/preference.md formats): leave dataset_schema unset")
-        if self.min_score_margin is not None and self.objective != "preference":
-            raise ValueError("min_score_margin: filters preference pairs; set objective: preference (or unset it)")
+        for key in ("min_score_margin", "max_prompt_length", "max_response_length"):
+            if getattr(self, key) is not None and self.objective != "preference":
+                raise ValueError(f"{key}: applies to preference pairs; set objective: preference (or unset it)")
         return self
 
 

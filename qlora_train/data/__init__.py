@@ -20,8 +20,9 @@ offsets, and a processed row whose columns ``processed.PROCESSED_ROW`` defines):
     pairs.canonicalize_pair           a preference row -> prompt, chosen and rejected Messages (parse's normalisation)
     pairs.build_preference_example    prompt + two responses -> two sides, each SFT's render, walk and labels, and
                                       the prompt's tokens checked shared
-    pairs.fit_pair                    both sides within max_length: middle prompt exchanges dropped (truncate's
-                                      middle_exchanges / exchanges_to_fit), never a response cut
+    pairs.fit_pair                    both sides within max_length (and max_prompt_length / max_response_length):
+                                      middle prompt exchanges dropped, reasoning trimmed (truncate's), a response
+                                      cut only with max_response_length
     pipeline.process_rows             stages 1-4 for a batch of rows -> processed rows (processed.PROCESSED_ROW);
                                       with data.objective: preference, each row a pair (canonicalize_pair,
                                       check_score_margin, fit_pair) -> the chosen_* / rejected_* columns

@@ -107,8 +107,11 @@ class DatasetReport:
                 f"->{self.rows_per_source_after_mixing.get(src, 0)} rows" for src in self.mixing_weights))
         if self.text_blocks_added:
             out.append(f"long texts cut into blocks: {self.text_blocks_added} extra blocks")
-        if self.objective == "preference" and self.rows_turns_dropped:
-            out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} pairs")
+        if self.objective == "preference":
+            if self.rows_turns_dropped or self.rows_reasoning_trimmed or self.rows_token_fallback:
+                out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} pairs, "
+                           f"reasoning trimmed in {self.rows_reasoning_trimmed}, responses cut "
+                           f"(data.max_response_length) in {sum(self.rows_token_fallback.values())}")
         elif self.rows_turns_dropped or self.rows_reasoning_trimmed or self.rows_token_fallback:
             out.append(f"truncation: turns dropped in {self.rows_turns_dropped} rows, reasoning trimmed in "
                        f"{self.rows_reasoning_trimmed}, token-level cut in {sum(self.rows_token_fallback.values())}")

@@ -47,7 +47,7 @@ from qlora_train.data.parse import (
 from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy
 from qlora_train.data.render import RenderedConversation, render_conversation
 from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, make_labels, project_char_mask
-from qlora_train.data.truncate import exchanges_to_fit, measure, middle_exchanges
+from qlora_train.data.truncate import exchanges_to_fit, measure, middle_exchanges, trim_reasoning
 
 SIDES = ("chosen", "rejected")
 # the layouts of a preference row canonicalize_pair reads (CanonicalPair.format)
@@ -281,6 +281,7 @@ def build_preference_example(
     tools: list[dict] | None = None,
     policy: LossPolicy = DEFAULT_POLICY,
     max_length: int | None = None,
+    max_response_length: int | None = None,
 ) -> dict:
     """A prompt and two responses (canonical messages) -> the pair's two sequences, or ``RowRejected``.
 
@@ -295,7 +296,12 @@ def build_preference_example(
     Refused: a pair of the wrong shape (``check_pair``), a side the template or the mask check refuses (its
     reason, the detail naming the side), a prompt rendered or tokenized differently on the two sides
     (``pair_prompt_differs``), two sides with the same ids (``pair_identical``), and, with ``max_length``, a side
-    longer than it (``too_long``; ``fit_pair`` drops prompt exchanges first).
+    longer than it (``too_long``; ``fit_pair`` drops prompt exchanges and trims reasoning first).
+
+    With ``max_response_length``, a side whose response (its tokens after ``prompt_length``) is longer than it, or
+    that is over ``max_length``, is cut instead, at ``side_limit`` tokens (by ``make_labels``, on the right: the
+    response loses its end, end-of-turn marker included); ``cut_sides`` names the sides that lost trained tokens. A cut that leaves a
+    side nothing trained is ``too_long``, one that leaves the two sides the same ids ``pair_identical``.
     """
     for where, messages in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         _check_messages(messages, where)
@@ -309,15 +315,40 @@ def build_preference_example(
         raise RowRejected(DropReason.PAIR_IDENTICAL, "chosen and rejected render to the same tokens")
     prompt_length, merges = shared_prompt_length(rendered, boundary, encoded)
     out = {"prompt_length": prompt_length, "boundary_merges": merges,
-           "reasoning_dropped_turns": sum(t.reasoning_dropped for r in rendered.values() for t in r.turns)}
+           "reasoning_dropped_turns": sum(t.reasoning_dropped for r in rendered.values() for t in r.turns),
+           "cut_sides": []}
+    limit = side_limit(prompt_length, max_length, max_response_length)
     for side in SIDES:
         ids, offsets = encoded[side]
-        if max_length is not None and len(ids) > max_length:
-            raise RowRejected(DropReason.TOO_LONG, f"{side}: {len(ids)} tokens > max_length={max_length} "
-                              "(fit_pair drops prompt exchanges first)")
-        example = make_labels(ids, project_char_mask(offsets, rendered[side].char_mask))
+        token_mask = project_char_mask(offsets, rendered[side].char_mask)
+        if len(ids) > limit:
+            if max_response_length is None:
+                raise RowRejected(DropReason.TOO_LONG, f"{side}: {len(ids)} tokens > max_length={max_length} "
+                                  "(fit_pair drops prompt exchanges and trims reasoning first; "
+                                  "data.max_response_length would cut the response)")
+            if any(end > limit for _, end in token_mask.runs):  # else only the template's untrained tail goes
+                out["cut_sides"].append(side)
+        example = make_labels(ids, token_mask, max_length=limit, truncate_side="right")
+        if side in out["cut_sides"] and example["labels"].count(IGNORE_INDEX) == len(example["labels"]):
+            raise RowRejected(DropReason.TOO_LONG, f"{side}: nothing of the response is trained within {limit} "
+                              f"tokens (the shared prompt has {prompt_length}; max_length={max_length}, "
+                              f"max_response_length={max_response_length})")
         out.update({f"{side}_{key}": value for key, value in example.items()})
+    if out["cut_sides"] and out["chosen_input_ids"] == out["rejected_input_ids"]:
+        raise RowRejected(DropReason.PAIR_IDENTICAL, f"chosen and rejected are the same {limit} tokens once cut "
+                          f"(max_response_length={max_response_length}, max_length={max_length})")
     return out
+
+
+def side_limit(prompt_length: int, max_length: int | None, max_response_length: int | None) -> int | float:
+    """The most tokens a side may keep: ``max_length``, and at most ``max_response_length`` after the shared
+    prompt (no limit: ``inf``).
+
+    >>> side_limit(100, 512, 64), side_limit(100, 512, None), side_limit(100, None, None)
+    (164, 512, inf)
+    """
+    limits = [n for n in (max_length, max_response_length and prompt_length + max_response_length) if n]
+    return min(limits, default=math.inf)
 
 
 def _render_side(side: str, messages: list[Message], tokenizer, tools, policy: LossPolicy) -> RenderedConversation:
@@ -389,11 +420,13 @@ data.min_score_margin=1
 
 @dataclass(frozen=True)
 class FittedPair:
-    """A pair's example within ``max_length`` (``fit_pair``) and what fitting it took."""
+    """A pair's example within its limits (``fit_pair``) and what fitting it took."""
 
     example: dict  # build_preference_example's columns
     tokens_before: int  # both sides' tokens before truncation
-    dropped_turns: int  # middle prompt exchanges dropped (0: the pair fitted as it was)
+    dropped_turns: int = 0  # middle prompt exchanges dropped
+    reasoning_trimmed_tokens: int = 0  # rendered reasoning trimmed: the prompt's, then each response's
+    cut_sides: tuple[str, ...] = ()  # sides whose response was cut at the token level (data.max_response_length)
 
 
 def side_lengths(example: dict) -> dict[str, int]:
@@ -406,45 +439,138 @@ def trained_tokens(example: dict) -> int:
     return sum(len(example[f"{side}_labels"]) - example[f"{side}_labels"].count(IGNORE_INDEX) for side in SIDES)
 
 
-def fit_pair(pair: CanonicalPair, tokenizer, *, max_length: int, policy: LossPolicy = DEFAULT_POLICY,
-             on_too_long: str = "truncate") -> FittedPair:
-    """A canonical pair -> its example with both sides within ``max_length`` tokens, or ``RowRejected``.
+@dataclass(frozen=True)
+class PairLimits:
+    """What a pair must fit: ``data.max_length`` per side, and optionally ``data.max_prompt_length`` (the shared
+    prompt) and ``data.max_response_length`` (each response, the tokens after the prompt)."""
 
-    Both sides share one prompt, so only the prompt is shortened, as SFT's structured truncation shortens a
-    conversation: the leading system message(s) and the last exchange (the last user message and what follows
-    it in the prompt) are kept, and whole middle exchanges are dropped, oldest first, as many as the longer
-    side's one render says are needed (``truncate.exchanges_to_fit``), then one more at a time until both sides
-    fit. A response is never cut: a pair still too long with every middle exchange gone, or any pair over
-    ``max_length`` with ``on_too_long: drop``, is refused as ``too_long``, naming the side and its tokens.
+    max_length: int
+    max_prompt_length: int | None = None
+    max_response_length: int | None = None
+
+    def prompt_excess(self, example: dict) -> int:
+        """Tokens the prompt must lose: for ``max_prompt_length``, and for the longer side over ``max_length``."""
+        over_prompt = example["prompt_length"] - (self.max_prompt_length or example["prompt_length"])
+        return max(over_prompt, max(side_lengths(example).values()) - self.max_length, 0)
+
+    def side_limit(self, example: dict) -> int | float:
+        return side_limit(example["prompt_length"], self.max_length, self.max_response_length)
+
+    def fits(self, example: dict) -> bool:
+        return not self.prompt_excess(example) and max(side_lengths(example).values()) <= self.side_limit(example)
+
+
+def fit_pair(pair: CanonicalPair, tokenizer, *, max_length: int, policy: LossPolicy = DEFAULT_POLICY,
+             on_too_long: str = "truncate", max_prompt_length: int | None = None,
+             max_response_length: int | None = None) -> FittedPair:
+    """A canonical pair -> its example within its limits (``PairLimits``), or ``RowRejected``.
+
+    Each step only if the previous was not enough (the order of SFT's structured truncation):
+
+    1. the prompt, shared by both sides, so shortened once for both: the leading system message(s) and the last
+       exchange (the last user message and what follows it in the prompt) are kept, whole middle exchanges are
+       dropped, oldest first (as many as the longer side's one render says, ``truncate.exchanges_to_fit``, then
+       one more at a time), then the prompt's rendered reasoning is trimmed (``truncate.trim_reasoning``); a
+       prompt still over ``max_prompt_length`` is ``too_long``;
+    2. each response over its side's limit: its rendered reasoning trimmed, the longest first, from its end;
+    3. a side still over its limit is cut at it with ``max_response_length`` (``build_preference_example``:
+       the response loses its end, counted in ``cut_sides``), and is ``too_long`` without it.
+
+    A response is never orphaned (its prompt's last exchange is kept) and never cut unless
+    ``max_response_length`` is set. ``on_too_long: drop`` refuses any pair over a limit as ``too_long``.
     """
-    example = build_preference_example(pair.prompt, pair.chosen, pair.rejected, tokenizer, tools=pair.tools,
-                                       policy=policy)
-    lengths = side_lengths(example)
-    before = sum(lengths.values())
-    longer = max(SIDES, key=lengths.__getitem__)
-    if lengths[longer] <= max_length:
-        return FittedPair(example, before, 0)
+    limits = PairLimits(max_length, max_prompt_length, max_response_length)
+    responses = {"chosen": pair.chosen, "rejected": pair.rejected}
+
+    def build(prompt: list[Message], cut: bool = False) -> dict:
+        return build_preference_example(prompt, responses["chosen"], responses["rejected"], tokenizer,
+                                        tools=pair.tools, policy=policy, max_length=max_length if cut else None,
+                                        max_response_length=max_response_length if cut else None)
+
+    def render(prompt: list[Message], side: str, *, prompt_turns: bool = False):
+        """The side's render, measured; with ``prompt_turns`` also the prompt's assistant turns marked (the same
+        text: a render has the spans of its trained turns only, and the prompt's reasoning is what is trimmed)."""
+        messages = mark_side(prompt, responses[side], side_policy)
+        if prompt_turns:
+            messages = side_policy.mark([{**m, "train": m["role"] == "assistant"} for m in messages])
+        return messages, measure(messages, tokenizer, tools=pair.tools, policy=side_policy)
+
+    example = build(pair.prompt)
+    before = sum(side_lengths(example).values())
+    if limits.fits(example):
+        return FittedPair(example, before)
     if on_too_long == "drop":
-        raise RowRejected(DropReason.TOO_LONG, f"{longer}: {lengths[longer]} tokens > max_length={max_length} "
-                          "(data.on_too_long: drop)")
-    groups = middle_exchanges(pair.prompt)
-    n = 0
-    if groups:
-        side_policy = pair_policy(policy)
-        response = pair.chosen if longer == "chosen" else pair.rejected
-        measured = measure(mark_side(pair.prompt, response, side_policy), tokenizer, tools=pair.tools,
-                           policy=side_policy)
-        n = max(1, exchanges_to_fit(measured, groups, max_length))
-    while 0 < n <= len(groups):
-        drop = {i for group in groups[:n] for i in group}
-        prompt = [m for i, m in enumerate(pair.prompt) if i not in drop]
-        example = build_preference_example(prompt, pair.chosen, pair.rejected, tokenizer, tools=pair.tools,
-                                           policy=policy)
-        lengths = side_lengths(example)
-        longer = max(SIDES, key=lengths.__getitem__)
-        if lengths[longer] <= max_length:
-            return FittedPair(example, before, n)
-        n += 1
-    raise RowRejected(DropReason.TOO_LONG, f"{longer}: {lengths[longer]} tokens > max_length={max_length} with "
-                      f"{len(groups)} of {len(groups)} middle prompt exchanges dropped (a pair keeps the system "
-                      "message, the prompt's last exchange and both whole responses)")
+        raise RowRejected(DropReason.TOO_LONG, f"{_over(example, limits)} (data.on_too_long: drop)")
+    side_policy = pair_policy(policy)
+    prompt, dropped, trimmed = pair.prompt, 0, 0
+    # 1. the prompt: middle exchanges, oldest first, then its rendered reasoning
+    groups = middle_exchanges(prompt)
+    if limits.prompt_excess(example) and groups:
+        longer = max(SIDES, key=side_lengths(example).__getitem__)
+        _, measured = render(prompt, longer)
+        n = max(1, exchanges_to_fit(measured, groups, measured.num_tokens - limits.prompt_excess(example)))
+        while True:
+            drop = {i for group in groups[:n] for i in group}
+            kept = [m for i, m in enumerate(pair.prompt) if i not in drop]
+            example = build(kept)
+            if not limits.prompt_excess(example) or n == len(groups):
+                prompt, dropped = kept, n
+                break
+            n += 1
+    if limits.prompt_excess(example) and any(m.get("reasoning_content") for m in prompt):
+        longer = max(SIDES, key=side_lengths(example).__getitem__)
+        try:
+            messages, measured = render(prompt, longer, prompt_turns=True)
+            messages, _, n_trimmed = trim_reasoning(
+                messages, measured, measured.num_tokens - limits.prompt_excess(example), tokenizer,
+                tools=pair.tools, policy=side_policy, turns=range(len(prompt)))
+        except RowRejected:  # the prompt's turns cannot be verified as trained ones: their reasoning stays
+            n_trimmed = 0
+        if n_trimmed:
+            prompt, trimmed = _reasoning_of(messages, prompt), trimmed + n_trimmed
+            example = build(prompt)
+    if limits.max_prompt_length and example["prompt_length"] > limits.max_prompt_length:
+        raise RowRejected(DropReason.TOO_LONG, f"prompt: {example['prompt_length']} tokens > max_prompt_length="
+                          f"{limits.max_prompt_length} with {dropped} of {len(groups)} middle prompt exchanges "
+                          "dropped and its reasoning trimmed (a pair keeps the system message and the prompt's last "
+                          "exchange)")
+    # 2. each response over its side's limit: its rendered reasoning
+    lengths, limit = side_lengths(example), limits.side_limit(example)
+    for side in (s for s in SIDES if lengths[s] > limit):
+        messages, measured = render(prompt, side)
+        messages, _, n_trimmed = trim_reasoning(messages, measured, limit, tokenizer, tools=pair.tools,
+                                                policy=side_policy, turns=range(len(prompt), len(messages)))
+        if n_trimmed:
+            responses[side], trimmed = _reasoning_of(messages[len(prompt):], responses[side]), trimmed + n_trimmed
+    # 3. what is still over: cut with max_response_length, too_long without (build_preference_example says which)
+    try:
+        example = build(prompt, cut=True)
+    except RowRejected as rej:
+        if rej.reason != DropReason.TOO_LONG:
+            raise
+        raise RowRejected(DropReason.TOO_LONG, f"{rej.detail}; with {dropped} of {len(groups)} middle prompt "
+                          f"exchanges dropped and {trimmed} reasoning tokens trimmed") from None
+    return FittedPair(example, before, dropped, trimmed, tuple(example["cut_sides"]))
+
+
+def _over(example: dict, limits: PairLimits) -> str:
+    """What of a pair is over its limits, for a ``too_long`` detail."""
+    lengths = side_lengths(example)
+    longer = max(SIDES, key=lengths.__getitem__)
+    if limits.max_prompt_length and example["prompt_length"] > limits.max_prompt_length:
+        return f"prompt: {example['prompt_length']} tokens > max_prompt_length={limits.max_prompt_length}"
+    if lengths[longer] > limits.max_length:
+        return f"{longer}: {lengths[longer]} tokens > max_length={limits.max_length}"
+    return (f"{longer}: {lengths[longer] - example['prompt_length']} response tokens > max_response_length="
+            f"{limits.max_response_length}")
+
+
+def _reasoning_of(trimmed: list[Message], originals: list[Message]) -> list[Message]:
+    """``originals`` with the ``reasoning_content`` of their trimmed renders (marked copies, same order)."""
+    out = []
+    for original, t in zip(originals, trimmed):
+        m = {k: v for k, v in original.items() if k != "reasoning_content"}
+        if "reasoning_content" in t:
+            m["reasoning_content"] = t["reasoning_content"]
+        out.append(m)
+    return out

@@ -278,9 +278,11 @@ def _pair_row(row, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict)
     """A raw preference row (``data.objective: preference``) -> ``out`` filled with its pair, or ``RowRejected``.
 
     ``pairs.canonicalize_pair`` -> ``data.min_score_margin`` (``check_score_margin``) -> ``min_chars`` /
-    ``max_chars`` over prompt and both responses -> ``pairs.fit_pair`` (both sides within ``max_length``, prompt
-    exchanges dropped first). ``num_tokens_before`` / ``num_tokens`` / ``num_trained_tokens`` count both sides;
-    ``dropped_turns`` the prompt exchanges dropped. A pair is built with its own tokenizer call (two texts)."""
+    ``max_chars`` over prompt and both responses -> ``pairs.fit_pair`` (both sides within ``max_length`` and the
+    per-side limits: prompt exchanges dropped, reasoning trimmed, responses cut with ``max_response_length``).
+    ``num_tokens_before`` / ``num_tokens`` / ``num_trained_tokens`` / ``reasoning_trimmed_tokens`` count both
+    sides; ``dropped_turns`` the prompt exchanges dropped; ``token_fallback`` names the sides whose response was
+    cut (``"chosen"``, ``"rejected"``, ``"chosen,rejected"``). A pair is built with its own tokenizer call."""
     pair = guarded(canonicalize_pair, row, cfg, tokenizer=tokenizer)
     out["parse_report"] = _report_json(pair.report)  # a pair refused from here on is counted as parsed
     check_score_margin(pair, cfg.min_score_margin)
@@ -288,7 +290,8 @@ def _pair_row(row, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict)
     if cfg.dedup:
         out["content_hash"] = guarded(_hash, ["preference", pair.prompt, pair.chosen, pair.rejected, pair.tools])
     fitted = guarded(fit_pair, pair, tokenizer, max_length=cfg.max_length, policy=policy,
-                     on_too_long=cfg.on_too_long)
+                     on_too_long=cfg.on_too_long, max_prompt_length=cfg.max_prompt_length,
+                     max_response_length=cfg.max_response_length)
     ex = fitted.example
     if ex["reasoning_dropped_turns"]:
         pair.report.reasoning_dropped_rows = 1
@@ -298,7 +301,8 @@ def _pair_row(row, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict)
     out.update(prompt_length=ex["prompt_length"], chosen_tokens=lengths["chosen"],
                rejected_tokens=lengths["rejected"], num_tokens_before=fitted.tokens_before,
                num_tokens=sum(lengths.values()), num_trained_tokens=trained_tokens(ex),
-               dropped_turns=fitted.dropped_turns, parse_report=_report_json(pair.report))
+               dropped_turns=fitted.dropped_turns, reasoning_trimmed_tokens=fitted.reasoning_trimmed_tokens,
+               token_fallback=",".join(fitted.cut_sides), parse_report=_report_json(pair.report))
 
 
 def _stage_chat_row(i: int, canon, rendered, tokenizer, policy: LossPolicy,

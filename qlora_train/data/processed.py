@@ -52,7 +52,7 @@ PROCESSED_ROW: tuple[Column, ...] = (
     _c("num_trained_tokens", "int64", REPORT, STATS),
     _c("dropped_turns", "int64", REPORT, STATS),
     _c("reasoning_trimmed_tokens", "int64", REPORT, STATS),
-    _c("token_fallback", "string", REPORT, STATS),  # truncate_side when the token-level cut ran
+    _c("token_fallback", "string", REPORT, STATS),  # truncate_side when the token-level cut ran; a pair: cut sides
     _c("straddling_tokens", "int64", REPORT, STATS),
     _c("parse_report", "string", REPORT, STATS, empty="{}"),  # ParseReport JSON, defaults left out
     _c("content_hash", "string"),  # with data.dedup
@@ -62,7 +62,8 @@ PROCESSED_ROW: tuple[Column, ...] = (
     _c("expanded_trained_tokens", "int64", REPORT, STATS),
     _c("tool_schema_tokens", "int64", STATS),  # tokens of the template's tool block; -1: tools, block not found
     # a preference pair (data.objective: preference): its two sides, as build_preference_example makes them; the
-    # SFT columns above stay empty, and num_tokens* / num_trained_tokens / dropped_turns count both sides together
+    # SFT columns above stay empty, num_tokens* / num_trained_tokens / reasoning_trimmed_tokens count both sides
+    # together, dropped_turns the prompt exchanges dropped, token_fallback names the sides cut ("chosen,rejected")
     _c("chosen_input_ids", "int32", PAIR, KEPT, depth=1),
     _c("chosen_labels", "int64", PAIR, KEPT, depth=1),
     _c("rejected_input_ids", "int32", PAIR, KEPT, depth=1),

@@ -151,6 +151,26 @@ def structured_truncate_messages(
     result.dropped_messages = len(drop)
 
     # 3. trim rendered reasoning of kept turns, longest first
+    kept, current, result.reasoning_trimmed_tokens = trim_reasoning(kept, current, max_length, tokenizer,
+                                                                    tools=tools, policy=policy)
+
+    result.messages = kept
+    result.final = current
+    result.num_tokens_after = current.num_tokens
+    result.needs_token_fallback = current.num_tokens > max_length
+    return result
+
+
+def trim_reasoning(messages: list[Message], measured: Measured, max_length: int, tokenizer, *,
+                   tools: list[dict] | None = None, policy: LossPolicy = DEFAULT_POLICY,
+                   turns: range | None = None) -> tuple[list[Message], Measured, int]:
+    """Trim the rendered ``reasoning_content`` of ``messages`` (those with an index in ``turns``; all without
+    it), the longest first, from its end, until ``measured`` (their render) fits ``max_length`` or no rendered
+    reasoning is left -> ``(messages, their render, reasoning tokens trimmed)``.
+
+    Each round re-renders once; a message whose reasoning is trimmed to nothing loses the key. The input list
+    and its messages are never mutated."""
+    current, trimmed = measured, 0
     for _ in range(_MAX_ROUNDS):
         excess = current.num_tokens - max_length
         if excess <= 0:
@@ -158,7 +178,7 @@ def structured_truncate_messages(
         starts = current.offsets.starts()
         best = None
         for turn in current.rendered.turns:
-            if turn.reasoning:
+            if turn.reasoning and (turns is None or turn.index in turns):
                 a, b = np.searchsorted(starts, turn.reasoning)
                 if best is None or b - a > best[2] - best[1]:
                     best = (turn, int(a), int(b))
@@ -169,16 +189,11 @@ def structured_truncate_messages(
         keep = max(0, n_reason - excess - _TRIM_MARGIN)
         text = current.rendered.text
         new_reasoning = text[turn.reasoning[0]: int(starts[a + keep])].rstrip() if keep else ""
-        msg = dict(kept[turn.index])
+        msg = dict(messages[turn.index])
         msg["reasoning_content"] = new_reasoning
         if not new_reasoning:
             msg.pop("reasoning_content")
-        kept = kept[: turn.index] + [msg] + kept[turn.index + 1:]
-        result.reasoning_trimmed_tokens += n_reason - keep
-        current = measure(kept, tokenizer, tools=tools, policy=policy)
-
-    result.messages = kept
-    result.final = current
-    result.num_tokens_after = current.num_tokens
-    result.needs_token_fallback = current.num_tokens > max_length
-    return result
+        messages = messages[: turn.index] + [msg] + messages[turn.index + 1:]
+        trimmed += n_reason - keep
+        current = measure(messages, tokenizer, tools=tools, policy=policy)
+    return messages, current, trimmed

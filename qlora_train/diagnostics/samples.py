@@ -123,7 +123,8 @@ def load_samples(raw, processed, tokenizer, indices: list[int]) -> list[Sample]:
                 index=i, location=r["location"], source=r["source"], input_ids=p[f"{side}_input_ids"],
                 labels=p[f"{side}_labels"], pieces=token_pieces(p[f"{side}_input_ids"], tokenizer),
                 num_tokens_before=p["num_tokens_before"], side=side, prompt_length=p["prompt_length"],
-                truncation=truncation_summary(p["dropped_turns"], 0, ""),
+                truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"],
+                                              "response" if side in p["token_fallback"].split(",") else ""),
             ) for side in ("chosen", "rejected")]
             continue
         extras = list(zip(p.get("expanded_input_ids") or [], p.get("expanded_labels") or []))

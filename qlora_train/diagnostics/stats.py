@@ -77,12 +77,15 @@ def pair_stats(cols: dict[str, list]) -> dict:
     """Preference pairs (``data.objective: preference``): the shared prompt's tokens, each side's response tokens
     (its tokens after the shared prompt), the longer side, truncation, and refused pairs by reason.
 
-    A pair is over ``max_length`` when a side is: ``share_over_max_length`` is of the pairs that got as far as
-    being measured (kept, or refused as ``too_long``)."""
+    A pair is over its limits when a side is over ``max_length`` (or its response over ``max_response_length``,
+    its prompt over ``max_prompt_length``): ``share_over_max_length`` is of the pairs that got as far as being
+    measured (kept, or refused as ``too_long``); ``truncated_pairs`` are the kept ones truncated in any way."""
     kept = [i for i, r in enumerate(cols["drop_reason"]) if not r]
     prompt = [cols["prompt_length"][i] for i in kept]
     sides = {side: [cols[f"{side}_tokens"][i] for i in kept] for side in ("chosen", "rejected")}
-    truncated = sum(1 for i in kept if cols["dropped_turns"][i])
+    truncated = sum(1 for i in kept if cols["dropped_turns"][i] or cols["reasoning_trimmed_tokens"][i]
+                    or cols["token_fallback"][i])
+    cut = Counter(side for i in kept for side in cols["token_fallback"][i].split(",") if side)
     refused = Counter(r for r in cols["drop_reason"] if r)
     measured = len(kept) + refused.get(DropReason.TOO_LONG, 0)
     return {
@@ -93,6 +96,9 @@ def pair_stats(cols: dict[str, list]) -> dict:
         "longer_side_tokens": percentiles([max(c, r) for c, r in zip(*sides.values())]),
         "truncated_pairs": truncated,
         "prompt_exchanges_dropped": int(sum(cols["dropped_turns"][i] for i in kept)),
+        "reasoning_trimmed_pairs": sum(1 for i in kept if cols["reasoning_trimmed_tokens"][i]),
+        "reasoning_tokens_trimmed": int(sum(cols["reasoning_trimmed_tokens"][i] for i in kept)),
+        "responses_cut": {side: cut.get(side, 0) for side in ("chosen", "rejected")},
         "too_long": refused.get(DropReason.TOO_LONG, 0),
         "share_over_max_length": _share(truncated + refused.get(DropReason.TOO_LONG, 0), measured),
         "refused": dict(sorted(refused.items(), key=lambda kv: -kv[1])),
@@ -291,7 +297,7 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, ma
         over = pairs["share_over_max_length"]
         if over > AT_MAX_SHARE:
             out.append(f"{over:.0%} of pairs have a side over max_length={max_length} (more than "
-                       f"{AT_MAX_SHARE:.0%}; {pairs['truncated_pairs']} lost prompt exchanges, {pairs['too_long']} "
+                       f"{AT_MAX_SHARE:.0%}; {pairs['truncated_pairs']} truncated, {pairs['too_long']} "
                        f"refused as too_long): raise data.max_length (the longer side of kept pairs: p95 "
                        f"{pairs['longer_side_tokens']['p95']}) or pre-filter long pairs")
     elif at_max > AT_MAX_SHARE:
@@ -381,9 +387,11 @@ def pair_lines(p: dict, max_length: int) -> list[str]:
         f"  chosen response    {_pct(p['chosen_response_tokens'])}",
         f"  rejected response  {_pct(p['rejected_response_tokens'])}",
         f"  longer side        {_pct(p['longer_side_tokens'])}",
-        f"pairs with a side over max_length={max_length}: {p['share_over_max_length']:.1%}; truncation: middle "
-        f"prompt exchanges dropped in {p['truncated_pairs']} pairs ({p['prompt_exchanges_dropped']} exchanges), "
-        f"refused as too_long {p['too_long']}",
+        f"pairs over a limit (max_length={max_length}, max_prompt_length, max_response_length): "
+        f"{p['share_over_max_length']:.1%}; truncated {p['truncated_pairs']} pairs: middle prompt exchanges dropped "
+        f"{p['prompt_exchanges_dropped']}, reasoning trimmed in {p['reasoning_trimmed_pairs']} pairs "
+        f"({p['reasoning_tokens_trimmed']} tokens), responses cut: chosen {p['responses_cut']['chosen']}, rejected "
+        f"{p['responses_cut']['rejected']}; refused as too_long {p['too_long']}",
         f"refused pairs by reason: {_counts(p['refused'])}",
     ]
 

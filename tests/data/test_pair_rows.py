@@ -5,18 +5,21 @@ last exchange + both whole responses), the score-margin filter, dedup / eval spl
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qlora_train.cli import main
 from qlora_train.config import ConfigError, DataConfig, DatasetSource, MixingConfig, load_config
 from qlora_train.data.dataset import build_datasets
 from qlora_train.data.messages import DropReason, RowRejected
-from qlora_train.data.pairs import build_preference_example, canonicalize_pair, fit_pair
+from qlora_train.data.pairs import build_preference_example, canonicalize_pair, fit_pair, side_lengths
 from qlora_train.data.pipeline import process_rows
 from qlora_train.data.processed import PAIR_COLUMNS
 from qlora_train.data.tokenize import IGNORE_INDEX
@@ -152,6 +155,165 @@ def test_truncation_keeps_system_last_exchange_and_both_whole_responses(qwen3_to
         fit_pair(pair, qwen3_tok, max_length=max_length, on_too_long="drop")
 
 
+def trained(tok, labels: list[int]) -> str:
+    return tok.decode([t for t in labels if t != IGNORE_INDEX])
+
+
+REASONED = {"prompt": "What is 6 times 7?", "rejected": "41.",
+            "chosen": [{"role": "assistant", "content": "42.",
+                        "reasoning_content": " ".join(f"step {k}: six sevens, counting on." for k in range(40))}]}
+
+
+def test_a_response_over_max_length_has_its_reasoning_trimmed_from_its_end_never_its_answer(qwen3_tok):
+    pair = canonicalize_pair(REASONED)
+    full = fit_pair(pair, qwen3_tok, max_length=10_000).example
+    max_length = len(full["chosen_input_ids"]) - 100
+    fitted = fit_pair(pair, qwen3_tok, max_length=max_length)
+    ex = fitted.example
+    assert (fitted.dropped_turns, fitted.cut_sides) == (0, ())
+    assert 100 <= fitted.reasoning_trimmed_tokens <= 100 + 3  # the excess, and the slack of BPE merges at the cut
+    assert max_length - 3 <= len(ex["chosen_input_ids"]) <= max_length
+    # the rejected side and the prompt are untouched; the chosen side keeps the start of its reasoning and its
+    # whole answer with its end-of-turn, all trained
+    assert ex["prompt_length"] == full["prompt_length"]
+    assert (ex["rejected_input_ids"], ex["rejected_labels"]) == (full["rejected_input_ids"], full["rejected_labels"])
+    chosen = trained(qwen3_tok, ex["chosen_labels"])
+    assert chosen.startswith("<think>\nstep 0: six sevens") and chosen.endswith("</think>\n\n42.<|im_end|>")
+    assert "step 39" not in chosen and "step 30" in chosen
+    assert_pair(ex, max_length)
+
+
+def test_max_response_length_cuts_a_response_at_the_token_level_and_says_so(qwen3_tok):
+    row = {"prompt": "List colours.", "chosen": "red, green, blue, yellow, purple, orange, pink, brown, grey.",
+           "rejected": "red."}
+    pair = canonicalize_pair(row)
+    full = fit_pair(pair, qwen3_tok, max_length=10_000).example
+    n = full["prompt_length"]
+    assert len(full["chosen_input_ids"]) - n > 10 >= len(full["rejected_input_ids"]) - n
+    fitted = fit_pair(pair, qwen3_tok, max_length=10_000, max_response_length=10)
+    ex = fitted.example
+    assert fitted.cut_sides == ("chosen",) and fitted.reasoning_trimmed_tokens == 0
+    # exactly the uncut side's first tokens: its prompt, then 10 response tokens (the end-of-turn cut away)
+    assert ex["chosen_input_ids"] == full["chosen_input_ids"][:n + 10]
+    assert ex["chosen_labels"] == full["chosen_labels"][:n + 10]
+    assert "<|im_end|>" not in trained(qwen3_tok, ex["chosen_labels"])
+    assert (ex["rejected_input_ids"], ex["rejected_labels"]) == (full["rejected_input_ids"], full["rejected_labels"])
+    # max_length also cuts, once max_response_length allows cutting at all; unset, the pair is refused
+    # (Qwen3's empty think block, 4 tokens, then "red" and "," or ".": the sides differ in their 6th token)
+    fitted = fit_pair(pair, qwen3_tok, max_length=n + 6, max_response_length=1000)
+    assert fitted.cut_sides == ("chosen", "rejected") and side_lengths(fitted.example) == {"chosen": n + 6,
+                                                                                          "rejected": n + 6}
+    with pytest.raises(RowRejected, match="data.max_response_length would cut the response"):
+        fit_pair(pair, qwen3_tok, max_length=n + 6)
+    # a cut that leaves nothing to compare: the same ids on both sides, or nothing trained
+    with pytest.raises(RowRejected) as err:
+        fit_pair(canonicalize_pair({**row, "rejected": "red, green, blue."}), qwen3_tok, max_length=10_000,
+                 max_response_length=2)
+    assert err.value.reason == DropReason.PAIR_IDENTICAL and "once cut" in err.value.detail
+    with pytest.raises(RowRejected, match="nothing of the response is trained within"):
+        fit_pair(pair, qwen3_tok, max_length=n, max_response_length=1000)
+
+
+def test_max_prompt_length_drops_the_prompts_middle_exchanges_then_refuses(qwen3_tok):
+    pair = canonicalize_pair(long_prompt_pair())
+    last_two = canonicalize_pair({**long_prompt_pair(), "prompt": pair.prompt[:1] + pair.prompt[5:]})
+    fits = fit_pair(last_two, qwen3_tok, max_length=10_000).example
+    fitted = fit_pair(pair, qwen3_tok, max_length=10_000, max_prompt_length=fits["prompt_length"])
+    assert (fitted.dropped_turns, fitted.example) == (2, fits)
+    last = canonicalize_pair({**long_prompt_pair(), "prompt": pair.prompt[:1] + pair.prompt[-1:]})
+    shortest = fit_pair(last, qwen3_tok, max_length=10_000).example["prompt_length"]
+    with pytest.raises(RowRejected) as err:
+        fit_pair(pair, qwen3_tok, max_length=10_000, max_prompt_length=shortest - 1)
+    assert err.value.reason == DropReason.TOO_LONG
+    assert err.value.detail.startswith(f"prompt: {shortest} tokens > max_prompt_length={shortest - 1} with 4 of 4")
+
+
+def test_reasoning_the_prompt_renders_is_trimmed_once_for_both_sides(qwen3_tok):
+    # Qwen3 renders reasoning after the last user message: here the prompt's own tool-calling turn
+    thought = " ".join(f"I should look up the weather, idea {k}." for k in range(30))
+    row = {"tools": [WEATHER], "prompt": [{"role": "user", "content": "How warm is it in Lima?"},
+                                          {**CALL, "reasoning_content": thought}, RESULT],
+           "chosen": "19 degrees in Lima.", "rejected": "Cold."}
+    pair = canonicalize_pair(row)
+    full = fit_pair(pair, qwen3_tok, max_length=10_000).example
+    assert thought in qwen3_tok.decode(full["chosen_input_ids"][:full["prompt_length"]])
+    fitted = fit_pair(pair, qwen3_tok, max_length=10_000, max_prompt_length=full["prompt_length"] - 50)
+    ex = fitted.example
+    assert fitted.dropped_turns == 0 and 50 <= fitted.reasoning_trimmed_tokens <= 53
+    assert ex["prompt_length"] <= full["prompt_length"] - 50
+    prompt = qwen3_tok.decode(ex["chosen_input_ids"][:ex["prompt_length"]])
+    assert "idea 0." in prompt and "idea 29." not in prompt and '"city": "Lima"' in prompt
+    for side, answer in (("chosen", "19 degrees in Lima.<|im_end|>"), ("rejected", "Cold.<|im_end|>")):
+        assert trained(qwen3_tok, ex[f"{side}_labels"]).endswith(answer)
+    assert_pair(ex, 10_000)
+
+
+WORDS = st.lists(st.sampled_from(["river", "stone", "blue", "seven", "quietly", "é", "数", "\n"]), min_size=1,
+                 max_size=40).map(" ".join)
+
+
+@st.composite
+def long_pairs(draw):
+    prompt = [{"role": "system", "content": draw(WORDS)}] if draw(st.booleans()) else []
+    for _ in range(draw(st.integers(0, 3))):
+        prompt += [{"role": "user", "content": draw(WORDS)}, {"role": "assistant", "content": draw(WORDS)}]
+    prompt.append({"role": "user", "content": draw(WORDS)})
+
+    def response(opening: str):
+        m = {"role": "assistant", "content": opening + draw(WORDS)}
+        if draw(st.booleans()):
+            m["reasoning_content"] = " ".join(draw(WORDS) for _ in range(draw(st.integers(1, 6))))
+        return [m]
+    share = st.floats(0.3, 1.2)  # of the untruncated pair's longer side, prompt, longer response
+    limits = {"max_length": draw(share), "max_prompt_length": draw(st.none() | share),
+              "max_response_length": draw(st.none() | share)}
+    return canonicalize_pair({"prompt": prompt, "chosen": response("good "), "rejected": response("bad ")}), limits
+
+
+def test_property_fitted_pairs_keep_every_limit_and_their_shared_prompt(qwen3_tok):
+    """Whatever the limits: a fitted pair keeps every one, shares its prompt, keeps its system message and last
+    question, trains each uncut side to its end-of-turn, and is cut only with max_response_length; otherwise it
+    is refused as too_long (or pair_identical once cut). A pair within its limits is left as it was."""
+    outcomes = collections.Counter()
+
+    @settings(max_examples=120, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(case=long_pairs())
+    def run(case):
+        outcomes.update(fitted_pair_properties(qwen3_tok, *case))
+    run()
+    assert {"as_is", "dropped", "trimmed", "cut", DropReason.TOO_LONG} <= set(outcomes), outcomes
+
+
+def fitted_pair_properties(tok, pair, shares) -> list[str]:
+    full = build_preference_example(pair.prompt, pair.chosen, pair.rejected, tok)
+    n, longer = full["prompt_length"], max(side_lengths(full).values())
+    of = {"max_length": longer, "max_prompt_length": n, "max_response_length": longer - n}
+    limits = {key: share and max(1, int(share * of[key])) for key, share in shares.items()}
+    try:
+        fitted = fit_pair(pair, tok, **limits)
+    except RowRejected as rej:
+        assert rej.reason == DropReason.TOO_LONG or (rej.reason == DropReason.PAIR_IDENTICAL
+                                                     and limits["max_response_length"]), rej
+        return [rej.reason]
+    ex, n = fitted.example, fitted.example["prompt_length"]
+    assert_pair(ex, limits["max_length"])
+    assert n <= (limits["max_prompt_length"] or n)
+    for side in ("chosen", "rejected"):
+        assert len(ex[f"{side}_input_ids"]) - n <= (limits["max_response_length"] or 10**9)
+        text = trained(tok, ex[f"{side}_labels"])
+        assert text.endswith("<|im_end|>") == (side not in fitted.cut_sides)
+    assert not fitted.cut_sides or limits["max_response_length"]
+    prompt_text = tok.decode(ex["chosen_input_ids"][:n])
+    assert pair.prompt[-1]["content"] in prompt_text
+    assert pair.prompt[0]["role"] != "system" or pair.prompt[0]["content"] in prompt_text
+    done = [name for name, did in (("dropped", fitted.dropped_turns), ("trimmed", fitted.reasoning_trimmed_tokens),
+                                   ("cut", fitted.cut_sides)) if did]
+    if not done:
+        assert ex == full
+    return done or ["as_is"]
+
+
 def test_truncated_and_too_long_pairs_are_counted_in_the_report(tmp_path, qwen3_tok):
     path = write_rows(tmp_path / "long.jsonl", [json.dumps(long_prompt_pair()), json.dumps(GOOD[0]),
                                                json.dumps({**long_prompt_pair(), "chosen": "word " * 300})])
@@ -160,6 +322,14 @@ def test_truncated_and_too_long_pairs_are_counted_in_the_report(tmp_path, qwen3_
     assert report.first_dropped[DropReason.TOO_LONG].startswith(f"{path}:3: chosen: ")
     for row in train.to_list():
         assert_pair(row, 120)
+    # with data.max_response_length the long response is cut, and a long reasoning trimmed: each counted
+    path = write_rows(tmp_path / "cut.jsonl", [json.dumps(long_prompt_pair()), json.dumps(REASONED),
+                                              json.dumps({**long_prompt_pair(), "chosen": "word " * 300})])
+    _, _, report = build_datasets(data_config(tmp_path, [path], max_length=120, max_response_length=60), qwen3_tok)
+    assert (report.rows_kept, report.dropped, report.rows_turns_dropped) == (3, {}, 2)
+    assert (report.rows_reasoning_trimmed, report.rows_token_fallback) == (1, {"chosen": 1})  # reasoning first
+    assert ("truncation: middle prompt exchanges dropped in 2 pairs, reasoning trimmed in 1, responses cut "
+            "(data.max_response_length) in 1") in report.lines()
 
 
 def test_score_margin_filter_drops_and_counts_its_own_reason(tmp_path, pairs_file, qwen3_tok):
@@ -202,7 +372,7 @@ def test_preference_config_refuses_packing_and_a_margin_without_pairs(tmp_path, 
         load_config(path, ["train.packing=true"])
     assert "train.packing: preference pairs are batched as two whole padded rows each" in str(err.value)
     assert "set train.packing: false for data.objective: preference" in str(err.value)
-    with pytest.raises(ConfigError, match="data.min_score_margin: filters preference pairs"):
+    with pytest.raises(ConfigError, match="data.min_score_margin: applies to preference pairs"):
         load_config(path, ["data.objective=sft", "data.min_score_margin=1"])
     with pytest.raises(ConfigError, match="data.objective"):
         load_config(path, ["data.objective=dpo"])
@@ -237,7 +407,7 @@ def test_stats_only_and_debug_samples_on_pairs_through_the_cli(tmp_path, qwen_to
     assert main(["--config", str(cfg), "--stats-only", "--debug-samples", "1", "--stats-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     for line in ("pairs kept 6; tokens per pair (kept):", "prompt (shared)", "chosen response", "rejected response",
-                 "refused pairs by reason: ", "truncation: middle prompt exchanges dropped in 0 pairs",
+                 "refused pairs by reason: ", "truncated 0 pairs: middle prompt exchanges dropped 0",
                  "--- row 0 chosen", "--- row 0 rejected", "Jupiter.<|im_end|>\u27e7", "Mars.<|im_end|>\u27e7"):
         assert line in printed, line
     stats = json.loads((out / "stats.json").read_text())
