@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast lint bench bench-scale bench-train bench-dpo demo demo-dpo docs vocab audit
+.PHONY: install browser test test-fast lint bench bench-scale bench-train bench-dpo demo demo-dpo docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -56,6 +56,10 @@ vocab:
 # oracle (tests/data/oracle.py); `make audit AUDIT_ARGS="--n 50 --only llama3-original"`
 audit: vocab
 	$(PYTHON) benchmarks/mask_audit.py $(AUDIT_ARGS)
+
+# the same for preference pairs: both sides of each pair against the oracle, on the response's turns
+audit-pairs: vocab
+	$(PYTHON) benchmarks/mask_audit.py --pairs $(AUDIT_ARGS)
 
 $(TINY)/config.json:
 	$(PYTHON) -m qlora_train.tiny --out $(TINY)

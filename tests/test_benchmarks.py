@@ -150,5 +150,12 @@ def test_the_mask_audit_accounts_for_every_row(mask_audit, qwen_tokenizer_dir, c
     assert (a.wrong, a.missed, a.weak) == (0, 0, 0)  # a layout the engine handles
     mask_audit.print_table(audits)
     assert "zephyr" in capsys.readouterr().out and mask_audit.summary(audits).startswith("TOTAL 1 template")
+    pairs = mask_audit.audit_pairs("zephyr", "qwen+tok", 12, 0, str(qwen_tokenizer_dir))
+    assert pairs.rows == pairs.kept + pairs.refused == 12 and pairs.decided and not pairs.text_differs
+    assert (pairs.wrong, pairs.missed, pairs.refused_decided) == (0, 0, 0)
+    prompt, chosen, rejected = mask_audit.as_pair(1, [{"role": "user", "content": "q"}, {"role": "assistant",
+                                                                                       "content": "a"}])
+    assert (prompt, chosen, rejected) == ([{"role": "user", "content": "q"}], [{"role": "assistant", "content": "a"}],
+                                          [{"role": "assistant", "content": "a different answer:\na"}])
     assert mask_audit.short_reason("mask_unverified", "row 3: messages[2]: no assistant turn opener ['x'] after "
                                    "char 191") == "mask_unverified: no assistant turn opener"

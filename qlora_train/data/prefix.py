@@ -131,6 +131,7 @@ def prefix_turn(renders: PrefixRenderer, text: str, i: int, layout: TemplateLayo
             raise  # the reasoning's text found was the answer's own (the template dropped the reasoning)
         reasoning, body_start, own = _own_parts(q, msg, i, start, end, None, layout)
     dropped = bool(expected) and reasoning is None
+    end = _through_end_marker(q, max((b for _, b in own), default=body_start), end, layout)
     prompt_text = q[:start]
     for j in range(i):  # an earlier message the prompt does not show, written in this turn outside its own texts
         other = renders.messages[j]
@@ -229,6 +230,17 @@ def _calls(q: str, msg: Message, i: int, at: int, end: int) -> tuple[list[int], 
         if missing is not None:
             raise _unverified(i, f"tool call {name!r}: argument {missing!r} not written in its turn")
     return own, at
+
+
+def _through_end_marker(q: str, own_end: int, end: int, layout: TemplateLayout) -> int:
+    """The part's end: the end of the first known end marker after the turn's own texts, where the render writes
+    more after it (Phi-3's eos, written only where the conversation ends: never generated, so never trained);
+    else ``end``."""
+    found = [(k, k + len(m)) for m in layout.end_markers if m and (k := q.find(m, own_end, end)) >= 0]
+    if not found:
+        return end
+    cut = min(found)[1]
+    return cut if q[cut:end].strip(_WS) else end
 
 
 def _end_marker_at(q: str, at: int, end: int, layout: TemplateLayout) -> int | None:

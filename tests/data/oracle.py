@@ -109,8 +109,10 @@ def _missing_part(message: dict, span: str) -> str | None:
 
 
 def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, end_markers: Sequence[str],
-                  think_open: str = "<think>") -> Verdict:
-    """The trained spans of every assistant message of ``messages`` per the rule (see the module doc)."""
+                  think_open: str = "<think>", trained: range | None = None) -> Verdict:
+    """The trained spans of every assistant message of ``messages`` per the rule (see the module doc); with
+    ``trained``, only of the assistant messages whose index is in it (a preference pair's response), the others
+    judged as context like any untrained message."""
     messages = list(messages)
     try:
         full = _render(tok, messages, tools, False)
@@ -118,7 +120,7 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
         return Verdict(REFUSE, reason=f"the template raises: {type(err).__name__}: {err}")
     spans, turns, cursor = [], [], 0
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or (trained is not None and i not in trained):
             continue
         try:
             prompt = _render(tok, messages[:i], tools, True)
@@ -195,7 +197,7 @@ class RowCheck:
 
 
 def check_kept_row(tok, verdict: Verdict, messages: Sequence[dict], input_ids: Sequence[int],
-                   trained: Sequence[bool]) -> RowCheck:
+                   trained: Sequence[bool], trained_messages: range | None = None) -> RowCheck:
     """Compare the tokens the engine trains in a row it kept (``trained[k]``: token k has a label) with the
     oracle's verdict on the row, token by token (the first-character rule)."""
     enc = tok(verdict.text, add_special_tokens=False, return_offsets_mapping=True)
@@ -208,18 +210,19 @@ def check_kept_row(tok, verdict: Verdict, messages: Sequence[dict], input_ids: S
                         missed=sum(e and not t for t, e in zip(trained, expected)))
     if verdict.kind == REFUSE:
         return RowCheck(False, wrong=sum(trained))
-    return RowCheck(False, weak=weak_violations(verdict.text, messages, offsets, trained))
+    return RowCheck(False, weak=weak_violations(verdict.text, messages, offsets, trained, trained_messages))
 
 
 def weak_violations(text: str, messages: Sequence[dict], offsets: Sequence[tuple[int, int]],
-                    trained: Sequence[bool]) -> int:
+                    trained: Sequence[bool], trained_messages: range | None = None) -> int:
     """What can be checked without prefix renders: tokens trained inside a located user, system or tool
-    content, and tokens left untrained inside a located assistant content (by where tokens start)."""
+    content (or an assistant one not in ``trained_messages``, when given), and tokens left untrained inside a
+    located trained assistant content (by where tokens start)."""
     starts = [start for start, _ in offsets]
     bad = 0
     for i, a, b in located_messages(text, messages):
         inside = [k for k, start in enumerate(starts) if a <= start < b]
-        if messages[i]["role"] == "assistant":
+        if messages[i]["role"] == "assistant" and (trained_messages is None or i in trained_messages):
             bad += sum(not trained[k] for k in inside)
         else:
             bad += sum(bool(trained[k]) for k in inside)

@@ -416,12 +416,9 @@ def check_pair_properties(tok, fam, prompt, chosen, rejected):
             if m["role"] == "assistant" and m["content"].strip():
                 assert "".join(m["content"].split()) in flat
         verdict = prefix_oracle(tok, prompt + response, tools=tools, end_markers=fam.end_markers,
-                                think_open=fam.think_open)
-        if verdict.kind == DECIDED:  # the response's turns of the rule's verdict, token by token
-            keep = [k for k, t in enumerate(verdict.turns) if t >= len(prompt)]
-            only_response = replace(verdict, spans=tuple(verdict.spans[k] for k in keep),
-                                     turns=tuple(verdict.turns[k] for k in keep))
-            check = check_kept_row(tok, only_response, prompt + response, ids, [lab != IGNORE_INDEX for lab in labels])
+                                think_open=fam.think_open, trained=range(len(prompt), len(prompt) + len(response)))
+        if verdict.kind == DECIDED:  # the rule's verdict on the response's turns, token by token
+            check = check_kept_row(tok, verdict, prompt + response, ids, [lab != IGNORE_INDEX for lab in labels])
             assert not check.text_differs and (check.wrong, check.missed) == (0, 0), (check, verdict.reason)
     return "built"
 

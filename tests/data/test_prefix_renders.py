@@ -128,3 +128,29 @@ def test_calls_written_before_the_content_and_a_block_sharing_the_prompts_first_
     r = render_conversation(mark(convo), tok)
     assert r.verified_by == "prefix_renders"
     assert trained(r) == ['<calls>add {"a": 2}</calls><|end|><|A|>let me check.<|end|>', "It is 2.<|end|>"]
+
+
+# Phi-3.5's layout (written from its documented format): eos only where the conversation ends, calls not written
+EOS_AT_END = ("{% for m in messages %}{% if m.role in ('user', 'assistant') %}{{ '<|' + m.role + '|>\\n' + m.content"
+              " + '<|end|>\\n' }}{% endif %}{% endfor %}{{ '<|assistant|>\\n' if add_generation_prompt else eos_token }}")
+
+
+def test_what_the_template_writes_only_where_the_conversation_ends_is_never_trained(make_tok):
+    """Regression from the pair audit: a pair whose prompt holds a tool call the template does not write takes
+    the prefix-render path, whose last turn ran on through the eos the template appends after the last message
+    (a token the model never generates after '<|end|>')."""
+    from qlora_train.data.pairs import build_preference_example
+
+    tok = make_tok(EOS_AT_END)
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|end|>"]})
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}, "id": "c1"}
+    prompt = [{"role": "user", "content": "Add 2."}, {"role": "assistant", "content": "", "tool_calls": [call]},
+              {"role": "tool", "content": "2", "tool_call_id": "c1"}, {"role": "assistant", "content": "It is 2."},
+              {"role": "user", "content": "And now?"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    ex = build_preference_example(prompt, [{"role": "assistant", "content": "Done."}],
+                                  [{"role": "assistant", "content": "No."}], tok, tools=tools)
+    for side, answer in (("chosen", "Done.<|end|>"), ("rejected", "No.<|end|>")):
+        ids, labels = ex[f"{side}_input_ids"], ex[f"{side}_labels"]
+        assert tok.decode(ids).endswith(answer + "\n<|endoftext|>")
+        assert tok.decode([t for t, lab in zip(ids, labels) if lab != -100]) == answer
