@@ -300,8 +300,9 @@ def build_preference_example(
 
     With ``max_response_length``, a side whose response (its tokens after ``prompt_length``) is longer than it, or
     that is over ``max_length``, is cut instead, at ``side_limit`` tokens (by ``make_labels``, on the right: the
-    response loses its end, end-of-turn marker included); ``cut_sides`` names the sides that lost trained tokens. A cut that leaves a
-    side nothing trained is ``too_long``, one that leaves the two sides the same ids ``pair_identical``.
+    response loses its end, end-of-turn marker included); ``cut_sides`` names the sides that lost trained tokens.
+    A cut that leaves a side nothing trained is ``too_long``, one that leaves the two sides the same ids
+    ``pair_identical``.
     """
     for where, messages in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         _check_messages(messages, where)

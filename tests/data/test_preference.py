@@ -5,7 +5,6 @@ one boundary token; refusals with their reasons, never a crash."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -132,7 +132,8 @@ def test_calls_written_before_the_content_and_a_block_sharing_the_prompts_first_
 
 # Phi-3.5's layout (written from its documented format): eos only where the conversation ends, calls not written
 EOS_AT_END = ("{% for m in messages %}{% if m.role in ('user', 'assistant') %}{{ '<|' + m.role + '|>\\n' + m.content"
-              " + '<|end|>\\n' }}{% endif %}{% endfor %}{{ '<|assistant|>\\n' if add_generation_prompt else eos_token }}")
+              " + '<|end|>\\n' }}{% endif %}{% endfor %}"
+              "{{ '<|assistant|>\\n' if add_generation_prompt else eos_token }}")
 
 
 def test_what_the_template_writes_only_where_the_conversation_ends_is_never_trained(make_tok):
