@@ -252,6 +252,12 @@ class DataConfig(_Section):
         weighted = [s.weight is not None for s in self.datasets]
         if any(weighted) and not all(weighted):
             raise ValueError("datasets: set `weight` on every source or on none")
+        if "objective" in self.model_fields_set:  # else train.method decides it (Config checks it then)
+            self.check_objective_keys()
+        return self
+
+    def check_objective_keys(self) -> None:
+        """Keys that apply to one objective only, checked once ``objective`` is decided."""
         if self.objective == "preference" and (self.dataset_schema != "auto" or any(
                 s.dataset_schema not in (None, "auto") for s in self.datasets + self.eval_datasets)):
             raise ValueError("dataset_schema: names an SFT row schema, but with objective: preference every row is "
@@ -259,7 +265,6 @@ class DataConfig(_Section):
         for key in ("min_score_margin", "max_prompt_length", "max_response_length"):
             if getattr(self, key) is not None and self.objective != "preference":
                 raise ValueError(f"{key}: applies to preference pairs; set objective: preference (or unset it)")
-        return self
 
 
 class ModelConfig(_Section):
@@ -460,6 +465,10 @@ class Config(_Section):
                 raise ValueError(f"data.objective: train.method: {self.train.method} trains on preference pairs; "
                                  "set data.objective: preference (or leave it out)")
             self.data.objective = "preference"  # train.method decides what a row is
+        try:
+            self.data.check_objective_keys()
+        except ValueError as err:
+            raise ValueError(f"data.{err}") from None
         if self.data.objective == "preference" and (self.train.packing or self.train.group_by_length):
             key = "packing" if self.train.packing else "group_by_length"
             raise ValueError(f"train.{key}: preference pairs are batched as two whole padded rows each (chosen and "

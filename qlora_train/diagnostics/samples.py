@@ -123,8 +123,8 @@ def load_samples(raw, processed, tokenizer, indices: list[int]) -> list[Sample]:
                 index=i, location=r["location"], source=r["source"], input_ids=p[f"{side}_input_ids"],
                 labels=p[f"{side}_labels"], pieces=token_pieces(p[f"{side}_input_ids"], tokenizer),
                 num_tokens_before=p["num_tokens_before"], side=side, prompt_length=p["prompt_length"],
-                truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"],
-                                              "response" if side in p["token_fallback"].split(",") else ""),
+                truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"], (
+                    p["token_fallback"].replace(",", " and ") + " response") if p["token_fallback"] else ""),
             ) for side in ("chosen", "rejected")]
             continue
         extras = list(zip(p.get("expanded_input_ids") or [], p.get("expanded_labels") or []))
@@ -145,7 +145,7 @@ def sample_summary(sample: Sample) -> str:
     """The line under a kept sample's heading: its tokens, trained tokens, truncation, extra examples."""
     if sample.side:
         return (f"{sample.side}: tokens {len(sample.input_ids)}, the first {sample.prompt_length} shared with the "
-                f"other side (the prompt, never trained); trained {sample.num_trained}; truncation: "
+                f"other side (the prompt, never trained); trained {sample.num_trained}; truncation of the pair: "
                 f"{sample.truncation.replace('middle turns', 'middle prompt exchanges')}")
     if sample.extra:
         return (f"tokens {len(sample.input_ids)}; trained {sample.num_trained}; extra example "

@@ -296,10 +296,13 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, ma
     if pairs:  # a pair's length is its longer side; its tokens_* percentiles count both sides
         over = pairs["share_over_max_length"]
         if over > AT_MAX_SHARE:
-            out.append(f"{over:.0%} of pairs have a side over max_length={max_length} (more than "
-                       f"{AT_MAX_SHARE:.0%}; {pairs['truncated_pairs']} truncated, {pairs['too_long']} "
-                       f"refused as too_long): raise data.max_length (the longer side of kept pairs: p95 "
-                       f"{pairs['longer_side_tokens']['p95']}) or pre-filter long pairs")
+            limits = ", ".join(f"{k}={v}" for k, v in (("max_length", max_length),
+                                                          ("max_prompt_length", data.max_prompt_length),
+                                                          ("max_response_length", data.max_response_length)) if v)
+            out.append(f"{over:.0%} of pairs are over a limit ({limits}; more than {AT_MAX_SHARE:.0%}: "
+                       f"{pairs['truncated_pairs']} truncated, {pairs['too_long']} refused as too_long): raise "
+                       f"data.max_length (the longer side of kept pairs: p95 {pairs['longer_side_tokens']['p95']}) "
+                       "or the per-side limits, or pre-filter long pairs")
     elif at_max > AT_MAX_SHARE:
         out.append(f"{at_max:.0%} of rows reach max_length={max_length} (more than {AT_MAX_SHARE:.0%}): raise "
                    f"data.max_length (p95 before truncation is {overall['tokens_before_truncation']['p95']}) "

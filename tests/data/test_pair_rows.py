@@ -374,6 +374,15 @@ def test_preference_config_refuses_packing_and_a_margin_without_pairs(tmp_path, 
     assert "set train.packing: false for data.objective: preference" in str(err.value)
     with pytest.raises(ConfigError, match="data.min_score_margin: applies to preference pairs"):
         load_config(path, ["data.objective=sft", "data.min_score_margin=1"])
+    # the pair-only keys where train.method decides the objective: accepted for dpo, refused for sft
+    undecided = yaml.safe_load(path.read_text())
+    del undecided["data"]["objective"]
+    (tmp_path / "undecided.yaml").write_text(yaml.safe_dump(undecided))
+    cfg = load_config(tmp_path / "undecided.yaml", ["train.method=dpo", "data.max_response_length=64",
+                                                    "data.min_score_margin=1"])
+    assert (cfg.data.objective, cfg.data.max_response_length) == ("preference", 64)
+    with pytest.raises(ConfigError, match="data.max_prompt_length: applies to preference pairs"):
+        load_config(tmp_path / "undecided.yaml", ["train.method=sft", "data.max_prompt_length=64"])
     with pytest.raises(ConfigError, match="data.objective"):
         load_config(path, ["data.objective=dpo"])
     with pytest.raises(ConfigError, match="data.dataset_schema: names an SFT row schema"):
