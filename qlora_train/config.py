@@ -10,7 +10,7 @@ import difflib
 import glob as globlib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,6 +18,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from qlora_train.chat_templates import ALIASES, shipped_templates, template_kwargs_problems
 from qlora_train.errors import ConfigError
 from qlora_train.locations import is_glob, looks_like_hub_id
+from qlora_train.masking import ReasoningHistory, ThinkLoss, TrainOnEos
 
 DEFAULT_REASONING_KEYS = ("reasoning", "reasoning_content", "thinking", "reason")
 DEFAULT_TOOLS_COLUMNS = ("tools", "tool_schemas", "functions", "function_schemas")
@@ -27,10 +28,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-SCHEMAS = ("auto", "messages", "sharegpt", "prompt_response", "alpaca", "segments", "pretokenized", "text",
-           "completion")
 SchemaName = Literal["auto", "messages", "sharegpt", "prompt_response", "alpaca", "segments", "pretokenized",
                      "text", "completion"]
+SCHEMAS = get_args(SchemaName)
 MaskRule = Literal["train", "mask"]
 Objective = Literal["sft", "preference"]  # data.objective: what a row is
 TrainMethod = Literal["sft", "dpo", "orpo"]  # train.method; dpo and orpo train on preference pairs
@@ -166,7 +166,7 @@ class DataConfig(_Section):
         None, description="Per-role rule, e.g. {system: mask, user: mask, assistant: train}; replaces assistant_roles."
     )
     mask_default: MaskRule = Field("mask", description="Rule for roles that `mask` does not name.")
-    train_on_eos: Literal["turn", "all", "last", "none"] = Field(
+    train_on_eos: TrainOnEos = Field(
         "turn",
         description="End-of-turn markers trained: of trained turns (`turn`), after every message (`all`), "
         "of the last trained turn only (`last`), or none.",
@@ -185,12 +185,12 @@ class DataConfig(_Section):
     )
     think_mode: Literal["keep", "drop"] = Field("keep", description="`drop` removes all reasoning.")
     think_max_tokens: int = Field(0, ge=0, description="Cap reasoning at this many tokens (0 = no cap).")
-    think_loss: Literal["all", "answer_only", "answer_plus_think"] = Field(
+    think_loss: ThinkLoss = Field(
         "all",
         description="`all` trains the reasoning block with its tags; `answer_only` masks the whole block; "
         "`answer_plus_think` trains reasoning text but masks the tags.",
     )
-    reasoning_history: Literal["expand", "drop"] = Field(
+    reasoning_history: ReasoningHistory = Field(
         "expand",
         description="Trained turns whose reasoning the chat template does not render (Qwen3 drops it before the "
         "last user query): `expand` adds one example per such turn (the conversation up to it, only it trained) "

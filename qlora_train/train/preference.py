@@ -38,8 +38,8 @@ from collections import defaultdict
 import torch
 from transformers import Trainer
 
-from qlora_train.data.tokenize import IGNORE_INDEX
 from qlora_train.errors import ConfigError
+from qlora_train.masking import IGNORE_INDEX
 from qlora_train.train.fused_loss import fused_loss_blocker, inner_causal_lm
 from qlora_train.train.loss import CHUNK_TOKENS, trained_positions
 from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps, sequence_logps
