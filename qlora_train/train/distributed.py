@@ -81,10 +81,11 @@ def launcher_problem(distributed: str, env: dict | None = None) -> str | None:
 def check_distributed_setup(cfg, runtime, mixed_precision: str, env: dict | None = None) -> None:
     """``ConfigError`` (exit 2) with one line naming the fix when the launch or the 4-bit storage would not shard
     as ``train.distributed`` says (``launcher_problem``, ``fsdp_setup_problem``); checked before any weight loads."""
-    problem = launcher_problem(cfg.train.distributed, env)
-    if problem is None and cfg.train.distributed == "fsdp":
+    problem = None
+    if cfg.train.distributed == "fsdp":
         problem = fsdp_setup_problem(storage=runtime.quant_storage, compute_dtype=runtime.compute_dtype,
                                      mixed_precision=mixed_precision, quantized=cfg.model.load_in_4bit)
+    problem = problem or launcher_problem(cfg.train.distributed, env)
     if problem:
         raise ConfigError([problem])
 

@@ -1,0 +1,208 @@
+"""``train.distributed: fsdp``: the guards that stop a run before any weight loads (fast), and FSDP2 on 2 CPU
+processes (gloo, float32) against one process with the same global batch (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from qlora_train.cli import main
+from qlora_train.config import load_config
+from qlora_train.errors import ConfigError
+from qlora_train.train.distributed import check_distributed_setup, fsdp_setup_problem, quant_storage_dtype
+from qlora_train.train.model import resolve_runtime
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "configs" / "data" / "quickstart.jsonl"
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+QUICKSTART_FSDP = REPO / "configs" / "quickstart-fsdp.yaml"
+
+
+def guard_config(tmp_path, **overrides) -> Path:
+    """A config the guards refuse before loading anything (the model directory need not hold a model)."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    cfg = {"model": {"name_or_path": str(tmp_path / "model"), "chat_template": "qwen3"},
+           "data": {"datasets": [{"path": str(SAMPLE)}]},
+           "train": {"output_dir": str(tmp_path / "out"), "report_to": "none", "distributed": "fsdp"}}
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_auto_storage_is_the_compute_dtype_under_fsdp_only():
+    assert quant_storage_dtype("auto", "fsdp", torch.bfloat16) is torch.bfloat16
+    assert quant_storage_dtype("auto", "ddp", torch.bfloat16) is torch.uint8
+    assert quant_storage_dtype("float16", "ddp", torch.bfloat16) is torch.float16
+    assert fsdp_setup_problem(storage=torch.bfloat16, compute_dtype=torch.bfloat16, mixed_precision="bf16",
+                              quantized=True) is None
+    assert fsdp_setup_problem(storage=torch.uint8, compute_dtype=torch.bfloat16, mixed_precision="bf16",
+                              quantized=False) is None  # a 16-bit base has no 4-bit storage
+
+
+@pytest.mark.parametrize(("overrides", "env", "line"), [
+    ({"model__bnb_4bit_quant_storage": "uint8"}, {},
+     "model.bnb_4bit_quant_storage: uint8 storage cannot be sharded by FSDP (each rank would keep every 4-bit "
+     "weight whole, accelerate #3983); set model.bnb_4bit_quant_storage: auto"),
+    ({"model__bnb_4bit_quant_storage": "bfloat16"}, {},  # CPU computes in float32
+     "model.bnb_4bit_quant_storage: bfloat16 differs from the compute dtype float32; FSDP needs the 4-bit storage "
+     "dtype to equal it: set model.bnb_4bit_quant_storage: auto"),
+    ({}, {"ACCELERATE_MIXED_PRECISION": "bf16"},
+     "mixed precision bf16: FSDP would gather the float32-stored 4-bit weights in bfloat16, which corrupts them; "
+     "launch without --mixed_precision (and mixed_precision: 'no' in an accelerate config): model.compute_dtype "
+     "sets it"),
+    ({}, {},
+     "train.distributed: fsdp needs a launcher: torchrun --nproc_per_node N -m qlora_train.cli ... (or accelerate "
+     "launch --config_file configs/accelerate/fsdp2.yaml -m qlora_train.cli ...)"),
+    ({"train__distributed": "ddp"}, {"ACCELERATE_USE_FSDP": "true"},
+     "train.distributed: ddp, but the accelerate config launches FSDP; set train.distributed: fsdp (or launch with "
+     "a config without distributed_type: FSDP)"),
+    ({"model__load_in_4bit": False, "model__load_in_8bit": True}, {},
+     "model.load_in_8bit: FSDP cannot shard 8-bit weights; use load_in_4bit: true (or train.distributed: ddp)"),
+], ids=["uint8-storage", "storage-not-compute-dtype", "param-dtype-not-storage", "no-launcher",
+        "accelerate-fsdp-launch-with-ddp", "8-bit"])
+def test_each_guard_exits_2_with_its_line_before_loading(tmp_path, monkeypatch, capsys, overrides, env, line):
+    for key in ("LOCAL_RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["--config", str(guard_config(tmp_path, **overrides))]) == 2  # the model directory is empty
+    problems = capsys.readouterr().err.splitlines()[1:]
+    assert problems == [f"  {line}"]
+
+
+def test_the_storage_guards_come_first_and_are_config_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg = load_config(guard_config(tmp_path, model__bnb_4bit_quant_storage="uint8"))
+    with pytest.raises(ConfigError) as err:
+        check_distributed_setup(cfg, resolve_runtime(cfg), "no", env={})
+    assert err.value.exit_code == 2 and err.value.problems[0].startswith("model.bnb_4bit_quant_storage: uint8")
+    cfg.model.bnb_4bit_quant_storage = "auto"
+    check_distributed_setup(cfg, resolve_runtime(cfg), "no", env={"LOCAL_RANK": "0"})  # float32 storage: fine
+
+
+# ---- 2 processes (FSDP2, gloo) against one process with their global batch --------------------------------------
+
+BYTES_LINE = re.compile(r"fsdp: 4-bit weight bytes per rank ([\d,]+) \([\d.]+%\), ([\d,]+) \([\d.]+%\) of ([\d,]+) "
+                        r"unsharded")
+
+
+def packed_config(tmp_path, model_dir, name: str, **train) -> Path:
+    """48 rows packed into 128-token sequences (22 of them: 4 steps of 4 never reach the epoch's end), 2 micro-batches
+    per step, the model's own loss and no gradient checkpointing, an eval split (its loss is logged)."""
+    cfg = {"model": {"name_or_path": str(model_dir), "chat_template": "qwen3"},
+           "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+           "data": {"datasets": [{"path": str(SAMPLE)}], "max_length": 128, "eval_fraction": 0.25},
+           "train": {"output_dir": str(tmp_path / name), "max_steps": 4, "save_steps": 4, "eval_steps": 4,
+                     "logging_steps": 1, "report_to": "none", "lr_scheduler": "constant", "warmup_ratio": 0.0,
+                     "learning_rate": 5e-3, "packing": True, "packing_length": 128, "gradient_accumulation_steps": 2,
+                     "fused_loss": False, "gradient_checkpointing": False, **train}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def quickstart_overrides(tmp_path, model_dir, name: str) -> list[str]:
+    """The shipped quickstarts on the tiny model, 4 steps, a checkpoint after 2, no eval split."""
+    return [f"model.name_or_path={model_dir}", f"train.output_dir={tmp_path / name}", "train.max_steps=4",
+            "train.save_steps=2", "train.logging_steps=1", "data.eval_fraction=0.0"]
+
+
+def torchrun(port: int, *args: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(port), "-m", "qlora_train.cli", *args], cwd=REPO / "configs", env=env,
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
+
+
+def finish(proc: subprocess.Popen, log: Path) -> str:
+    proc.wait(timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+def logged(out: Path, key: str = "loss") -> dict[int, float]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return {h["step"]: h[key] for h in history if key in h}
+
+
+def adapter(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "adapter_model.safetensors")
+
+
+def assert_same_adapter(a: dict, b: dict, atol: float) -> float:
+    assert a.keys() == b.keys() and a
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol
+    return worst
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_processes_is_the_one_process_run(tmp_path, tiny_model_dir, monkeypatch):
+    """configs/quickstart-fsdp.yaml (padded rows, the fused loss and gradient checkpointing: its defaults) on 2
+    ranks x 2 rows, and a packed run (2 micro-batches per step, the model's own loss, eval) on 2 ranks x 1 sequence:
+    the same losses as one process with 4 rows / 2 sequences, within 1e-5 in float32, and the same adapter, which
+    loads on one process; each rank holds half of the 4-bit weight bytes; resuming the quickstart from its step-2
+    checkpoint ends at the same adapter."""
+    from qlora_train.train.run import train
+
+    monkeypatch.chdir(REPO / "configs")  # the quickstarts' data path is relative to it
+    logs = {name: tmp_path / f"{name}.log" for name in ("quick", "packed", "resumed")}
+    quick = torchrun(29541, "--config", str(QUICKSTART_FSDP), *(
+        arg for o in quickstart_overrides(tmp_path, tiny_model_dir, "quick") for arg in ("--set", o)),
+        log=logs["quick"])
+    packed = torchrun(29542, "--config", str(packed_config(tmp_path, tiny_model_dir, "packed", distributed="fsdp",
+                                                           per_device_train_batch_size=1)), log=logs["packed"])
+    one = {"quick": train(load_config(QUICKSTART, quickstart_overrides(tmp_path, tiny_model_dir, "quick-one"))),
+           "packed": train(load_config(packed_config(tmp_path, tiny_model_dir, "packed-one",
+                                                     per_device_train_batch_size=2)))}
+    stderr = {"quick": finish(quick, logs["quick"]), "packed": finish(packed, logs["packed"])}
+
+    # resume: the quickstart's step-2 checkpoint alone in a fresh output directory, as if killed after it
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "quick" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = torchrun(29543, "--config", str(QUICKSTART_FSDP), *(
+        arg for o in [*quickstart_overrides(tmp_path, tiny_model_dir, "resumed"), "train.resume_from_checkpoint=auto"]
+        for arg in ("--set", o)), log=logs["resumed"])
+
+    for name, trainer in one.items():
+        want, got = logged(Path(trainer.args.output_dir)), logged(tmp_path / name)
+        assert want.keys() == got.keys() == {1, 2, 3, 4}, name
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=0, abs=1e-5), (name, step)
+        assert_same_adapter(adapter(Path(trainer.args.output_dir)), adapter(tmp_path / name), atol=1e-5)
+    assert logged(tmp_path / "packed", "eval_loss").keys() == {4}
+    assert "fsdp: 4-bit weight bytes per rank" in stderr["packed"]
+
+    rank0, rank1, whole = (int(n.replace(",", "")) for n in BYTES_LINE.search(stderr["quick"]).groups())
+    assert rank0 + rank1 == whole > 0 and max(rank0, rank1) <= 0.55 * whole
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "quick")
+    saved = adapter(tmp_path / "quick")
+    lora = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert len(lora) == len(saved)
+    for name, tensor in saved.items():
+        key = name.replace(".weight", ".default.weight")
+        torch.testing.assert_close(lora[key], tensor, rtol=0, atol=0)
+
+    finish(resumed, logs["resumed"])
+    assert logged(tmp_path / "resumed").keys() == {1, 2, 3, 4}
+    assert_same_adapter(adapter(tmp_path / "quick"), adapter(tmp_path / "resumed"), atol=1e-6)
