@@ -85,6 +85,9 @@ def check_distributed_setup(cfg, runtime, mixed_precision: str, env: dict | None
     if cfg.train.distributed == "fsdp":
         problem = fsdp_setup_problem(storage=runtime.quant_storage, compute_dtype=runtime.compute_dtype,
                                      mixed_precision=mixed_precision, quantized=cfg.model.load_in_4bit)
+    if cfg.train.fsdp_cpu_offload and runtime.device != "cuda":
+        problem = problem or ("train.fsdp_cpu_offload: moves GPU memory to the CPU; without a CUDA device there is "
+                              "nothing to offload: set it to false")
     problem = problem or launcher_problem(cfg.train.distributed, env)
     if problem:
         raise ConfigError([problem])

@@ -68,11 +68,15 @@ def test_auto_storage_is_the_compute_dtype_under_fsdp_only():
     ({"train__distributed": "ddp"}, {"ACCELERATE_USE_FSDP": "true"},
      "train.distributed: ddp, but the accelerate config launches FSDP; set train.distributed: fsdp (or launch with "
      "a config without distributed_type: FSDP)"),
+    ({"train__fsdp_cpu_offload": True}, {},
+     "train.fsdp_cpu_offload: moves GPU memory to the CPU; without a CUDA device there is nothing to offload: set it "
+     "to false"),
     ({"model__load_in_4bit": False, "model__load_in_8bit": True}, {},
      "model.load_in_8bit: FSDP cannot shard 8-bit weights; use load_in_4bit: true (or train.distributed: ddp)"),
 ], ids=["uint8-storage", "storage-not-compute-dtype", "param-dtype-not-storage", "no-launcher",
-        "accelerate-fsdp-launch-with-ddp", "8-bit"])
+        "accelerate-fsdp-launch-with-ddp", "cpu-offload-without-cuda", "8-bit"])
 def test_each_guard_exits_2_with_its_line_before_loading(tmp_path, monkeypatch, capsys, overrides, env, line):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the lines name CPU's float32
     for key in ("LOCAL_RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
@@ -83,6 +87,7 @@ def test_each_guard_exits_2_with_its_line_before_loading(tmp_path, monkeypatch, 
 
 
 def test_the_storage_guards_come_first_and_are_config_errors(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     cfg = load_config(guard_config(tmp_path, model__bnb_4bit_quant_storage="uint8"))
     with pytest.raises(ConfigError) as err:
@@ -90,6 +95,67 @@ def test_the_storage_guards_come_first_and_are_config_errors(tmp_path, monkeypat
     assert err.value.exit_code == 2 and err.value.problems[0].startswith("model.bnb_4bit_quant_storage: uint8")
     cfg.model.bnb_4bit_quant_storage = "auto"
     check_distributed_setup(cfg, resolve_runtime(cfg), "no", env={"LOCAL_RANK": "0"})  # float32 storage: fine
+
+
+# Under torchrun: the forward of the 4-bit + LoRA model (an adapter that adds to the output) before and after
+# accelerate's FSDP2 sharding, and the 4-bit weight bytes rank 0 then holds; rank 0 writes them to argv[2].
+FORWARD_PROBE = """
+import json, os, sys
+import torch
+from transformers import Trainer, set_seed
+from qlora_train.config import load_config
+from qlora_train.train.distributed import local_and_full_bytes, with_fsdp
+from qlora_train.train.model import load_model, resolve_runtime
+from qlora_train.train.run import training_arguments
+
+cfg = load_config(sys.argv[1], sys.argv[3:])
+runtime = resolve_runtime(cfg)
+args = training_arguments(cfg, runtime, has_eval=False)
+set_seed(cfg.train.seed)  # every rank builds the same adapter, as train() does: FSDP2 shards what each rank has
+model = load_model(cfg, runtime).eval()
+with torch.no_grad():
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.normal_(std=0.05)  # so that the adapter adds to the output
+trainer = with_fsdp(Trainer)(model=model, args=args)
+ids = torch.randint(0, 150000, (2, 24), generator=torch.Generator().manual_seed(0)).to(args.device)
+with torch.no_grad(), trainer.autocast_smart_context_manager():
+    whole = model(input_ids=ids).logits.float().cpu()
+optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+sharded, _ = trainer.accelerator.prepare(model, optimizer)  # accelerate's FSDP2 wants both
+with torch.no_grad(), trainer.autocast_smart_context_manager():
+    split = sharded(input_ids=ids).logits.float().cpu()
+local, full = local_and_full_bytes(sharded)
+if os.environ["RANK"] == "0":
+    json.dump({"max_diff": (whole - split).abs().max().item(), "nan": bool(split.isnan().any()), "local": local,
+               "full": full, "storage": str(runtime.quant_storage).removeprefix("torch.")}, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs a CUDA GPU")]),
+])
+def test_sharded_forward_equals_the_unsharded_one(tmp_path, tiny_model_dir, device):
+    """CPU: float32 storage, bit-identical logits. CUDA: bfloat16 storage (the compute dtype), FSDP's param_dtype
+    bfloat16, on every GPU of the machine up to 2: the same logits to bfloat16 precision, and no NaN (the bit
+    patterns of bf16-stored nf4 bytes that FSDP2 must not canonicalise, bitsandbytes #1945)."""
+    nproc = 2 if device == "cpu" else min(2, torch.cuda.device_count())
+    result = tmp_path / "forward.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "probe.py").write_text(FORWARD_PROBE)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                           "--master_port", "29544", str(tmp_path / "probe.py"), str(QUICKSTART_FSDP), str(result),
+                           f"model.name_or_path={tiny_model_dir}", f"train.output_dir={tmp_path / 'out'}"],
+                          cwd=REPO / "configs", env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(result.read_text())
+    assert got["storage"] == ("float32" if device == "cpu" else "bfloat16") and not got["nan"]
+    assert got["max_diff"] <= (0.0 if device == "cpu" else 2e-2)
+    assert got["local"] * nproc == got["full"] > 0  # rank 0 holds 1/N of the 4-bit bytes
 
 
 # ---- 2 processes (FSDP2, gloo) against one process with their global batch --------------------------------------
@@ -120,7 +186,7 @@ def quickstart_overrides(tmp_path, model_dir, name: str) -> list[str]:
 
 
 def torchrun(port: int, *args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",  # float32 on CPU, also on a GPU machine
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                              str(port), "-m", "qlora_train.cli", *args], cwd=REPO / "configs", env=env,
@@ -162,6 +228,7 @@ def test_fsdp_on_two_processes_is_the_one_process_run(tmp_path, tiny_model_dir, 
     from qlora_train.train.run import train
 
     monkeypatch.chdir(REPO / "configs")  # the quickstarts' data path is relative to it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the one-process runs: float32 on CPU too
     logs = {name: tmp_path / f"{name}.log" for name in ("quick", "packed", "resumed")}
     quick = torchrun(29541, "--config", str(QUICKSTART_FSDP), *(
         arg for o in quickstart_overrides(tmp_path, tiny_model_dir, "quick") for arg in ("--set", o)),
@@ -185,12 +252,14 @@ def test_fsdp_on_two_processes_is_the_one_process_run(tmp_path, tiny_model_dir, 
         assert want.keys() == got.keys() == {1, 2, 3, 4}, name
         for step in want:
             assert got[step] == pytest.approx(want[step], rel=0, abs=1e-5), (name, step)
-        assert_same_adapter(adapter(Path(trainer.args.output_dir)), adapter(tmp_path / name), atol=1e-5)
+        worst = assert_same_adapter(adapter(Path(trainer.args.output_dir)), adapter(tmp_path / name), atol=1e-5)
+        print(f"{name}: losses differ by <= {max(abs(got[s] - want[s]) for s in want):.2e}, adapter by {worst:.2e}")
     assert logged(tmp_path / "packed", "eval_loss").keys() == {4}
     assert "fsdp: 4-bit weight bytes per rank" in stderr["packed"]
 
     rank0, rank1, whole = (int(n.replace(",", "")) for n in BYTES_LINE.search(stderr["quick"]).groups())
     assert rank0 + rank1 == whole > 0 and max(rank0, rank1) <= 0.55 * whole
+    print(f"4-bit weight bytes per rank {rank0:,} / {rank1:,} of {whole:,}")
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -205,4 +274,5 @@ def test_fsdp_on_two_processes_is_the_one_process_run(tmp_path, tiny_model_dir, 
 
     finish(resumed, logs["resumed"])
     assert logged(tmp_path / "resumed").keys() == {1, 2, 3, 4}
-    assert_same_adapter(adapter(tmp_path / "quick"), adapter(tmp_path / "resumed"), atol=1e-6)
+    worst = assert_same_adapter(adapter(tmp_path / "quick"), adapter(tmp_path / "resumed"), atol=1e-6)
+    print(f"resumed adapter differs by {worst:.2e}")
