@@ -66,9 +66,12 @@ def fsdp_setup_problem(*, storage: torch.dtype, compute_dtype: torch.dtype, mixe
 
 def launcher_problem(distributed: str, env: dict | None = None) -> str | None:
     """A launch that disagrees with ``train.distributed``, as one line naming the fix, or None: an accelerate
-    config asking for FSDP with ``ddp`` (accelerate would shard the model without float 4-bit storage), or
-    ``fsdp`` in a single process without a launcher."""
+    config asking for DeepSpeed, or for FSDP with ``ddp`` (accelerate would shard the model without float 4-bit
+    storage), or ``fsdp`` in a single process without a launcher."""
     env = os.environ if env is None else env
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
+        return ("the accelerate config launches DeepSpeed, which this trainer does not support with 4-bit weights; "
+                "use train.distributed: fsdp (docs/distributed.md#deepspeed-zero-3)")
     if distributed == "ddp" and env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
         return ("train.distributed: ddp, but the accelerate config launches FSDP; set train.distributed: fsdp "
                 "(or launch with a config without distributed_type: FSDP)")

@@ -68,16 +68,19 @@ def test_auto_storage_is_the_compute_dtype_under_fsdp_only():
     ({"train__distributed": "ddp"}, {"ACCELERATE_USE_FSDP": "true"},
      "train.distributed: ddp, but the accelerate config launches FSDP; set train.distributed: fsdp (or launch with "
      "a config without distributed_type: FSDP)"),
+    ({"train__distributed": "ddp"}, {"ACCELERATE_USE_DEEPSPEED": "true"},
+     "the accelerate config launches DeepSpeed, which this trainer does not support with 4-bit weights; use "
+     "train.distributed: fsdp (docs/distributed.md#deepspeed-zero-3)"),
     ({"train__fsdp_cpu_offload": True}, {},
      "train.fsdp_cpu_offload: moves GPU memory to the CPU; without a CUDA device there is nothing to offload: set it "
      "to false"),
     ({"model__load_in_4bit": False, "model__load_in_8bit": True}, {},
      "model.load_in_8bit: FSDP cannot shard 8-bit weights; use load_in_4bit: true (or train.distributed: ddp)"),
 ], ids=["uint8-storage", "storage-not-compute-dtype", "param-dtype-not-storage", "no-launcher",
-        "accelerate-fsdp-launch-with-ddp", "cpu-offload-without-cuda", "8-bit"])
+        "accelerate-fsdp-launch-with-ddp", "deepspeed", "cpu-offload-without-cuda", "8-bit"])
 def test_each_guard_exits_2_with_its_line_before_loading(tmp_path, monkeypatch, capsys, overrides, env, line):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the lines name CPU's float32
-    for key in ("LOCAL_RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION"):
+    for key in ("LOCAL_RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_MIXED_PRECISION"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
