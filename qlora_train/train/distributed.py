@@ -81,9 +81,14 @@ def launcher_problem(distributed: str, env: dict | None = None) -> str | None:
     return None
 
 
-def check_distributed_setup(cfg, runtime, mixed_precision: str, env: dict | None = None) -> None:
+def check_distributed_setup(cfg, runtime, env: dict | None = None) -> None:
     """``ConfigError`` (exit 2) with one line naming the fix when the launch or the 4-bit storage would not shard
-    as ``train.distributed`` says (``launcher_problem``, ``fsdp_setup_problem``); checked before any weight loads."""
+    as ``train.distributed`` says (``launcher_problem``, ``fsdp_setup_problem``); checked before any weight loads,
+    and before ``TrainingArguments`` (which fails on a DeepSpeed launch without deepspeed installed)."""
+    env = os.environ if env is None else env
+    # TrainingArguments.mixed_precision: the compute dtype's, else the launcher's
+    mixed_precision = "bf16" if runtime.bf16 else "fp16" if runtime.fp16 else env.get("ACCELERATE_MIXED_PRECISION",
+                                                                                      "no")
     problem = None
     if cfg.train.distributed == "fsdp":
         problem = fsdp_setup_problem(storage=runtime.quant_storage, compute_dtype=runtime.compute_dtype,

@@ -253,8 +253,8 @@ def train(cfg: Config, *, callbacks: list | None = None):
     runtime = resolve_runtime(cfg)
     log.info(runtime.note)
     has_eval = cfg.data.eval_fraction > 0 or bool(cfg.data.eval_datasets)
+    check_distributed_setup(cfg, runtime)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
-    check_distributed_setup(cfg, runtime, args.mixed_precision)
     if cfg.train.packing:
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
     tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)

@@ -94,10 +94,10 @@ def test_the_storage_guards_come_first_and_are_config_errors(tmp_path, monkeypat
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     cfg = load_config(guard_config(tmp_path, model__bnb_4bit_quant_storage="uint8"))
     with pytest.raises(ConfigError) as err:
-        check_distributed_setup(cfg, resolve_runtime(cfg), "no", env={})
+        check_distributed_setup(cfg, resolve_runtime(cfg), env={})
     assert err.value.exit_code == 2 and err.value.problems[0].startswith("model.bnb_4bit_quant_storage: uint8")
     cfg.model.bnb_4bit_quant_storage = "auto"
-    check_distributed_setup(cfg, resolve_runtime(cfg), "no", env={"LOCAL_RANK": "0"})  # float32 storage: fine
+    check_distributed_setup(cfg, resolve_runtime(cfg), env={"LOCAL_RANK": "0"})  # float32 storage: fine
 
 
 # Under torchrun: the forward of the 4-bit + LoRA model (an adapter that adds to the output) before and after
