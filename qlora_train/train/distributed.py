@@ -101,6 +101,15 @@ def check_distributed_setup(cfg, runtime, env: dict | None = None) -> None:
         raise ConfigError([problem])
 
 
+def check_new_tokens(distributed: str, new_tokens) -> None:
+    """``ConfigError`` when ``model.new_tokens`` adds tokens under FSDP: sharding peft's trainable token rows (a
+    wrapper around the embedding and the head) fails in ``fully_shard`` (torch 2.13, peft 0.21). Checked once the
+    tokenizer has said which tokens are new, before any weight loads."""
+    if distributed == "fsdp" and new_tokens:
+        raise ConfigError(["model.new_tokens: adding tokens is not available with train.distributed: fsdp (peft's "
+                           "trainable token rows do not shard); use train.distributed: ddp"])
+
+
 def fsdp_config(cpu_offload: bool) -> dict:
     """``TrainingArguments.fsdp_config`` of an FSDP2 run: each decoder layer its own unit (the model's
     ``_no_split_modules``), parameters resharded after forward; a checkpoint's model and optimizer state saved

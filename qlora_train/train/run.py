@@ -30,7 +30,13 @@ from qlora_train.data.prepared import training_data
 from qlora_train.files import write_atomic
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator
-from qlora_train.train.distributed import ShardReport, check_distributed_setup, fsdp_config, with_fsdp
+from qlora_train.train.distributed import (
+    ShardReport,
+    check_distributed_setup,
+    check_new_tokens,
+    fsdp_config,
+    with_fsdp,
+)
 from qlora_train.train.fused_loss import use_fused_loss
 from qlora_train.train.model import count_parameters, load_model, load_model_config, resolve_runtime
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
@@ -258,6 +264,7 @@ def train(cfg: Config, *, callbacks: list | None = None):
     if cfg.train.packing:
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
     tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)
+    check_new_tokens(cfg.train.distributed, new_tokens)
 
     with args.main_process_first(desc="preprocessing"):  # or reading data.prepared_path
         data = training_data(cfg, tokenizer)

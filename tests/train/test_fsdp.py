@@ -100,6 +100,20 @@ def test_the_storage_guards_come_first_and_are_config_errors(tmp_path, monkeypat
     check_distributed_setup(cfg, resolve_runtime(cfg), env={"LOCAL_RANK": "0"})  # float32 storage: fine
 
 
+def test_new_tokens_are_refused_under_fsdp():
+    from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens
+    from qlora_train.train.distributed import check_new_tokens
+
+    added = NewTokens(("<|zz|>",), (151669,), ((27, 91),))
+    with pytest.raises(ConfigError) as err:
+        check_new_tokens("fsdp", added)
+    assert err.value.exit_code == 2 and err.value.problems == [
+        "model.new_tokens: adding tokens is not available with train.distributed: fsdp (peft's trainable token rows "
+        "do not shard); use train.distributed: ddp"]
+    check_new_tokens("ddp", added)
+    check_new_tokens("fsdp", NO_NEW_TOKENS)
+
+
 # Under torchrun: the forward of the 4-bit + LoRA model (an adapter that adds to the output) before and after
 # accelerate's FSDP2 sharding, and the 4-bit weight bytes rank 0 then holds; rank 0 writes them to argv[2].
 FORWARD_PROBE = """
