@@ -45,20 +45,21 @@ def resolve_runtime(cfg: Config) -> Runtime:
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     storage = functools.partial(quant_storage_dtype, cfg.model.bnb_4bit_quant_storage, cfg.train.distributed)
-    fsdp = ", FSDP2 with 4-bit weights stored in {}" if cfg.train.distributed == "fsdp" else ""
+    fsdp = lambda dtype: (f", FSDP2 with 4-bit weights stored in {str(storage(dtype)).removeprefix('torch.')}"
+                          if cfg.train.distributed == "fsdp" else "")
     if torch.cuda.is_available():
         dtype = DTYPES[cfg.model.compute_dtype]
         if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
             dtype = torch.float16
         return Runtime("cuda", local_rank, dtype, cfg.train.optim, dtype is torch.bfloat16, dtype is torch.float16,
-                       f"CUDA: compute dtype {dtype}, optimizer {cfg.train.optim}" + fsdp.format(storage(dtype)),
+                       f"CUDA: compute dtype {dtype}, optimizer {cfg.train.optim}" + fsdp(dtype),
                        quant_storage=storage(dtype))
     optim = cfg.train.optim
     if any(tag in optim for tag in CUDA_ONLY_OPTIMIZERS):
         optim = "adamw_torch"
     note = (f"no CUDA device: training on CPU in float32 with {optim}"
             + (f" (config asked for {cfg.train.optim}, which needs CUDA)" if optim != cfg.train.optim else "")
-            + fsdp.format(storage(torch.float32)))
+            + fsdp(torch.float32))
     return Runtime("cpu", local_rank, torch.float32, optim, False, False, note, quant_storage=storage(torch.float32))
 
 
