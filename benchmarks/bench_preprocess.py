@@ -28,6 +28,11 @@ packing into ``--pack-length`` vs padding to the longest of each batch (random o
 Rows are generated deterministically (multi-turn, reasoning, tool calls, unicode, code); nothing is
 downloaded. Timed runs are interleaved, best of ``--repeats``.
 
+``--dists chat,reasoning,...`` (or ``all``) prints table 4 instead: per row distribution of ``bench_rows.py``
+(rows nobody tuned the pipeline to, and their mix), the pipeline against the floor (HF call) with the tokenizer
+on one thread, ``expand``'s cost per example against the pipeline's, and the pipeline against transformers'
+assistant mask with the generation-tagged template (table 2's reference).
+
 ``--scale N1,N2,...`` runs each size in a fresh process through the real path (JSON lines file ->
 ``load_sources`` -> ``process_dataset``, a batched ``datasets.map`` writing the Arrow cache) and prints the
 per-row cost and the peak RSS added by the map. Sizes are run ``--scale-repeats`` times, interleaved.
@@ -48,6 +53,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_rows  # noqa: E402
 
 from qlora_train.config import DataConfig  # noqa: E402
 from qlora_train.data import canonicalize_row, process_rows  # noqa: E402
@@ -279,6 +287,44 @@ def main_tables(args) -> None:
         print(f"padding to the longest of batches of {b:>2} (random order): {padded_efficiency(shuffled, b):.1%}")
 
 
+def distribution_table(args) -> None:
+    """Table 4: per distribution, the ratios of tables 1a and 2 and expand's cost per example."""
+    names = list(bench_rows.NAMES) if args.dists == "all" else args.dists.split(",")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = build_qwen_tokenizer("qwen3")
+    gen = build_qwen_tokenizer("chatml")
+    gen.chat_template = GENERATION_TEMPLATE.read_text()
+    cfg = DataConfig(max_length=args.max_length, batch_size=args.batch_size, reasoning_history="drop")
+    expand = cfg.model_copy(update={"reasoning_history": "expand"})
+    print(f"machine: {platform.machine()}, {args.cpus} CPU cores, python {platform.python_version()}; rows "
+          f"{args.rows} per distribution, batch {args.batch_size}, best of {args.repeats} per batch, interleaved; "
+          "tokenizer on one thread")
+    print("\n4. per row distribution (bench_rows.py): pipeline / floor (HF call) as table 1a, expand per example / "
+          "pipeline, pipeline / HF assistant mask as table 2")
+    print(f"{'distribution':<12} {'tokens/row':>10} {'floor us/row':>12} {'pipeline/floor':>14} "
+          f"{'examples/row':>12} {'expand/ex':>9} {'pipeline/HF mask':>16} {'HF agrees':>9}")
+    for name in names:
+        rows = bench_rows.rows(name, args.rows)
+        canon = [canonicalize_row(r, cfg) for r in rows]
+        process_rows(rows[:8], tok, cfg)
+        process_rows(rows[:8], gen, cfg)
+        row_batches, canon_batches = list(batches(rows, args.batch_size)), list(batches(canon, args.batch_size))
+        best, results = best_of({"floor (HF call)": (floor_hf, canon_batches, (tok,)),
+                                 "pipeline": (pipeline, row_batches, (tok, cfg))}, len(row_batches), args.repeats)
+        lengths = [len(lab) for lab in results["pipeline"]]
+        ex_best, ex_out = best_of({"pipeline (expand)": (pipeline_examples, row_batches, (tok, expand)),
+                                   "pipeline": (pipeline, row_batches, (tok, cfg))}, len(row_batches), args.repeats)
+        n_examples = sum(ex_out["pipeline (expand)"])
+        per_example = ex_best["pipeline (expand)"] / ex_best["pipeline"] * args.rows / n_examples
+        hf_best, hf_out = best_of({"pipeline": (pipeline, row_batches, (gen, cfg)),
+                                   "HF assistant mask": (hf_assistant_mask, canon_batches, (gen,))},
+                                  len(row_batches), args.repeats)
+        print(f"{name:<12} {sum(lengths) / len(lengths):>10.0f} {best['floor (HF call)'] / args.rows * 1e6:>12.0f} "
+              f"{best['pipeline'] / best['floor (HF call)']:>14.3f} {n_examples / args.rows:>12.2f} "
+              f"{per_example:>9.3f} {hf_best['pipeline'] / hf_best['HF assistant mask']:>16.3f} "
+              f"{agreement(hf_out['pipeline'], hf_out['HF assistant mask']):>9.3%}", flush=True)
+
+
 # --- scale: each size in its own process, through datasets.map ---
 
 
@@ -381,6 +427,7 @@ def main() -> None:
     ap.add_argument("--pack-length", type=int, default=4096)
     ap.add_argument("--tokenizer-threads", choices=["on", "off", "both"], default="both",
                     help="table 1 with tokenizers' thread pool on, off (single thread), or both")
+    ap.add_argument("--dists", help="table 4 only, for these row distributions of bench_rows.py (or all)")
     ap.add_argument("--scale", help="comma-separated row counts, e.g. 1000,20000 (or 1000,100000)")
     ap.add_argument("--scale-repeats", type=int, default=3)
     ap.add_argument("--scale-worker", type=int, help=argparse.SUPPRESS)
@@ -390,6 +437,8 @@ def main() -> None:
         scale_worker(args.scale_worker, args.batch_size)
     elif args.scale:
         main_scale(args)
+    elif args.dists:
+        distribution_table(args)
     else:
         main_tables(args)
 
