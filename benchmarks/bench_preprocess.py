@@ -287,6 +287,44 @@ def main_tables(args) -> None:
         print(f"padding to the longest of batches of {b:>2} (random order): {padded_efficiency(shuffled, b):.1%}")
 
 
+def extra_work(rows: list[dict], tok, cfg: DataConfig, args) -> dict[str, float]:
+    """Seconds (best of ``args.repeats`` per batch) of the work the pipeline does and the floor does not:
+    parsing the JSON lines, counting dropped reasoning tokens, the dedup hash (the last two timed inside
+    ``process_rows``, with ``data.dedup`` on)."""
+    from qlora_train.data import pipeline as pipeline_module
+
+    spent = {"json": 0.0, "count": 0.0, "dedup": 0.0}
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return wrapper
+
+    lines = [[json.dumps(r, ensure_ascii=False) for r in b] for b in batches(rows, args.batch_size)]
+    dedup = cfg.model_copy(update={"dedup": True})
+    saved = pipeline_module.count_tokens, pipeline_module._hash
+    pipeline_module.count_tokens, pipeline_module._hash = timed("count", saved[0]), timed("dedup", saved[1])
+    best = {k: [float("inf")] * len(lines) for k in spent}
+    try:
+        for _ in range(args.repeats):
+            for k, (batch, text) in enumerate(zip(batches(rows, args.batch_size), lines)):
+                for key in spent:
+                    spent[key] = 0.0
+                t = time.perf_counter()
+                [json.loads(line) for line in text]
+                spent["json"] = time.perf_counter() - t
+                process_rows(batch, tok, dedup)
+                for key in spent:
+                    best[key][k] = min(best[key][k], spent[key])
+    finally:
+        pipeline_module.count_tokens, pipeline_module._hash = saved
+    return {key: sum(v) for key, v in best.items()}
+
+
 def distribution_table(args) -> None:
     """Table 4: per distribution, the ratios of tables 1a and 2 and expand's cost per example."""
     names = list(bench_rows.NAMES) if args.dists == "all" else args.dists.split(",")
@@ -300,9 +338,12 @@ def distribution_table(args) -> None:
           f"{args.rows} per distribution, batch {args.batch_size}, best of {args.repeats} per batch, interleaved; "
           "tokenizer on one thread")
     print("\n4. per row distribution (bench_rows.py): pipeline / floor (HF call) as table 1a, expand per example / "
-          "pipeline, pipeline / HF assistant mask as table 2")
+          "pipeline, pipeline / HF assistant mask as table 2; work the floor does not do, as a share of the "
+          "floor's time: json = json.loads of the rows' JSON lines (the CLI's map parses them), count = counting "
+          "the tokens of the reasoning the template drops, dedup = data.dedup's content hash")
     print(f"{'distribution':<12} {'tokens/row':>10} {'floor us/row':>12} {'pipeline/floor':>14} "
-          f"{'examples/row':>12} {'expand/ex':>9} {'pipeline/HF mask':>16} {'HF agrees':>9}")
+          f"{'examples/row':>12} {'expand/ex':>9} {'pipeline/HF mask':>16} {'HF agrees':>9} {'json':>8} "
+          f"{'count':>8} {'dedup':>8}")
     for name in names:
         rows = bench_rows.rows(name, args.rows)
         canon = [canonicalize_row(r, cfg) for r in rows]
@@ -319,10 +360,13 @@ def distribution_table(args) -> None:
         hf_best, hf_out = best_of({"pipeline": (pipeline, row_batches, (gen, cfg)),
                                    "HF assistant mask": (hf_assistant_mask, canon_batches, (gen,))},
                                   len(row_batches), args.repeats)
-        print(f"{name:<12} {sum(lengths) / len(lengths):>10.0f} {best['floor (HF call)'] / args.rows * 1e6:>12.0f} "
-              f"{best['pipeline'] / best['floor (HF call)']:>14.3f} {n_examples / args.rows:>12.2f} "
+        floor = best["floor (HF call)"]
+        extra = extra_work(rows, tok, cfg, args)
+        print(f"{name:<12} {sum(lengths) / len(lengths):>10.0f} {floor / args.rows * 1e6:>12.0f} "
+              f"{best['pipeline'] / floor:>14.3f} {n_examples / args.rows:>12.2f} "
               f"{per_example:>9.3f} {hf_best['pipeline'] / hf_best['HF assistant mask']:>16.3f} "
-              f"{agreement(hf_out['pipeline'], hf_out['HF assistant mask']):>9.3%}", flush=True)
+              f"{agreement(hf_out['pipeline'], hf_out['HF assistant mask']):>9.3%}"
+              + "".join(f" {v / floor:>8.1%}" for v in extra.values()), flush=True)
 
 
 # --- scale: each size in its own process, through datasets.map ---
