@@ -82,7 +82,7 @@ def pairs(side: int, n: int, seed: int = 0) -> list[dict]:
     ``chosen_ids``, ``rejected_ids``) and ours (``chosen_input_ids``, ``chosen_labels``, ...; the prompt masked)."""
     import torch
 
-    from qlora_train.data.tokenize import IGNORE_INDEX
+    from qlora_train.masking.tokenize import IGNORE_INDEX
 
     gen = torch.Generator().manual_seed(seed)
     response = side // 3

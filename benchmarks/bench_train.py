@@ -59,7 +59,7 @@ def rows(seq: int, n: int, seed: int = 0) -> list[dict]:
     """``n`` rows of ``seq`` random token ids; labels trained on 85 of every 256 positions."""
     import torch
 
-    from qlora_train.data.tokenize import IGNORE_INDEX
+    from qlora_train.masking.tokenize import IGNORE_INDEX
 
     gen = torch.Generator().manual_seed(seed)
     out = []

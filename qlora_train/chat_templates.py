@@ -18,7 +18,7 @@ it, so a server can still override it per request::
 The first line marks the prelude: applying kwargs to a template that already
 has one (a tokenizer saved by qlora-train) replaces it instead of stacking.
 
-``model.template_layout`` (a declared layout, see ``data/layout_declaration.py``)
+``model.template_layout`` (a declared layout, see ``masking/layout_declaration.py``)
 travels the same way, for the same reasons (the ``datasets.map`` workers get the
 tokenizer pickled; the saved tokenizer serves): a comment that renders nothing,
 after the kwargs prelude, read back by the layout probe::

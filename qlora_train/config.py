@@ -10,7 +10,7 @@ import difflib
 import glob as globlib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,6 +18,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from qlora_train.chat_templates import ALIASES, shipped_templates, template_kwargs_problems
 from qlora_train.errors import ConfigError
 from qlora_train.locations import is_glob, looks_like_hub_id
+from qlora_train.masking import ReasoningHistory, ThinkLoss, TrainOnEos
 
 DEFAULT_REASONING_KEYS = ("reasoning", "reasoning_content", "thinking", "reason")
 DEFAULT_TOOLS_COLUMNS = ("tools", "tool_schemas", "functions", "function_schemas")
@@ -27,14 +28,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-SCHEMAS = ("auto", "messages", "sharegpt", "prompt_response", "alpaca", "segments", "pretokenized", "text",
-           "completion")
 SchemaName = Literal["auto", "messages", "sharegpt", "prompt_response", "alpaca", "segments", "pretokenized",
                      "text", "completion"]
+SCHEMAS = get_args(SchemaName)
 MaskRule = Literal["train", "mask"]
 Objective = Literal["sft", "preference"]  # data.objective: what a row is
 TrainMethod = Literal["sft", "dpo", "orpo"]  # train.method; dpo and orpo train on preference pairs
 DpoLoss = Literal["sigmoid", "robust", "ipo"]  # train.dpo_loss
+Distributed = Literal["ddp", "fsdp"]  # train.distributed
+QuantStorage = Literal["auto", "uint8", "bfloat16", "float16", "float32"]  # model.bnb_4bit_quant_storage
 # DatasetSource keys that override the data-level value of the same name for that source's rows
 FORMAT_OVERRIDES = ("dataset_schema", "messages_field", "message_property_mappings", "roles", "field_mappings",
                     "format", "no_input_format")
@@ -166,7 +168,7 @@ class DataConfig(_Section):
         None, description="Per-role rule, e.g. {system: mask, user: mask, assistant: train}; replaces assistant_roles."
     )
     mask_default: MaskRule = Field("mask", description="Rule for roles that `mask` does not name.")
-    train_on_eos: Literal["turn", "all", "last", "none"] = Field(
+    train_on_eos: TrainOnEos = Field(
         "turn",
         description="End-of-turn markers trained: of trained turns (`turn`), after every message (`all`), "
         "of the last trained turn only (`last`), or none.",
@@ -185,12 +187,12 @@ class DataConfig(_Section):
     )
     think_mode: Literal["keep", "drop"] = Field("keep", description="`drop` removes all reasoning.")
     think_max_tokens: int = Field(0, ge=0, description="Cap reasoning at this many tokens (0 = no cap).")
-    think_loss: Literal["all", "answer_only", "answer_plus_think"] = Field(
+    think_loss: ThinkLoss = Field(
         "all",
         description="`all` trains the reasoning block with its tags; `answer_only` masks the whole block; "
         "`answer_plus_think` trains reasoning text but masks the tags.",
     )
-    reasoning_history: Literal["expand", "drop"] = Field(
+    reasoning_history: ReasoningHistory = Field(
         "expand",
         description="Trained turns whose reasoning the chat template does not render (Qwen3 drops it before the "
         "last user query): `expand` adds one example per such turn (the conversation up to it, only it trained) "
@@ -297,6 +299,11 @@ class ModelConfig(_Section):
     load_in_8bit: bool = Field(False, description="Load the base in 8-bit instead.")
     compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Compute dtype of the quantised layers (float32 is used on CPU)."
+    )
+    bnb_4bit_quant_storage: QuantStorage = Field(
+        "auto", description="dtype the packed 4-bit weights are stored in: `auto` is the compute dtype under "
+        "`train.distributed: fsdp` (FSDP shards only float storage, and only when it equals the compute dtype) "
+        "and uint8 otherwise. Anything else under FSDP stops the run before loading, naming the fix.",
     )
     attn_implementation: str | None = Field(None, description="eager / sdpa / flash_attention_2 (default: model's).")
     trust_remote_code: bool = Field(False, description="Allow code from the model repository to run.")
@@ -422,6 +429,15 @@ class TrainConfig(_Section):
     orpo_lambda: float = Field(
         0.1, gt=0, description="orpo: weight of the odds-ratio term beside the NLL of the chosen response.",
     )
+    distributed: Distributed = Field(
+        "ddp", description="Several processes (`torchrun`, `accelerate launch`): `ddp`, each holds the whole "
+        "model; `fsdp`, torch FSDP2 through accelerate, each holds 1/N of the 4-bit weights, for models larger "
+        "than one GPU (docs/distributed.md). One process trains the same either way.",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False, description="With `distributed: fsdp`: keep the sharded parameters, gradients and optimizer state "
+        "in CPU memory, moved to the GPU layer by layer (less GPU memory, slower steps; docs/distributed.md).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -440,6 +456,8 @@ class TrainConfig(_Section):
         if self.method != "sft" and self.group_by_length:
             raise ValueError(f"group_by_length: not available with method: {self.method} (pairs are batched as "
                              "they come); set group_by_length: false")
+        if self.fsdp_cpu_offload and self.distributed != "fsdp":
+            raise ValueError("fsdp_cpu_offload: needs distributed: fsdp")
         if self.label_smoothing and (self.method != "dpo" or self.dpo_loss == "ipo"):
             raise ValueError("label_smoothing: applies to method: dpo with dpo_loss: sigmoid or robust only; "
                              "set it to 0")
@@ -459,6 +477,9 @@ class Config(_Section):
         if self.model.adapter_path and self.train.method == "sft":
             raise ValueError("model.adapter_path: starts preference training (train.method: dpo or orpo); "
                              "an SFT run starts a fresh adapter, remove the key")
+        if self.train.distributed == "fsdp" and self.model.load_in_8bit:
+            raise ValueError("model.load_in_8bit: FSDP cannot shard 8-bit weights; use load_in_4bit: true "
+                             "(or train.distributed: ddp)")
         pairs = self.train.method != "sft"
         if pairs and self.data.objective == "sft":
             if "objective" in self.data.model_fields_set:

@@ -5,6 +5,7 @@ importing the module that raised it (so a diagnostic never imports the training
 stack to name a training error):
 
     0 done · 1 data or model error · 2 config or usage error · 3 CUDA out of memory ·
+    70 a bug in qlora-train (unexpected exceptions on more than 1% of the rows) ·
     128 + signal: stopped by Ctrl-C / SIGTERM after saving a checkpoint
 """
 
@@ -42,6 +43,16 @@ class UsageError(QloraError):
 class DataError(QloraError):
     """The data cannot give a training set: an unreadable source, every row dropped, a bad row under
     ``data.on_bad_row: error``."""
+
+
+class InternalError(QloraError):
+    """A bug in our code, not bad data: rows failed with exceptions no stage foresaw (``pipeline.guarded``) on
+    more than ``UNEXPECTED_ROWS_STOP`` of a dataset. The message carries the first one's traceback."""
+
+    exit_code = 70  # EX_SOFTWARE
+
+    def cli_message(self) -> str:
+        return f"internal error (a bug in qlora-train; please report it with this message): {self}"
 
 
 class ModelLoadError(QloraError):

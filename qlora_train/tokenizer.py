@@ -14,9 +14,8 @@ from pathlib import Path
 
 from qlora_train.chat_templates import get_chat_template
 from qlora_train.config import ModelConfig
-from qlora_train.data.layout import TEMPLATE_ERRORS, template_layout
-from qlora_train.data.layout_declaration import check_declaration
 from qlora_train.errors import ConfigError, ModelLoadError
+from qlora_train.masking import TEMPLATE_ERRORS, check_declaration, template_layout
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from qlora_train.data import DataConfig, canonicalize_row, process_rows
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking.tokenize import IGNORE_INDEX
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_preprocess.py"
 

@@ -15,6 +15,7 @@ PACKAGE = REPO / "qlora_train"
 # lowest first; packages on one layer (diagnostics, train) are siblings and do not import each other
 LAYERS = [
     {"qlora_train", "qlora_train.errors", "qlora_train.files", "qlora_train.locations", "qlora_train.chat_templates"},
+    {"qlora_train.masking"},  # the mask engine: a conversation and a tokenizer in, text, masks and labels out
     {"qlora_train.config"},
     {"qlora_train.data"},
     {"qlora_train.tokenizer"},
@@ -25,7 +26,7 @@ LAYERS = [
 
 
 def unit(module: str) -> str:
-    """``qlora_train.data.render`` -> ``qlora_train.data``: the package or top-level module that owns it."""
+    """``qlora_train.masking.render`` -> ``qlora_train.data``: the package or top-level module that owns it."""
     return ".".join(module.split(".")[:2])
 
 
@@ -64,6 +65,23 @@ def test_no_module_imports_a_higher_layer_or_a_sibling():
     assert wrong == []
 
 
+def test_the_mask_engine_is_called_through_its_package():
+    """Outside ``qlora_train.masking``, the package imports only its public names (``masking.__all__``), never a
+    module of it: its boundary is its ``__init__``."""
+    import qlora_train.masking as masking
+
+    wrong = []
+    for name, path in modules():
+        if unit(name) == "qlora_train.masking":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qlora_train.masking"):
+                names = {a.name for a in node.names}
+                if node.module != "qlora_train.masking" or names - set(masking.__all__):
+                    wrong.append(f"{name}: from {node.module} import {sorted(names)}")
+    assert wrong == []
+
+
 def test_the_layer_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from qlora_train.train.run import train\n")
@@ -77,7 +95,7 @@ def test_the_layer_check_can_fail(tmp_path):
     "for p in sorted(pathlib.Path('configs').glob('*.yaml')):\n"
     "    try: load_config(p)\n"
     "    except ConfigError: pass",
-    "import qlora_train.data.layout, qlora_train.tokenizer, qlora_train.chat_templates",
+    "import qlora_train.masking, qlora_train.tokenizer, qlora_train.chat_templates",
 ])
 def test_validating_a_config_imports_neither_datasets_nor_torch(code):
     probe = f"import pathlib, sys\n{code}\nprint(sorted(m for m in ('datasets', 'torch') if m in sys.modules))"

@@ -118,7 +118,7 @@ def test_the_markers_of_a_template_are_read_off_its_layout(qwen_tokenizer_dir, f
 
 
 def test_auto_adds_the_markers_that_are_not_single_tokens(foreign_plain, foreign_auto):
-    from qlora_train.data.layout import template_layout
+    from qlora_train.masking.layout import template_layout
 
     base, (tok, new) = foreign_plain, foreign_auto
     assert new.tokens == ("<|turn_open|>", "<|turn_close|>")  # <think> and </think> are Qwen tokens already
@@ -146,7 +146,7 @@ def test_listed_new_tokens_skip_what_is_one_token_already(qwen_tokenizer_dir, fo
 
 def test_labels_use_the_new_ids(foreign_auto):
     from qlora_train.data import DataConfig, process_rows
-    from qlora_train.data.tokenize import IGNORE_INDEX
+    from qlora_train.masking.tokenize import IGNORE_INDEX
 
     tok, new = foreign_auto
     opener, closer = new.ids

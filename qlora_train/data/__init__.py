@@ -1,22 +1,23 @@
 """The dataset module: raw rows -> training examples with exact loss masks.
 
-Pipeline, one stage per module, in the order the data flows (what flows between stages is typed: a raw
-row's JSON text, ``Message`` dicts marked by the ``LossPolicy``, a ``RenderedConversation``, token ids and
-offsets, and a processed row whose columns ``processed.PROCESSED_ROW`` defines)::
+Reading rows and assembling datasets; the masks come from the mask engine (``qlora_train.masking``, its API
+marked ``masking.`` below). In the order the data flows (what flows between stages is typed: a raw row's JSON
+text, ``Message`` dicts marked by the ``LossPolicy``, a ``RenderedConversation``, token ids and offsets, and a
+processed row whose columns ``processed.PROCESSED_ROW`` defines)::
 
     sources.load_source               a data.datasets entry -> raw rows (JSON text, location, source)
     handlers.apply_row_handlers       registered user functions fix raw rows
     batches.parse_readable            a batch's rows parsed once; results merged back in order (merge_back)
-    1 parse.canonicalize_row          raw row -> Messages marked with their train flag (policy.LossPolicy), tools,
+    1 parse.canonicalize_row          raw row -> Messages marked with their train flag (masking.LossPolicy), tools,
                                       ParseReport
       formats.*                       template-free rows (segments, text, pretokenized) -> text/ids + mask
-    2 layout.template_layout          the template's layout, probed once: turn openers, reasoning block, end markers
-      layout_declaration.resolve_layout   model.template_layout's declared parts over the probed ones; layout_yaml
-    2 render.render_conversation      one chat-template render + verified char mask
+    2 masking.template_layout         the template's layout, probed once: turn openers, reasoning block, end markers
+      masking.resolve_layout          model.template_layout's declared parts over the probed ones; layout_yaml
+    2 masking.render_conversation     one chat-template render + verified char mask (or per-turn prefix renders)
       expand.expand_dropped_reasoning reasoning_history: expand: prefix examples for reasoning the template drops
-    3 tokenize.encode_batch           one batched tokenizer call per batch; offsets project the char mask
+    3 masking.encode_batch            one batched tokenizer call per batch; offsets project the char mask
     4 truncate.structured_truncate_messages   fit max_length, keep system + latest exchange
-      tokenize.make_labels            the one place labels are made
+      masking.make_labels             the one place labels are made
     pairs.canonicalize_pair           a preference row -> prompt, chosen and rejected Messages (parse's normalisation)
     pairs.build_preference_example    prompt + two responses -> two sides, each SFT's render, walk and labels, and
                                       the prompt's tokens checked shared
@@ -31,19 +32,19 @@ offsets, and a processed row whose columns ``processed.PROCESSED_ROW`` defines):
     prepared.training_data            what training feeds: the above (+ packing), or read back from --preprocess
 """
 
-# Public names, imported on first use: importing one stage (``qlora_train.data.layout``) does not import the others
+# Public names, imported on first use: importing one stage (``qlora_train.masking.layout``) does not import the others
 # or ``datasets``.
 _EXPORTS = {
     "DataConfig": "qlora_train.config", "get_chat_template": "qlora_train.chat_templates",
     "shipped_templates": "qlora_train.chat_templates", "register_row_handler": "qlora_train.data.handlers",
-    "template_layout": "qlora_train.data.layout", "DropReason": "qlora_train.data.messages",
-    "Message": "qlora_train.data.messages", "RowRejected": "qlora_train.data.messages",
+    "template_layout": "qlora_train.masking.layout", "DropReason": "qlora_train.masking.messages",
+    "Message": "qlora_train.masking.messages", "RowRejected": "qlora_train.masking.messages",
     "CanonicalRow": "qlora_train.data.parse", "ParseReport": "qlora_train.data.parse",
     "canonicalize_row": "qlora_train.data.parse", "process_rows": "qlora_train.data.pipeline",
-    "build_text_and_masks": "qlora_train.data.render", "render_conversation": "qlora_train.data.render",
-    "IGNORE_INDEX": "qlora_train.data.tokenize", "make_labels": "qlora_train.data.tokenize",
-    "tokenize_with_char_mask": "qlora_train.data.tokenize", "TruncationResult": "qlora_train.data.truncate",
-    "structured_truncate_messages": "qlora_train.data.truncate", "LossPolicy": "qlora_train.data.policy",
+    "build_text_and_masks": "qlora_train.masking.render", "render_conversation": "qlora_train.masking.render",
+    "IGNORE_INDEX": "qlora_train.masking.tokenize", "make_labels": "qlora_train.masking.tokenize",
+    "tokenize_with_char_mask": "qlora_train.masking.tokenize", "TruncationResult": "qlora_train.data.truncate",
+    "structured_truncate_messages": "qlora_train.data.truncate", "LossPolicy": "qlora_train.masking.policy",
     "CanonicalPair": "qlora_train.data.pairs", "build_preference_example": "qlora_train.data.pairs",
     "canonicalize_pair": "qlora_train.data.pairs",
 }

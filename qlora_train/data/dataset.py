@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import datasets
@@ -30,7 +30,6 @@ from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data.batches import merge_back, parse_readable
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
-from qlora_train.data.messages import CONFIGURED_DROPS, BadRowError, DropReason
 from qlora_train.data.parse import ParseReport
 from qlora_train.data.pipeline import process_rows
 from qlora_train.data.processed import (
@@ -44,7 +43,8 @@ from qlora_train.data.processed import (
     processed_features,
 )
 from qlora_train.data.sources import SourceError, load_labelled_source, source_label
-from qlora_train.errors import DataError
+from qlora_train.errors import DataError, InternalError
+from qlora_train.masking import CONFIGURED_DROPS, BadRowError, DropReason
 
 log = logging.getLogger(__name__)
 class EmptyDatasetError(DataError):
@@ -138,11 +138,13 @@ def _domain(row, key: str | None) -> str:
 
 @functools.cache
 def pipeline_code_hash() -> str:
-    """A hash of the data package's source: ``datasets`` fingerprints a module-level map function by name, not
-    by code, so without it a cache made by older masking code would be reused for the same rows and config."""
+    """A hash of the mask engine's and the data package's source: ``datasets`` fingerprints a module-level map
+    function by name, not by code, so without it a cache made by older masking code would be reused for the same
+    rows and config."""
     h = hashlib.blake2b(digest_size=16)
     package = Path(__file__).parent.parent
-    files = [*(package / "data").rglob("*.py"), package / "chat_templates.py", *(package / "templates").glob("*.jinja")]
+    files = [*(package / "masking").rglob("*.py"), *(package / "data").rglob("*.py"), package / "chat_templates.py",
+             *(package / "templates").glob("*.jinja")]
     for path in sorted(files):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
@@ -182,9 +184,9 @@ def stop_at_first_bad_row(reasons: list[str], details: list[str]) -> None:
                               "such rows]")
 
 
-# ParseReport counts that the report also sums over kept rows alone (what training gets)
-KEPT_PARSE_COUNTS = ("reasoning_dropped_rows", "reasoning_dropped_turns", "reasoning_dropped_tokens",
-                     "reasoning_expanded_turns", "expanded_examples", "verified_by_prefix_renders", "prefix_renders")
+# the counts a row's ParseReport and the dataset report share (the fields of both): the report sums them over kept
+# rows alone (what training gets); ``parse`` sums every ParseReport field over every row that parsed
+KEPT_PARSE_COUNTS = tuple(sorted({f.name for f in fields(ParseReport)} & {f.name for f in fields(DatasetReport)}))
 
 
 def summarize_columns(cols: dict[str, list]) -> DatasetReport:
@@ -203,8 +205,7 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
     report.rows_reasoning_trimmed = sum(1 for n in cols["reasoning_trimmed_tokens"] if n)
     report.rows_token_fallback = dict(Counter(s for s in cols["token_fallback"] if s))
     report.straddling_tokens = sum(cols["straddling_tokens"])
-    kept_counts: Counter = Counter()
-    unrendered: Counter = Counter()
+    kept_counts = {name: Counter() for name in KEPT_PARSE_COUNTS}  # a count, or role -> count (unrendered_messages)
 
     def row_reports():  # every row's report, for ``parse``; kept rows' counts summed on the way
         for p, reason in zip(cols["parse_report"], cols["drop_reason"]):
@@ -212,14 +213,14 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
                 continue
             d = json.loads(p)
             if not reason:
-                kept_counts.update({name: d[name] for name in KEPT_PARSE_COUNTS if name in d})
-                unrendered.update(d.get("unrendered_messages", {}))
+                for name in KEPT_PARSE_COUNTS:
+                    if name in d:
+                        kept_counts[name].update(d[name] if isinstance(d[name], dict) else {"": d[name]})
             yield d
 
     report.parse = ParseReport.total_of_dicts(row_reports()).to_dict()
-    for name in KEPT_PARSE_COUNTS:
-        setattr(report, name, kept_counts[name])
-    report.unrendered_messages = dict(unrendered)
+    report = replace(report, **{name: c[""] if isinstance(getattr(report, name), int) else dict(c)
+                                for name, c in kept_counts.items()})
     kept = [not r for r in cols["drop_reason"]]
     report.expanded_tokens = sum(n for n, k in zip(cols["expanded_tokens"], kept) if k)
     report.expanded_trained_tokens = sum(n for n, k in zip(cols["expanded_trained_tokens"], kept) if k)
@@ -251,9 +252,32 @@ def load_and_process_sources(sources: list[DatasetSource], cfg: DataConfig, toke
         raw = load_labelled_source(i, src, cache_dir=cfg.cache_dir)
         raws.append(raw)
         processed.append(process_dataset(raw, tokenizer, cfg.for_source(src)))
-    if len(raws) == 1:
-        return raws[0], processed[0]
-    return datasets.concatenate_datasets(raws), datasets.concatenate_datasets(processed)
+    raw, processed = (raws[0], processed[0]) if len(raws) == 1 else (
+        datasets.concatenate_datasets(raws), datasets.concatenate_datasets(processed))
+    check_unexpected_errors(processed)
+    return raw, processed
+
+
+UNEXPECTED_ROWS_STOP = 0.01  # the share of rows failing with unexpected exceptions that stops a run
+
+
+def check_unexpected_errors(processed: datasets.Dataset) -> None:
+    """Rows refused by an unexpected exception (``pipeline.guarded``: a bug in our code, not bad data): the
+    first one's location and traceback logged; more than ``UNEXPECTED_ROWS_STOP`` of the rows stop the run
+    with it (``InternalError``, exit 70)."""
+    failed = pc.not_equal(processed.data.column("error_traceback"), "")
+    n = pc.sum(failed).as_py() or 0
+    if not n:
+        return
+    first = pc.index(failed, True).as_py()
+    row = processed.select_columns(["drop_detail", "error_traceback"])[first]
+    what = (f"{n} of {len(processed)} rows ({n / len(processed):.1%}) failed with an unexpected exception; the "
+            f"first, {row['drop_detail']}:\n{row['error_traceback'].rstrip()}")
+    if n > UNEXPECTED_ROWS_STOP * len(processed):
+        raise InternalError(f"{what}\nstopped: more than {UNEXPECTED_ROWS_STOP:.0%} of the rows is a bug in "
+                            "qlora-train, not bad data")
+    log.warning("%s\n(counted as bad_row; at most %.0f%% of the rows before a run stops)", what,
+                100 * UNEXPECTED_ROWS_STOP)
 
 
 def load_and_process(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:

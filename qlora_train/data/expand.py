@@ -20,9 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qlora_train.data.messages import Message, RowRejected
-from qlora_train.data.policy import LossPolicy
-from qlora_train.data.render import RenderedConversation, render_conversation
+from qlora_train.masking import LossPolicy, Message, RenderedConversation, RowRejected, render_conversation
 
 
 @dataclass(frozen=True)

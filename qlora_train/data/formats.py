@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from qlora_train.data.messages import DropReason, RowRejected
-from qlora_train.data.tokenize import IGNORE_INDEX, OffsetArray
+from qlora_train.masking import IGNORE_INDEX, DropReason, OffsetArray, RowRejected
 
 TEXT_KEYS = ("text", "completion")
 

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking import IGNORE_INDEX
 
 
 class Piece(NamedTuple):

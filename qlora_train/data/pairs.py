@@ -35,7 +35,6 @@ import re
 from dataclasses import dataclass, field, replace
 
 from qlora_train.config import DataConfig
-from qlora_train.data.messages import DropReason, Message, RowRejected, check_unicode
 from qlora_train.data.parse import (
     ParseReport,
     canonical_messages,
@@ -44,10 +43,21 @@ from qlora_train.data.parse import (
     map_fields,
     row_tools,
 )
-from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy
-from qlora_train.data.render import RenderedConversation, render_conversation
-from qlora_train.data.tokenize import IGNORE_INDEX, encode_batch, make_labels, project_char_mask
 from qlora_train.data.truncate import exchanges_to_fit, measure, middle_exchanges, trim_reasoning
+from qlora_train.masking import (
+    DEFAULT_POLICY,
+    IGNORE_INDEX,
+    DropReason,
+    LossPolicy,
+    Message,
+    RenderedConversation,
+    RowRejected,
+    check_unicode,
+    encode_batch,
+    make_labels,
+    project_char_mask,
+    render_conversation,
+)
 
 SIDES = ("chosen", "rejected")
 # the layouts of a preference row canonicalize_pair reads (CanonicalPair.format)
@@ -403,7 +413,7 @@ def check_score_margin(pair: CanonicalPair, min_margin: float | None) -> None:
     >>> check_score_margin(CanonicalPair([], [], [], None, "instruction", 7.0, 6.5), 1.0)
     Traceback (most recent call last):
     ...
-    qlora_train.data.messages.RowRejected: below_score_margin: score_chosen - score_rejected = 0.5 < \
+    qlora_train.masking.messages.RowRejected: below_score_margin: score_chosen - score_rejected = 0.5 < \
 data.min_score_margin=1
     """
     if min_margin is None:

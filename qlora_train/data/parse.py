@@ -16,8 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from qlora_train.config import DataConfig
-from qlora_train.data.messages import KNOWN_ROLES, THINK_CLOSE, THINK_OPEN, DropReason, Message, RowRejected
-from qlora_train.data.policy import LossPolicy
+from qlora_train.masking import KNOWN_ROLES, THINK_CLOSE, THINK_OPEN, DropReason, LossPolicy, Message, RowRejected
 
 log = logging.getLogger(__name__)
 

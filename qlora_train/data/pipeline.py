@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import traceback
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -34,15 +35,25 @@ from qlora_train.data.formats import (
     segments_text_and_mask,
     token_offsets,
 )
-from qlora_train.data.layout import template_layout, tool_block
-from qlora_train.data.messages import DropReason, RowRejected, check_unicode
 from qlora_train.data.pairs import SIDES, canonicalize_pair, check_score_margin, fit_pair, side_lengths, trained_tokens
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
-from qlora_train.data.policy import LossPolicy
 from qlora_train.data.processed import OUTPUT_COLUMNS, empty_output
-from qlora_train.data.render import RenderedConversation, render_conversation
-from qlora_train.data.tokenize import IGNORE_INDEX, count_tokens, encode_batch, make_labels, project_char_mask
 from qlora_train.data.truncate import Measured, structured_truncate_messages
+from qlora_train.masking import (
+    IGNORE_INDEX,
+    DropReason,
+    LossPolicy,
+    RenderedConversation,
+    RowRejected,
+    check_unicode,
+    count_tokens,
+    encode_batch,
+    make_labels,
+    project_char_mask,
+    render_conversation,
+    template_layout,
+    tool_block,
+)
 
 
 def _rows(batch: dict[str, list] | list[dict]) -> list[dict]:
@@ -69,19 +80,23 @@ def describe_exception(exc: BaseException, limit: int = 200) -> str:
 
 
 def guarded(stage, *args, **kwargs):
-    """Run one stage for one row: any exception becomes a ``RowRejected`` (``bad_row``), never a crash.
+    """Run one stage for one row: any exception becomes a ``RowRejected`` (``bad_row``), never a crash, with the
+    exception's traceback (``RowRejected.traceback``, the row's ``error_traceback``): counted like a bad row, but
+    a bug in our code, so ``dataset.check_unexpected_errors`` shows the first one and stops a run where they
+    exceed 1% of the rows.
 
     >>> guarded(int, "x")
     Traceback (most recent call last):
     ...
-    qlora_train.data.messages.RowRejected: bad_row: unexpected ValueError: invalid literal for int() with base 10: 'x'
+    qlora_train.masking.messages.RowRejected: bad_row: unexpected ValueError: invalid literal for int() with base ...
     """
     try:
         return stage(*args, **kwargs)
     except RowRejected:
         raise
-    except Exception as exc:  # a bug or an input nobody foresaw: counted with its location, not fatal
-        raise RowRejected(DropReason.BAD_ROW, f"unexpected {describe_exception(exc)}") from exc
+    except Exception as exc:  # a bug or an input nobody foresaw: counted with its location and traceback
+        raise RowRejected(DropReason.BAD_ROW, f"unexpected {describe_exception(exc)}",
+                          traceback="".join(traceback.format_exception(exc))) from exc
 
 
 def _encode_each(texts: list[str], tokenizer) -> list[tuple[list[int], np.ndarray] | RowRejected]:
@@ -207,19 +222,20 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     outs = [empty_output() for _ in rows]
     policy = LossPolicy.of(cfg)
     template_layout(tokenizer)  # probed once, before the rows (facts it cannot find stay unknown)
+
+    def refuse(i: int, rej: RowRejected) -> None:
+        outs[i].update(drop_reason=rej.reason, drop_detail=f"{where[i]}: {rej.detail}", error_traceback=rej.traceback)
+
     if cfg.objective == "preference":
         for i, row in enumerate(rows):
             try:
                 _pair_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i])
             except RowRejected as rej:
-                outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
+                refuse(i, rej)
         return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
     waiting: list[tuple[str, Callable]] = []  # (text, what fills its row once it is tokenized), for one call
     dropped_reasoning: list[tuple[int, str]] = []  # (row index, reasoning trained without being rendered)
     reports: dict[int, ParseReport] = {}  # chat rows
-
-    def refuse(i: int, rej: RowRejected) -> None:
-        outs[i]["drop_reason"], outs[i]["drop_detail"] = rej.reason, f"{where[i]}: {rej.detail}"
 
     def fill(i: int, stage: Callable) -> Callable:
         """An encoding (or the RowRejected it raised) -> row ``i`` filled by ``stage(ids, offsets)``, or refused."""

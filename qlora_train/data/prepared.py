@@ -44,11 +44,10 @@ import yaml
 
 from qlora_train.config import Config
 from qlora_train.data.dataset import DatasetReport, datasets_from_processed, load_and_process, pipeline_code_hash
-from qlora_train.data.layout import template_layout
-from qlora_train.data.layout_declaration import layout_dict
 from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
 from qlora_train.errors import ConfigError
 from qlora_train.files import publish_dir
+from qlora_train.masking import layout_dict, template_layout
 
 log = logging.getLogger(__name__)
 FORMAT = 1

@@ -47,6 +47,7 @@ PROCESSED_ROW: tuple[Column, ...] = (
     _c("labels", "int64", MODEL, KEPT, depth=1),
     _c("drop_reason", "string", REPORT, STATS),  # a DropReason; "" for a kept row
     _c("drop_detail", "string", REPORT, STATS),  # the row's location and why
+    _c("error_traceback", "string", REPORT),  # an unexpected exception's traceback (pipeline.guarded); else ""
     _c("num_tokens_before", "int64", STATS),  # before truncation
     _c("num_tokens", "int64", REPORT, STATS, KEPT),
     _c("num_trained_tokens", "int64", REPORT, STATS),

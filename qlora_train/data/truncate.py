@@ -27,10 +27,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qlora_train.data.messages import Message
-from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy
-from qlora_train.data.render import RenderedConversation, render_conversation
-from qlora_train.data.tokenize import Offsets, encode_batch
+from qlora_train.masking import (
+    DEFAULT_POLICY,
+    LossPolicy,
+    Message,
+    Offsets,
+    RenderedConversation,
+    encode_batch,
+    render_conversation,
+)
 
 _TRIM_MARGIN = 2  # tokens of slack when trimming reasoning (BPE merges at the cut)
 _MAX_ROUNDS = 8

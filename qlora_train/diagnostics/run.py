@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TextIO
 
 from qlora_train.config import Config
-from qlora_train.data.layout_declaration import layout_yaml, resolve_layout
 from qlora_train.data.prepared import diagnostic_rows
 from qlora_train.diagnostics.html import debug_html
 from qlora_train.diagnostics.samples import format_sample, legend, load_samples, select_indices
@@ -32,6 +31,7 @@ from qlora_train.diagnostics.stats import (
     write_histogram,
 )
 from qlora_train.files import write_atomic
+from qlora_train.masking import layout_yaml, resolve_layout
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking import IGNORE_INDEX
 
 OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦ trained ⟧ in the plain (no colour) form
 GREEN, GREY, RESET = "\x1b[32m", "\x1b[90m", "\x1b[0m"

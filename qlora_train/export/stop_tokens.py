@@ -20,7 +20,7 @@ import copy
 import logging
 from typing import NamedTuple
 
-from qlora_train.data.layout import template_layout
+from qlora_train.masking import template_layout
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking import IGNORE_INDEX
 
 
 def _width(features: list[dict], multiple: int) -> int:

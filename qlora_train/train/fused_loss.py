@@ -20,6 +20,10 @@ or the loss in between. ``fused_loss_blocker`` checks that, and says what is not
   ``loss`` any other way (FalconH1's head multiplier, MiniCPM3's scaled hidden states, a MoE's
   router loss added to the loss), or calls no ``self.model`` decoder.
 
+Under FSDP (``train.distributed: fsdp``) the head's weight is read through ``whole``: a shard FSDP has not
+gathered at that point (a ``DTensor``) is all-gathered, differentiably; accelerate puts the head in one unit with
+the final norm (and a tied embedding), so in practice it is already whole when the decoder returns.
+
 Tied embeddings need nothing special: the head's weight is read at each call, so when it is the
 embedding matrix the fused loss uses that very tensor, as ``lm_head`` does.
 """
@@ -144,6 +148,12 @@ def _plain_assignment(node) -> bool:
     return False
 
 
+def whole(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` whole: a sharded parameter (an FSDP2 ``DTensor`` not gathered at this point) all-gathered,
+    differentiably (its gradient flows back to the shards); any other tensor as it is."""
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
 def _forward_for(cls):
     """A forward for instances of ``cls``: the fused loss when called with labels, else ``cls.forward``.
     It carries ``cls.forward``'s signature (``generate`` reads it) and binds to the instance, so a
@@ -166,7 +176,7 @@ def fused_forward(causal_lm, *, labels, logits_to_keep=0, return_dict=None, **kw
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     outputs = causal_lm.model(**kwargs)
-    loss = causal_lm_loss(outputs[0], causal_lm.lm_head.weight, labels,
+    loss = causal_lm_loss(outputs[0], whole(causal_lm.lm_head.weight), labels,
                           num_items_in_batch=kwargs.get("num_items_in_batch"),
                           shift_labels=kwargs.get("shift_labels"), chunk_tokens=causal_lm.fused_loss_chunk_tokens)
     out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),

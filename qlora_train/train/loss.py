@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking import IGNORE_INDEX
 
 # Trained tokens per chunk. One chunk's float32 logits take CHUNK_TOKENS x vocabulary x 4 bytes:
 # 0.58 GiB at Qwen's 151,936 tokens (plus a bf16 copy of the chunk's gradient on CUDA). Larger

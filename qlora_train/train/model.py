@@ -32,6 +32,7 @@ class Runtime:
     bf16: bool
     fp16: bool
     note: str  # one log line saying what was chosen and why
+    quant_storage: torch.dtype = torch.uint8  # what the packed 4-bit weights are stored in (train.distributed)
 
     @property
     def device_map(self) -> dict:
@@ -40,19 +41,26 @@ class Runtime:
 
 
 def resolve_runtime(cfg: Config) -> Runtime:
+    from qlora_train.train.distributed import quant_storage_dtype
+
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    storage = functools.partial(quant_storage_dtype, cfg.model.bnb_4bit_quant_storage, cfg.train.distributed)
+    fsdp = lambda dtype: (f", FSDP2 with 4-bit weights stored in {str(storage(dtype)).removeprefix('torch.')}"
+                          if cfg.train.distributed == "fsdp" else "")
     if torch.cuda.is_available():
         dtype = DTYPES[cfg.model.compute_dtype]
         if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
             dtype = torch.float16
         return Runtime("cuda", local_rank, dtype, cfg.train.optim, dtype is torch.bfloat16, dtype is torch.float16,
-                       f"CUDA: compute dtype {dtype}, optimizer {cfg.train.optim}")
+                       f"CUDA: compute dtype {dtype}, optimizer {cfg.train.optim}" + fsdp(dtype),
+                       quant_storage=storage(dtype))
     optim = cfg.train.optim
     if any(tag in optim for tag in CUDA_ONLY_OPTIMIZERS):
         optim = "adamw_torch"
     note = (f"no CUDA device: training on CPU in float32 with {optim}"
-            + (f" (config asked for {cfg.train.optim}, which needs CUDA)" if optim != cfg.train.optim else ""))
-    return Runtime("cpu", local_rank, torch.float32, optim, False, False, note)
+            + (f" (config asked for {cfg.train.optim}, which needs CUDA)" if optim != cfg.train.optim else "")
+            + fsdp(torch.float32))
+    return Runtime("cpu", local_rank, torch.float32, optim, False, False, note, quant_storage=storage(torch.float32))
 
 
 def load_model_config(cfg: ModelConfig):
@@ -66,14 +74,14 @@ def load_model_config(cfg: ModelConfig):
             from None
 
 
-def quantization_config(m: ModelConfig, compute_dtype: torch.dtype):
-    """The bitsandbytes config training loads the base with (4-bit nf4 with double quantisation, or 8-bit),
-    or None for a 16-bit base."""
+def quantization_config(m: ModelConfig, compute_dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8):
+    """The bitsandbytes config training loads the base with (4-bit nf4 with double quantisation, its packed bytes
+    stored as ``quant_storage``, or 8-bit), or None for a 16-bit base."""
     from transformers import BitsAndBytesConfig
 
     if m.load_in_4bit:
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=compute_dtype)
+                                  bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=quant_storage)
     if m.load_in_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)
     return None
@@ -84,7 +92,7 @@ def load_base_model(m: ModelConfig, runtime: Runtime, *, quantized: bool = True)
     (``quantized``, as training loads it) or with its own weights unquantised (``quantized=False``)."""
     from transformers import AutoModelForCausalLM
 
-    quant = quantization_config(m, runtime.compute_dtype) if quantized else None
+    quant = quantization_config(m, runtime.compute_dtype, runtime.quant_storage) if quantized else None
     kwargs = dict(quantization_config=quant, dtype=runtime.compute_dtype, device_map=runtime.device_map,
                   trust_remote_code=m.trust_remote_code)
     if m.attn_implementation:
@@ -140,6 +148,7 @@ def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOK
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     model = load_base_model(cfg.model, runtime)
+    keep_4bit_layout(model)
     if new_tokens:
         before = model.get_input_embeddings().weight.shape[0]
         fit_embeddings(model, max(new_tokens.ids) + 1, dict(zip(new_tokens.ids, new_tokens.pieces)))
@@ -166,6 +175,17 @@ def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOK
         # GBs per checkpoint; the trained rows are in the adapter, and loading fits the base as above
         model.save_pretrained = functools.partial(model.save_pretrained, save_embedding_layers=False)
     return model
+
+
+def keep_4bit_layout(model) -> None:
+    """Turn off bitsandbytes' CPU inference repacking in ``model``'s 4-bit layers (training only): on a CPU with
+    AVX512-BF16, a 4-bit layer in eval mode rewrites its weight's data in place into another layout and marks its
+    quant state so. Evaluation during training then computes with other kernels than the training steps (the
+    steps after it differ by ~1e-5), and under FSDP the rewrite lands on the gathered copy only: the next gather
+    brings the old layout back under the new mark, and every output after the first evaluation is wrong."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def start_from_adapter(base, path: str, *, with_reference: bool):

@@ -38,9 +38,9 @@ from collections import defaultdict
 import torch
 from transformers import Trainer
 
-from qlora_train.data.tokenize import IGNORE_INDEX
 from qlora_train.errors import ConfigError
-from qlora_train.train.fused_loss import fused_loss_blocker, inner_causal_lm
+from qlora_train.masking import IGNORE_INDEX
+from qlora_train.train.fused_loss import fused_loss_blocker, inner_causal_lm, whole
 from qlora_train.train.loss import CHUNK_TOKENS, trained_positions
 from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps, sequence_logps
 
@@ -103,7 +103,7 @@ def pair_forward(causal_lm, input_ids=None, attention_mask=None, *, labels, logp
     if extra:
         raise TypeError(f"the pair forward takes input_ids, attention_mask and labels only, not {', '.join(extra)}")
     outputs = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return sequence_logps(outputs[0], causal_lm.lm_head.weight, labels, chunk_tokens=logps_chunk_tokens)
+    return sequence_logps(outputs[0], whole(causal_lm.lm_head.weight), labels, chunk_tokens=logps_chunk_tokens)
 
 
 def pair_logps(model, batch: dict, *, chunk_tokens: int = CHUNK_TOKENS) -> SequenceLogps:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_train.config import DpoLoss
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking import IGNORE_INDEX
 from qlora_train.train.loss import CHUNK_TOKENS, head_dtype, log_softmax_at_targets_, trained_positions
 
 

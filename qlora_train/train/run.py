@@ -30,6 +30,13 @@ from qlora_train.data.prepared import training_data
 from qlora_train.files import write_atomic
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator
+from qlora_train.train.distributed import (
+    ShardReport,
+    check_distributed_setup,
+    check_new_tokens,
+    fsdp_config,
+    with_fsdp,
+)
 from qlora_train.train.fused_loss import use_fused_loss
 from qlora_train.train.model import count_parameters, load_model, load_model_config, resolve_runtime
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
@@ -61,6 +68,7 @@ def training_arguments(cfg: Config, runtime, has_eval: bool):
     check_optimizer(t.optim)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     report_to = t.report_to if isinstance(t.report_to, list) else [t.report_to]
+    fsdp = t.distributed == "fsdp"
     return TrainingArguments(
         output_dir=t.output_dir, max_steps=t.max_steps, num_train_epochs=t.num_epochs,
         per_device_train_batch_size=t.per_device_train_batch_size,
@@ -75,6 +83,7 @@ def training_arguments(cfg: Config, runtime, has_eval: bool):
         dataloader_num_workers=t.dataloader_num_workers, remove_unused_columns=False,
         train_sampling_strategy="group_by_length" if t.group_by_length else "random",
         ddp_find_unused_parameters=False, ddp_backend="gloo" if runtime.device == "cpu" and distributed else None,
+        fsdp=True if fsdp else None, fsdp_config=fsdp_config(t.fsdp_cpu_offload) if fsdp else None,
     )
 
 
@@ -250,10 +259,12 @@ def train(cfg: Config, *, callbacks: list | None = None):
     runtime = resolve_runtime(cfg)
     log.info(runtime.note)
     has_eval = cfg.data.eval_fraction > 0 or bool(cfg.data.eval_datasets)
+    check_distributed_setup(cfg, runtime)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
     if cfg.train.packing:
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
     tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)
+    check_new_tokens(cfg.train.distributed, new_tokens)
 
     with args.main_process_first(desc="preprocessing"):  # or reading data.prepared_path
         data = training_data(cfg, tokenizer)
@@ -277,12 +288,14 @@ def train(cfg: Config, *, callbacks: list | None = None):
         write_atomic(out / "dataset_report.json", report.to_json())
         print("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens)), flush=True)
 
+    if args.fsdp:
+        trainer_class = with_fsdp(trainer_class)
     stopper = StopOnSignal()
     with handle_stop_signals(stopper):
         trainer = trainer_class(
             **trainer_kwargs, model=model, args=args, data_collator=make_collator(cfg, tokenizer, model, runtime),
             train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
-            callbacks=[*(callbacks or []), stopper],
+            callbacks=[*(callbacks or []), stopper, *([ShardReport()] if args.fsdp else [])],
         )
         trainer.train(resume_from_checkpoint=resolve_resume(cfg))
         if stopper.stopped_at is not None:

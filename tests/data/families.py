@@ -29,7 +29,7 @@ from pathlib import Path
 TEMPLATE_DIR = Path(__file__).parent / "family_templates"
 
 REASONING = ("none", "rendered_last_only", "never", "always")
-# where the prompt of a turn ends, as the probe names it (qlora_train.data.layout.LAYOUT_CLASSES, less "unknown")
+# where the prompt of a turn ends, as the probe names it (qlora_train.masking.layout.LAYOUT_CLASSES, less "unknown")
 LAYOUT_CLASSES = ("header_from_generation_prompt", "header_in_user_turn", "no_header", "header_after_every_render")
 # issue 24: five turn shapes of recent families (tokens and wording ours), each a family below: the probe sees where
 # their prompt ends like any other; the shape is what its old layout could not describe (per-turn prefix renders

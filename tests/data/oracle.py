@@ -18,7 +18,7 @@ opener its generation prompt may write. Applied to one conversation::
 
 - ``decided``: ``spans`` are the trained character spans of ``text`` (the full
   render); ``token_mask`` turns them into tokens by the first-character rule
-  (qlora_train/data/tokenize.py: a token is trained when its first character is);
+  (qlora_train/masking/tokenize.py: a token is trained when its first character is);
 - ``refuse``: the row has no right mask: the template raises on it, or a part a
   turn must generate (its content, a tool call's name or argument values) is not
   inside that turn's generated part (a call the template does not write);

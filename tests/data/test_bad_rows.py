@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data import process_rows
 from qlora_train.data.dataset import build_datasets
-from qlora_train.data.messages import BadRowError
+from qlora_train.masking.messages import BadRowError
 
 GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 LONG = {"messages": [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "a"}]}
@@ -30,6 +31,64 @@ def test_unexpected_exception_in_a_stage_drops_only_that_row(qwen3_tok, monkeypa
     assert out["drop_reason"] == ["", "bad_row", ""]
     assert out["drop_detail"][1] == "row 1: unexpected KeyError: 'surprise'"
     assert len(out["input_ids"][0]) == len(out["labels"][0]) > 0 and out["input_ids"][1] == []
+
+
+def bug_config(tmp_path, tokenizer_dir, rows: int) -> tuple:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({**GOOD, "n": i}) + "\n" for i in range(rows)))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"name_or_path": str(tokenizer_dir), "chat_template": "qwen3"},
+        "data": {"datasets": [{"path": str(data)}], "cache_dir": str(tmp_path / "cache"), "max_length": 64},
+        "train": {"output_dir": str(tmp_path / "out"), "report_to": "none"}}))
+    return cfg, data
+
+
+def test_a_bug_in_a_stage_on_every_row_stops_the_run_with_its_traceback(tmp_path, qwen_tokenizer_dir, monkeypatch,
+                                                                         capsys):
+    """Loud bugs, quiet bad rows: a TypeError raised by our own code on every row is not 'bad data' to count and
+    skip: --stats-only stops (exit 70) and prints the first row's traceback, down to the line that raised."""
+    import qlora_train.data.pipeline as pipeline
+    from qlora_train.cli import main
+
+    def buggy(messages, tokenizer, **kw):
+        return len(messages) + "1"  # a TypeError in a stage, on every row
+
+    monkeypatch.setattr(pipeline, "render_conversation", buggy)
+    cfg, data = bug_config(tmp_path, qwen_tokenizer_dir, rows=20)
+    assert main(["--config", str(cfg), "--stats-only", "--stats-dir", str(tmp_path / "stats")]) == 70
+    err = capsys.readouterr().err
+    assert "internal error (a bug in qlora-train" in err
+    assert f"20 of 20 rows (100.0%) failed with an unexpected exception; the first, {data}:1: unexpected " \
+           "TypeError: unsupported operand type(s) for +: 'int' and 'str'" in err
+    assert "Traceback (most recent call last):" in err and 'return len(messages) + "1"' in err
+    assert "stopped: more than 1% of the rows is a bug in qlora-train, not bad data" in err
+
+
+def test_a_rare_unexpected_exception_is_counted_and_its_traceback_shown(tmp_path, qwen_tokenizer_dir, monkeypatch,
+                                                                        caplog):
+    import qlora_train.data.pipeline as pipeline
+    from qlora_train.config import load_config
+    from qlora_train.data.dataset import build_datasets as build
+    from qlora_train.tokenizer import load_tokenizer
+
+    real = pipeline.render_conversation
+
+    def rarely(messages, tokenizer, **kw):
+        if "boom" in messages[0]["content"]:
+            raise TypeError("only here")
+        return real(messages, tokenizer, **kw)
+
+    monkeypatch.setattr(pipeline, "render_conversation", rarely)
+    cfg_path, data = bug_config(tmp_path, qwen_tokenizer_dir, rows=200)
+    rows = data.read_text().splitlines()
+    rows[7] = json.dumps({"messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "a"}]})
+    data.write_text("\n".join(rows) + "\n")
+    cfg = load_config(cfg_path)
+    _, _, report = build(cfg.data, load_tokenizer(cfg.model))
+    assert report.dropped == {"bad_row": 1} and report.rows_kept == 199  # 0.5%: counted, the run goes on
+    assert f"1 of 200 rows (0.5%) failed with an unexpected exception; the first, {data}:8: unexpected TypeError: " \
+           "only here" in caplog.text and 'raise TypeError("only here")' in caplog.text
 
 
 def test_lone_surrogate_is_invalid_unicode_naming_the_message(qwen3_tok):
@@ -113,7 +172,7 @@ def test_skip_counts_every_row_and_warns_once_per_reason(tmp_path, qwen3_tok, ca
 def test_troubleshooting_page_lists_every_drop_reason():
     from pathlib import Path
 
-    from qlora_train.data.messages import KNOWN_DROP_REASONS
+    from qlora_train.masking.messages import KNOWN_DROP_REASONS
 
     page = (Path(__file__).resolve().parents[2] / "docs/troubleshooting.md").read_text()
     assert [r for r in sorted(KNOWN_DROP_REASONS) if f"| `{r}` |" not in page] == []

@@ -50,7 +50,7 @@ def test_bad_data_configs_name_the_key(tmp_path, text, problem):
 
 
 def test_mask_rules_decide_roles():
-    from qlora_train.data.policy import LossPolicy
+    from qlora_train.masking.policy import LossPolicy
 
     default = LossPolicy.of(DataConfig())
     assert default.trains_role("assistant") and not default.trains_role("user")

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig
 from qlora_train.data import process_rows
-from qlora_train.data.messages import KNOWN_DROP_REASONS
 from qlora_train.data.processed import OUTPUT_COLUMNS
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking.messages import KNOWN_DROP_REASONS
+from qlora_train.masking.tokenize import IGNORE_INDEX
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.data_too_large])

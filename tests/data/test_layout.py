@@ -7,9 +7,9 @@ import json
 import pytest
 
 from qlora_train.data import DataConfig, process_rows
-from qlora_train.data.layout import pieces, probe_layout
-from qlora_train.data.policy import LossPolicy
-from qlora_train.data.render import render_conversation
+from qlora_train.masking.layout import pieces, probe_layout
+from qlora_train.masking.policy import LossPolicy
+from qlora_train.masking.render import render_conversation
 
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 

@@ -154,7 +154,7 @@ def test_the_first_llama3_template_never_trains_the_user(tokenizers, vocab):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_probe_finds_the_documented_layout_class(tokenizers, name):
-    from qlora_train.data.layout import template_layout
+    from qlora_train.masking.layout import template_layout
 
     layout = template_layout(tokenizers(name, "llama3+tok"))
     assert getattr(layout, "layout_class", None) == FAMILIES[name].layout_class
@@ -167,8 +167,8 @@ def test_a_token_a_marker_shares_with_its_neighbour_belongs_to_where_it_starts(t
     is trained when its first character is: the header's last '>' starts the first one (masked: the answer
     marker's '<' goes untrained), the end marker's last '>' starts the second (trained: the next turn's '<' with
     it), the same at every turn."""
-    from qlora_train.data.policy import LossPolicy
-    from qlora_train.data.render import render_conversation
+    from qlora_train.masking.policy import LossPolicy
+    from qlora_train.masking.render import render_conversation
 
     tok = tokenizers("command-r7b-tools", "llama3 text")
     r = render_conversation(LossPolicy().mark(example_messages("command-r7b-tools")), tok)

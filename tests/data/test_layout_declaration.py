@@ -24,9 +24,9 @@ from qlora_train.chat_templates import (
 )
 from qlora_train.config import ConfigError, ModelConfig
 from qlora_train.data import DataConfig, process_rows
-from qlora_train.data import layout as layout_module
-from qlora_train.data.layout import TemplateLayout, template_layout
-from qlora_train.data.layout_declaration import (
+from qlora_train.masking import layout as layout_module
+from qlora_train.masking.layout import TemplateLayout, template_layout
+from qlora_train.masking.layout_declaration import (
     ResolvedLayout,
     check_declaration,
     declarable_parts,

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qlora_train.data import IGNORE_INDEX, DataConfig, RowRejected, canonicalize_row, process_rows
-from qlora_train.data.policy import LossPolicy
-from qlora_train.data.render import build_text_and_masks
+from qlora_train.masking.policy import LossPolicy
+from qlora_train.masking.render import build_text_and_masks
 
 ROW = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
                     {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},

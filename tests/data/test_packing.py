@@ -14,7 +14,7 @@ from qlora_train.data.packing import (
     padded_efficiency,
     split_pieces,
 )
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking.tokenize import IGNORE_INDEX
 
 
 def indices(bins):

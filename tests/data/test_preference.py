@@ -19,7 +19,7 @@ from qlora_train.data import (
     canonicalize_pair,
     process_rows,
 )
-from qlora_train.data.policy import LossPolicy
+from qlora_train.masking.policy import LossPolicy
 from tests.data.families import FAMILIES
 from tests.data.oracle import DECIDED, check_kept_row, prefix_oracle
 from tests.data.test_family_masks import TOOLS as FAMILY_TOOLS

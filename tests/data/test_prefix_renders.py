@@ -1,15 +1,15 @@
-"""The rule applied directly (data/prefix.py): rows the probed layout cannot verify, checked by hand."""
+"""The rule applied directly (masking/prefix.py): rows the probed layout cannot verify, checked by hand."""
 
 from __future__ import annotations
 
 import pytest
 
 from qlora_train.data import DataConfig, RowRejected, process_rows
-from qlora_train.data.layout import probe_layout
-from qlora_train.data.policy import LossPolicy
-from qlora_train.data.prefix import render_by_prefixes
-from qlora_train.data.render import render_conversation
 from qlora_train.diagnostics.stats import compute_stats
+from qlora_train.masking.layout import probe_layout
+from qlora_train.masking.policy import LossPolicy
+from qlora_train.masking.prefix import render_by_prefixes
+from qlora_train.masking.render import render_conversation
 
 mark = LossPolicy().mark
 

@@ -191,7 +191,7 @@ def test_a_mismatched_fingerprint_is_a_config_error_naming_what_differs(prepared
 def test_a_probe_that_reads_the_same_template_differently_refuses_the_data(prepared_project, monkeypatch):
     import dataclasses
 
-    from qlora_train.data import layout
+    from qlora_train.masking import layout
 
     probe = layout.probe_layout
     monkeypatch.setattr(layout, "_LAYOUTS", {})

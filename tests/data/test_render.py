@@ -16,8 +16,8 @@ from qlora_train.data import (
     template_layout,
     tokenize_with_char_mask,
 )
-from qlora_train.data.policy import LossPolicy
-from qlora_train.data.tokenize import OffsetArray, project_char_mask
+from qlora_train.masking.policy import LossPolicy
+from qlora_train.masking.tokenize import OffsetArray, project_char_mask
 
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 

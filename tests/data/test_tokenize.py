@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from qlora_train.data.tokenize import (
+from qlora_train.masking.tokenize import (
     IGNORE_INDEX,
     EncodingOffsets,
     OffsetArray,

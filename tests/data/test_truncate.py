@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from qlora_train.data import structured_truncate_messages
-from qlora_train.data.policy import LossPolicy
 from qlora_train.data.truncate import measure
+from qlora_train.masking.policy import LossPolicy
 
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qlora_train.data import DataConfig, process_rows
-from qlora_train.data.layout import probe_tool_block, tool_block
+from qlora_train.masking.layout import probe_tool_block, tool_block
 from tests.data.families import FAMILIES, family_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from qlora_train.data import DataConfig, process_rows
 from qlora_train.data.packing import best_fit_decreasing, pack_examples
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking.tokenize import IGNORE_INDEX
 from qlora_train.train.collator import PackedCollator, PadCollator
 from qlora_train.train.fused_loss import forward_blocker, fused_loss_blocker, use_fused_loss, uses_fused_loss
 from qlora_train.train.loss import CHUNK_TOKENS, causal_lm_loss

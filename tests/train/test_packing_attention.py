@@ -10,7 +10,7 @@ import torch
 
 from qlora_train.data import DataConfig, process_rows
 from qlora_train.data.packing import best_fit_decreasing, pack_examples
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking.tokenize import IGNORE_INDEX
 from qlora_train.train.collator import PackedCollator
 
 SAMPLE = Path(__file__).resolve().parents[2] / "configs" / "data" / "quickstart.jsonl"

@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 
 from qlora_train.config import Config, ConfigError, load_config
 from qlora_train.data import build_preference_example, canonicalize_pair
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking.tokenize import IGNORE_INDEX
 from qlora_train.train.collator import PairCollator
 from qlora_train.train.preference import REFERENCE_ADAPTER, preference_step
 from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps, sequence_logps

@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 from qlora_train.cli import main
 from qlora_train.config import load_config
 from qlora_train.data import DataConfig, process_rows
-from qlora_train.data.tokenize import IGNORE_INDEX
+from qlora_train.masking.tokenize import IGNORE_INDEX
 from qlora_train.train.run import train
 
 REPO = Path(__file__).resolve().parents[2]

@@ -46,8 +46,8 @@ from typing import Any, Literal, NamedTuple
 from jinja2 import TemplateError
 
 from qlora_train.chat_templates import split_template_layout
-from qlora_train.data.layout import TemplateLayout, probe_layout
 from qlora_train.errors import ConfigError
+from qlora_train.masking.layout import TemplateLayout, probe_layout
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from typing import Any, NotRequired, TypedDict
 from qlora_train.errors import DataError
 
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
+WHITESPACE = " \t\r\n"  # what a template may write around a part of a message (stripped when parts are compared)
 # the inline reasoning block of assistant content in data, and the block a template writes when the probe finds no other
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -80,9 +81,10 @@ class BadRowError(DataError):
 class RowRejected(Exception):
     """A stage refuses a row: ``reason`` is a ``DropReason`` value, ``detail`` says where and why."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, *, traceback: str = ""):
         self.reason = reason
         self.detail = detail
+        self.traceback = traceback  # an unexpected exception's, when one caused the refusal (pipeline.guarded)
         super().__init__(f"{reason}: {detail}")
 
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from qlora_train.config import DataConfig
-from qlora_train.data.messages import Message
+from qlora_train.masking.messages import Message
+
+# the policy's choices, bound here once: the config's fields (``data.think_loss`` ...) are typed with them
+ThinkLoss = Literal["all", "answer_only", "answer_plus_think"]
+TrainOnEos = Literal["turn", "all", "last", "none"]
+ReasoningHistory = Literal["expand", "drop"]
 
 
 @dataclass(frozen=True)
@@ -23,16 +27,19 @@ class LossPolicy:
     role_rules: tuple[tuple[str, bool], ...] | None = None  # data.mask: role -> trained (replaces assistant_roles)
     other_roles_trained: bool = False  # data.mask_default: train
     last_turn_only: bool = False
-    think_loss: Literal["all", "answer_only", "answer_plus_think"] = "all"
-    train_on_eos: Literal["turn", "all", "last", "none"] = "turn"
-    reasoning_history: Literal["expand", "drop"] = "expand"
+    think_loss: ThinkLoss = "all"
+    train_on_eos: TrainOnEos = "turn"
+    reasoning_history: ReasoningHistory = "expand"
     reasoning_history_max_examples: int = 16
 
     @classmethod
-    def of(cls, cfg: DataConfig) -> LossPolicy:
+    def of(cls, cfg: Any) -> LossPolicy:
+        """The policy a data config (``DataConfig``, or anything with its fields) asks for."""
         rules = None if cfg.mask is None else tuple((role, rule == "train") for role, rule in cfg.mask.items())
-        return cls(tuple(cfg.assistant_roles), rules, cfg.mask_default == "train", cfg.last_turn_only,
-                   cfg.think_loss, cfg.train_on_eos, cfg.reasoning_history, cfg.reasoning_history_max_examples)
+        return cls(assistant_roles=tuple(cfg.assistant_roles), role_rules=rules,
+                   other_roles_trained=cfg.mask_default == "train", last_turn_only=cfg.last_turn_only,
+                   think_loss=cfg.think_loss, train_on_eos=cfg.train_on_eos, reasoning_history=cfg.reasoning_history,
+                   reasoning_history_max_examples=cfg.reasoning_history_max_examples)
 
     def trains_role(self, role: str) -> bool:
         """Whether messages of ``role`` are trained by the role rules (before a message's own ``train``)."""

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 from jinja2 import TemplateError
 
-from qlora_train.data.messages import THINK_CLOSE, THINK_OPEN
+from qlora_train.masking.messages import THINK_CLOSE, THINK_OPEN, WHITESPACE
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,10 @@ _REASONING = "qlora-train probe reasoning"
 _TOOL_RESULT, _ARG = "qlora-train probe result", "qlora-train probe value"
 _SYSTEM = "qlora-train probe system"
 _CALL_ID = "qlora0001"  # 9 alphanumerics: what Mistral templates require of tool call ids
+# the tool schema every probe renders with tools (the calls it probes name "qlora_probe")
 _PROBE_TOOL = {"type": "function", "function": {
-    "name": "qlora_probe", "description": "probe", "parameters": {
-        "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
-_WS = " \t\r\n"
+    "name": "qlora_train_probe_tool", "description": "qlora-train probe tool",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,8 @@ def pieces(text: str, added: list[str]) -> list[str]:
             i += len(tok)
             continue
         j = i + 1
-        ws = text[i] in _WS
-        while j < len(text) and (text[j] in _WS) == ws and not any(text.startswith(t, j) for t in added):
+        ws = text[i] in WHITESPACE
+        while j < len(text) and (text[j] in WHITESPACE) == ws and not any(text.startswith(t, j) for t in added):
             j += 1
         out.append(text[i:j])
         i = j
@@ -156,12 +156,12 @@ def pieces(text: str, added: list[str]) -> list[str]:
 
 
 def _last_piece(text: str, added: list[str]) -> str:
-    parts = [p for p in pieces(text, added) if p.strip(_WS)]
+    parts = [p for p in pieces(text, added) if p.strip(WHITESPACE)]
     return parts[-1] if parts else ""
 
 
 def _first_piece(text: str, added: list[str]) -> str:
-    parts = [p for p in pieces(text, added) if p.strip(_WS)]
+    parts = [p for p in pieces(text, added) if p.strip(WHITESPACE)]
     return parts[0] if parts else ""
 
 
@@ -219,32 +219,32 @@ def _whole_markers(text: str) -> str:
         k = text.rfind(open_)
         if k > text.rfind(close):
             text = text[:k]
-    return text.strip(_WS)
+    return text.strip(WHITESPACE)
 
 
 def _less_opening(text: str, opening: str) -> str:
     """``text`` less its longest end that also opens the conversation's first turn: that opens the next turn."""
     for k in range(1, len(text)):
-        if text[k:].strip(_WS) and opening.startswith(text[k:]):
-            return text[:k].strip(_WS)
+        if text[k:].strip(WHITESPACE) and opening.startswith(text[k:]):
+            return text[:k].strip(WHITESPACE)
     return text
 
 
 def _before(marker: str, next_open: str) -> str:
     cut = marker.find(next_open) if next_open else -1
-    return marker[:cut].strip(_WS) if cut > 0 else marker
+    return marker[:cut].strip(WHITESPACE) if cut > 0 else marker
 
 
 def _shared_end(after_mid: str, after_last: str, added: list[str], opening: str = "") -> list[str]:
-    last = after_last.strip(_WS)
-    shared = after_mid[:_common_prefix(after_mid, after_last)].strip(_WS)
+    last = after_last.strip(WHITESPACE)
+    shared = after_mid[:_common_prefix(after_mid, after_last)].strip(WHITESPACE)
     if last and shared == last:
         return [last]
     a, b = pieces(after_mid, added), pieces(after_last, added)
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
-    common = "".join(a[:n]).strip(_WS)
+    common = "".join(a[:n]).strip(WHITESPACE)
     if common:
         return [common]
     plain = _less_opening(_whole_markers(shared), opening)
@@ -275,20 +275,20 @@ def _reasoning_probe(tokenizer, user, prompted: str, added: list[str], lead: str
         if a < 0:
             continue
         end = _prompt_end(prompted, text)
-        think_open = text[end:r].strip(_WS) if end <= r else ""
+        think_open = text[end:r].strip(WHITESPACE) if end <= r else ""
         if not think_open:  # the generation prompt opened the block: what it writes after its role header
             opened = _opened_by_prompt(prompted[:r])
             think_open = _last_piece(prompted[:r], added) if opened is None else opened
-        between = text[r + len(_REASONING):a].strip(_WS)
+        between = text[r + len(_REASONING):a].strip(WHITESPACE)
         answer_open = ""
-        plain = lead.strip(_WS)  # an empty block in the plain turn (Qwen3), or its rest (Qwen3.5) goes first
+        plain = lead.strip(WHITESPACE)  # an empty block in the plain turn (Qwen3), or its rest (Qwen3.5) goes first
         if think_open and plain.startswith(think_open):
-            plain = plain[len(think_open):].strip(_WS)
+            plain = plain[len(think_open):].strip(WHITESPACE)
         if between and plain.startswith(between):
-            plain = plain[len(between):].strip(_WS)
+            plain = plain[len(between):].strip(WHITESPACE)
         if plain and between.endswith(plain):  # a marker before the answer with or without reasoning
             answer_open = plain
-            between = between[: len(between) - len(plain)].strip(_WS)
+            between = between[: len(between) - len(plain)].strip(WHITESPACE)
         return key, think_open, between, answer_open
     return None
 
@@ -305,16 +305,16 @@ def _opened_by_prompt(prompted: str) -> str | None:
         return None
     tail = prompted[users[-1].end():u]  # the user header after its role word
     rest = prompted[u + len(_USER) + assistants[-1].end():]
-    return rest[len(tail):].strip(_WS) if rest.startswith(tail) else None
+    return rest[len(tail):].strip(WHITESPACE) if rest.startswith(tail) else None
 
 
 def _generated_lead(lead: str, think_open: str, think_close: str, answer_open: str) -> str:
     """Template text generated before the content, less a reasoning block and the answer marker."""
-    rest = lead.strip(_WS)
+    rest = lead.strip(WHITESPACE)
     if think_open and think_close and rest.startswith(think_open) and think_close in rest:
-        rest = rest[rest.index(think_close) + len(think_close):].strip(_WS)
+        rest = rest[rest.index(think_close) + len(think_close):].strip(WHITESPACE)
     if answer_open and rest.startswith(answer_open):
-        rest = rest[len(answer_open):].strip(_WS)
+        rest = rest[len(answer_open):].strip(WHITESPACE)
     return rest
 
 
@@ -328,14 +328,15 @@ def _markup_tail(tail: str, added: list[str]) -> str:
             tail = tail[k + len(probe):]
     parts = pieces(tail, added)
     n = len(parts)
-    while n and (parts[n - 1] in added or not parts[n - 1].strip(_WS)):
+    while n and (parts[n - 1] in added or not parts[n - 1].strip(WHITESPACE)):
         n -= 1
-    markup = "".join(parts[n:]).lstrip(_WS)
+    markup = "".join(parts[n:]).lstrip(WHITESPACE)
     if any(p in added for p in parts[n:]):
         return markup
-    tail = tail.lstrip(_WS)  # plain-text markers: less what closes the probe's text (``"}`` of a JSON result)
+    tail = tail.lstrip(WHITESPACE)  # plain-text markers: less what closes the probe's text (``"}`` of a JSON result)
     split = _split_at_markers(tail)
-    return tail[len(split[0]):] if len(split) > 1 and not any(c.isalnum() or c in _WS for c in split[0]) else tail
+    closing = len(split) > 1 and not any(c.isalnum() or c in WHITESPACE for c in split[0])
+    return tail[len(split[0]):] if closing else tail
 
 
 class _CallStyle(NamedTuple):
@@ -447,7 +448,7 @@ def template_layout(tokenizer) -> TemplateLayout:
     key = probe_key(tokenizer)
     layout = _LAYOUTS.get(key)
     if layout is None:
-        from qlora_train.data.layout_declaration import resolve_layout  # it imports this module
+        from qlora_train.masking.layout_declaration import resolve_layout  # it imports this module
 
         layout = _LAYOUTS[key] = resolve_layout(tokenizer, probe_layout).layout  # model.template_layout over the probe
         if layout.unknown:
@@ -469,15 +470,15 @@ def _known_end(mid: str, *user_opens: str) -> str:
     first that fits of the opening with the bos token, as Llama 2 writes it in every turn, and without), so
     markers that are plain text, several tokens each, are cut where they end ('' when it cannot be told)."""
     for user_open in user_opens:
-        if user_open.strip(_WS) and mid.endswith(user_open):
-            return mid[: len(mid) - len(user_open)].strip(_WS)
+        if user_open.strip(WHITESPACE) and mid.endswith(user_open):
+            return mid[: len(mid) - len(user_open)].strip(WHITESPACE)
     return ""
 
 
 def _end_before_header(tokenizer, user: list[dict], header: str, lead: str) -> str:
     """The end marker of an answer, from two answers in a row: what stands between them, less the known header and
     lead of the second (for templates whose user turns open with other text first: a default system message)."""
-    if not header.strip(_WS):
+    if not header.strip(WHITESPACE):
         return ""
     two = _try(tokenizer, user + [{"role": "assistant", "content": _ANSWER},
                                   {"role": "assistant", "content": _ANSWER2}])
@@ -487,7 +488,7 @@ def _end_before_header(tokenizer, user: list[dict], header: str, lead: str) -> s
     for known in (lead, header):
         if known and between.endswith(known):
             between = between[: len(between) - len(known)]
-    return between.strip(_WS) if between.strip(_WS) and header.strip(_WS) not in between else ""
+    return between.strip(WHITESPACE) if between.strip(WHITESPACE) and header.strip(WHITESPACE) not in between else ""
 
 
 def _trailer(plain: str, prompted: str, full: str, two: str, markers: list[str]) -> str:
@@ -496,12 +497,12 @@ def _trailer(plain: str, prompted: str, full: str, two: str, markers: list[str])
     question, when the generation prompt adds nothing."""
     if prompted != plain:
         return ""
-    rest = full[full.index(_ANSWER) + len(_ANSWER):].lstrip(_WS)
+    rest = full[full.index(_ANSWER) + len(_ANSWER):].lstrip(WHITESPACE)
     m = next((m for m in markers if rest.startswith(m)), None)
     if m is None:
         return ""
-    t = rest[len(m):].lstrip(_WS)  # its own whitespace kept: the header's '\n\n' is not generated
-    return t if t.strip(_WS) and plain.endswith(t) and two.endswith(t) else ""
+    t = rest[len(m):].lstrip(WHITESPACE)  # its own whitespace kept: the header's '\n\n' is not generated
+    return t if t.strip(WHITESPACE) and plain.endswith(t) and two.endswith(t) else ""
 
 
 def probe_layout(tokenizer) -> TemplateLayout:
@@ -542,7 +543,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
         after_last = two[two.rindex(_ANSWER2) + len(_ANSWER2):]
         user_open = _opening_marker(user_text, added)
         known = _known_end(mid, head, user_text) or _end_before_header(tokenizer, user, header, lead)
-        if known and after_last.lstrip(_WS).startswith(known):
+        if known and after_last.lstrip(WHITESPACE).startswith(known):
             markers = [known]
         else:
             markers = _end_markers(mid, after_last, added, user_open, user_text)
@@ -556,7 +557,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
     elif header:  # the header opens every turn; an opener that does not end with it is a turn without one
         found = [(header, lead)] + [(o, lead2) for o, lead2 in found[1:] if not o.endswith(header)]
     # an opener that also opens a user turn (a role-less '<|end_header_id|>\n\n') would find answers anywhere
-    found = [(o, lead2) for o, lead2 in found if o.strip(_WS) and o.strip(_WS) not in user_text]
+    found = [(o, lead2) for o, lead2 in found if o.strip(WHITESPACE) and o.strip(WHITESPACE) not in user_text]
     if not found:
         return _unknown_layout("nothing marks where an assistant answer starts (no generation prompt, no text "
                                "between the user message and the answer that only an answer follows)",
@@ -573,7 +574,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
                           think_open=think_open, think_close=think_close, answer_open=answer_open,
                           reasoning_key=key, leads=tuple(dict.fromkeys(leads)), turn_start=user_open,
                           tool_arguments_as_string=bool(style and style.as_string),
-                          last_turn_unmarked=bool(markers) and not after_last.strip(_WS), trailer=trailer,
+                          last_turn_unmarked=bool(markers) and not after_last.strip(WHITESPACE), trailer=trailer,
                           layout_class=_layout_class(header, trailer, openers))
 
 
@@ -607,11 +608,6 @@ def role_is_rendered(tokenizer, role: str) -> bool:
 
 
 # --- the tool schemas' block: where a render writes the ``tools`` it was given -------------------------------------
-
-_PROBE_TOOL = {"type": "function", "function": {
-    "name": "qlora_train_probe_tool", "description": "qlora-train probe tool",
-    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
-
 
 class ToolBlock(NamedTuple):
     """The text a template writes around the tool schemas it is given (``open`` + schemas + ``close``): the

@@ -35,11 +35,10 @@ import os
 
 import numpy as np
 
-from qlora_train.data.layout import TEMPLATE_ERRORS, TemplateLayout, template_layout
-from qlora_train.data.messages import DropReason, Message, RowRejected, argument_values
-from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy, is_trained
+from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, template_layout
+from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected, argument_values
+from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 
-_WS = " \t\r\n"
 _SHIFT = "\x01"  # put before a turn's own texts to see where they start in a render (never trimmed by templates)
 
 
@@ -55,7 +54,7 @@ class PrefixRenderer:
     """Renders of a conversation's prefixes, each made once (``render(k, gen)``: messages[:k])."""
 
     def __init__(self, messages: list[Message], tokenizer, tools, layout: TemplateLayout):
-        from qlora_train.data.render import template_messages
+        from qlora_train.masking.render import template_messages
 
         self.messages = template_messages(messages, layout)
         self.tokenizer, self.tools = tokenizer, tools
@@ -90,13 +89,13 @@ def generated_part(renders: PrefixRenderer, i: int, layout: TemplateLayout) -> t
         alt = renders.render(i, False, _shifted(renders.messages[i]))  # into the turn's own first characters
         start = min(start, _common_prefix(q, alt))
     opened = prompt.rfind(layout.think_open) if layout.think_open else -1
-    if 0 <= opened <= start and not prompt[opened + len(layout.think_open):].strip(_WS):
+    if 0 <= opened <= start and not prompt[opened + len(layout.think_open):].strip(WHITESPACE):
         start = opened  # the generation prompt ends by opening a reasoning block: the block is trained (also when
         # the shared part ends inside the opener: '<think>' and the turn's '<｜tool▁calls▁begin｜>' share '<')
     end = len(q)
     if layout.trailer and q.endswith(layout.trailer) and end - len(layout.trailer) >= start:
         end -= len(layout.trailer)
-    while end > start and q[end - 1] in _WS:
+    while end > start and q[end - 1] in WHITESPACE:
         end -= 1
     return q, start, end
 
@@ -112,7 +111,7 @@ def _find_in(q: str, needle: str, a: int, b: int) -> tuple[int, int]:
 
 def prefix_turn(renders: PrefixRenderer, text: str, i: int, layout: TemplateLayout, *, trained_before: list[bool]):
     """Turn ``i`` by the rule -> ``TurnSpan`` (in ``text``, the whole render), or ``RowRejected`` saying why."""
-    from qlora_train.data.render import TurnSpan
+    from qlora_train.masking.render import TurnSpan
 
     msg = renders.messages[i]
     q, start, end = generated_part(renders, i, layout)
@@ -122,7 +121,8 @@ def prefix_turn(renders: PrefixRenderer, text: str, i: int, layout: TemplateLayo
                           f"and the whole conversation's render differ at char {k}")
     if end <= start:
         raise _unverified(i, "the template writes nothing for this assistant turn")
-    expected = (msg.get(layout.reasoning_key or "reasoning_content") or msg.get("reasoning_content") or "").strip(_WS)
+    expected = msg.get(layout.reasoning_key or "reasoning_content") or msg.get("reasoning_content") or ""
+    expected = expected.strip(WHITESPACE)
     r = _find_in(q, expected, start, end) if expected else (-1, -1)
     try:
         reasoning, body_start, own = _own_parts(q, msg, i, start, end, r if r[0] >= 0 else None, layout)
@@ -135,7 +135,7 @@ def prefix_turn(renders: PrefixRenderer, text: str, i: int, layout: TemplateLayo
     prompt_text = q[:start]
     for j in range(i):  # an earlier message the prompt does not show, written in this turn outside its own texts
         other = renders.messages[j]
-        c = other["content"].strip(_WS)
+        c = other["content"].strip(WHITESPACE)
         if not trained_before[j] and c and c not in prompt_text and _outside(q, c, start, end, own):
             raise _unverified(i, f"messages[{j}] ({other['role']}) is written inside this turn's generated part "
                               "(the prompt does not show it): it would be trained")
@@ -154,7 +154,7 @@ def _find_content(q: str, content: str, a: int, b: int, layout: TemplateLayout) 
         if k < 0:
             return found
         found = (k, k_end)
-        tail = q[k_end:b].strip(_WS)
+        tail = q[k_end:b].strip(WHITESPACE)
         if not tail or tail in layout.end_markers:
             return found
         a = k + 1
@@ -177,7 +177,7 @@ def _own_parts(q: str, msg: Message, i: int, start: int, end: int, reasoning: tu
     ``(reasoning, body_start, own spans)``: the own spans run from the reasoning (or content) to the end of the
     last call's name (or of the content, where the template writes the calls first: DeepSeek R1's distills)."""
     at = reasoning[1] if reasoning else start
-    content = msg["content"].strip(_WS)
+    content = msg["content"].strip(WHITESPACE)
     try:
         own, at = _content(q, msg, i, at, end, layout, calls_after=True)
         names, at = _calls(q, msg, i, at, end)
@@ -197,7 +197,7 @@ def _own_parts(q: str, msg: Message, i: int, start: int, end: int, reasoning: tu
     # the answer starts after the reasoning block's close (when the layout knows it), else where its text does
     close = q.find(layout.think_close, reasoning[1], own[0] if own else end) if layout.think_close else -1
     body = close + len(layout.think_close) if close >= 0 else (own[0] if own else reasoning[1])
-    while body < end and q[body] in _WS:
+    while body < end and q[body] in WHITESPACE:
         body += 1
     return reasoning, body, spans
 
@@ -205,7 +205,7 @@ def _own_parts(q: str, msg: Message, i: int, start: int, end: int, reasoning: tu
 def _content(q: str, msg: Message, i: int, at: int, end: int, layout: TemplateLayout, *, calls_after: bool
              ) -> tuple[list[int], int]:
     """Where the turn's content is written in ``q[at:end]`` -> ``([its start] or [], where it ends)``."""
-    content = msg["content"].strip(_WS)
+    content = msg["content"].strip(WHITESPACE)
     if not content:
         return [], at
     c, c_end = _find_content(q, content, at, end, layout) if not (calls_after and msg.get("tool_calls")) else (
@@ -240,7 +240,7 @@ def _through_end_marker(q: str, own_end: int, end: int, layout: TemplateLayout) 
     if not found:
         return end
     cut = min(found)[1]
-    return cut if q[cut:end].strip(_WS) else end
+    return cut if q[cut:end].strip(WHITESPACE) else end
 
 
 def _end_marker_at(q: str, at: int, end: int, layout: TemplateLayout) -> int | None:
@@ -255,7 +255,7 @@ def _end_marker_after(text: str, end: int, layout: TemplateLayout) -> int:
     """The end of a known end marker the whole render writes right after ``end`` (whitespace between), else
     ``end``: the turn's own marker, written only where another turn follows."""
     at = end
-    while at < len(text) and text[at] in _WS:
+    while at < len(text) and text[at] in WHITESPACE:
         at += 1
     for m in layout.end_markers:
         if m and text.startswith(m, at):
@@ -267,7 +267,7 @@ def render_by_prefixes(messages: list[Message], tokenizer, *, tools=None, policy
                        text: str | None = None):
     """Marked messages -> ``RenderedConversation`` by the rule itself (see the module doc); ``text`` is the whole
     render when the caller has it. Raises ``RowRejected`` naming the turn that does not verify."""
-    from qlora_train.data.render import RenderedConversation, check_spans, render_text, trained_spans
+    from qlora_train.masking.render import RenderedConversation, check_spans, render_text, trained_spans
 
     layout = template_layout(tokenizer)
     if text is None:
@@ -287,8 +287,8 @@ def render_by_prefixes(messages: list[Message], tokenizer, *, tools=None, policy
             turns.append(turn)
             spans += trained_spans(turn, policy.think_loss, with_eot=policy.trains_eot(i, last_trained))
             cursor = turn.end
-        elif msg["content"].strip(_WS):  # an untrained message ends where its text is written, when it is
-            k, k_end = _find_in(text, msg["content"].strip(_WS), cursor, len(text))
+        elif msg["content"].strip(WHITESPACE):  # an untrained message ends where its text is written, when it is
+            k, k_end = _find_in(text, msg["content"].strip(WHITESPACE), cursor, len(text))
             cursor = k_end if k >= 0 else cursor
         ends.append(cursor)
     check_spans(text, spans)

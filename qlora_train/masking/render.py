@@ -34,13 +34,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from qlora_train.data.layout import TEMPLATE_ERRORS, TemplateLayout, role_is_rendered, template_layout
-from qlora_train.data.messages import KNOWN_ROLES, DropReason, Message, RowRejected, argument_values
-from qlora_train.data.policy import DEFAULT_POLICY, LossPolicy, is_trained
+from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, role_is_rendered, template_layout
+from qlora_train.masking.messages import KNOWN_ROLES, WHITESPACE, DropReason, Message, RowRejected, argument_values
+from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 
 log = logging.getLogger(__name__)
 
-_WS = " \t\r\n"
 
 
 class TurnSpan(NamedTuple):
@@ -100,7 +99,7 @@ def render_text(messages: list[Message], tokenizer, *, tools=None, add_generatio
 
 def _skip_ws(text: str, pos: int) -> int:
     end = len(text)
-    while pos < end and text[pos] in _WS:
+    while pos < end and text[pos] in WHITESPACE:
         pos += 1
     return pos
 
@@ -128,7 +127,7 @@ def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateL
     """The turn of ``messages[i]``: for an assistant, after the first opener (of the next few after ``cursor``)
     from which its generated part verifies; other trained roles start where their content does."""
     if msg["role"] != "assistant":
-        content = msg["content"].strip(_WS)
+        content = msg["content"].strip(WHITESPACE)
         if not content:
             raise _unverified(i, f"trained role {msg['role']!r} needs non-empty content")
         start = text.find(content, cursor)
@@ -152,9 +151,9 @@ def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateL
 def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLayout) -> TurnSpan:
     """The generated part starting at ``start``: [reasoning block] [answer marker | lead] content, tool calls
     and the end marker, each checked against the message."""
-    content = msg["content"].strip(_WS)
+    content = msg["content"].strip(WHITESPACE)
     pos, body_start, reasoning = start, start, None
-    expected = (msg.get("reasoning_content") or "").strip(_WS)
+    expected = (msg.get("reasoning_content") or "").strip(WHITESPACE)
     dropped = bool(expected)
     j = _skip_ws(text, pos)
     if layout.think_open and layout.think_close and text.startswith(layout.think_open, j):
@@ -166,7 +165,7 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
         elif k < 0:
             raise _unverified(i, "reasoning block opened but not closed in the render")
         else:
-            inner = text[inner_a:k].strip(_WS)
+            inner = text[inner_a:k].strip(WHITESPACE)
             if inner == expected:
                 dropped = False
                 if expected:
@@ -199,7 +198,7 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
         if any(m in written for m in markers):
             raise _unverified(i, "tool call arguments contain the end-of-turn marker")
     e, marker = _first_of(text, markers, pos)
-    if e < 0 and layout.last_turn_unmarked and not text[pos:].strip(_WS):
+    if e < 0 and layout.last_turn_unmarked and not text[pos:].strip(WHITESPACE):
         return TurnSpan(i, start, pos, body_start, reasoning, None, dropped)  # the last turn: nothing closes it
     if e < 0:
         raise _unverified(i, f"end-of-turn marker {list(markers)} not found")
@@ -217,7 +216,7 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
             missing = next((v for v in argument_values(call) if v not in between[at:]), None)
             if missing is not None:
                 raise _unverified(i, f"tool call {name!r}: argument {missing!r} not written in its turn")
-    elif between.strip(_WS):
+    elif between.strip(WHITESPACE):
         raise _unverified(i, "unexpected text between content and end-of-turn marker")
     return TurnSpan(i, start, e + len(marker), body_start, reasoning, e, dropped)
 
@@ -307,7 +306,7 @@ def render_conversation(
             raise
         if layout.declared:  # the user's layout is a contract: a row it does not fit is refused, not re-derived
             raise RowRejected(fast.reason, f"{fast.detail} (by the declared model.template_layout)") from None
-        from qlora_train.data.prefix import render_by_prefixes
+        from qlora_train.masking.prefix import render_by_prefixes
 
         try:
             return render_by_prefixes(messages, tokenizer, tools=tools, policy=policy, text=text)
@@ -337,7 +336,7 @@ def _render_with_layout(messages: list[Message], tokenizer, text: str, layout: T
             cursor = turn.end
             ends.append(cursor)
             continue
-        content = msg["content"].strip(_WS)
+        content = msg["content"].strip(WHITESPACE)
         if (anchors[0] in msg["content"]) if len(anchors) == 1 else any(a in msg["content"] for a in anchors):
             raise _unverified(i, f"{msg['role']} content contains the assistant turn opener text")
         located = None

@@ -1,0 +1,116 @@
+"""The mask engine: a conversation and a tokenizer in; the chat template's own text, a verified character mask,
+token ids and labels out, or a refusal (``RowRejected``) with its reason. Nothing here reads rows or builds
+datasets (``qlora_train.data`` does, through this API) and nothing imports ``datasets`` or the trainer.
+
+    >>> m = mask_conversation([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], tok)
+    >>> m.text  # exactly tok.apply_chat_template(messages, tokenize=False)
+    '<|im_start|>user\\n2+2?<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n4<|im_end|>\\n'
+    >>> tok.decode([t for t in m.labels if t != IGNORE_INDEX])
+    '<think>\\n\\n</think>\\n\\n4<|im_end|>'
+
+**The rule** (what is trained). Of each trained message (``LossPolicy``: roles, per-message flags,
+``last_turn_only``), the characters the model must generate: what ``render(messages[:i+1])`` adds after its common
+prefix with ``render(messages[:i], add_generation_prompt=True)``, through the turn's end marker: its reasoning block
+(per ``think_loss``), content, tool calls and end-of-turn marker (per ``train_on_eos``). Never a header, a
+separator after the marker, BOS, or any character of another message. A token is trained when its first character
+is (``tokenize.project_char_mask``); ``tokenize.make_labels`` is the one place labels are made.
+
+**Modules**, in the order a row goes through them:
+
+- ``messages``   the canonical ``Message``, ``DropReason`` (every reason a row is refused) and ``RowRejected``;
+- ``policy``     ``LossPolicy``: which messages are trained (``mark`` flags each one) and which parts;
+- ``layout``     ``TemplateLayout``, the template's facts as named parts (turn openers, end markers, reasoning
+                 block, answer marker, leads, trailer, ...), found by ``probe_layout`` from a few probe renders
+                 and cached per template and vocabulary (``template_layout``); its ``layout_class`` names where
+                 a turn's prompt ends (``LAYOUT_CLASSES``); a fact the probe cannot find stays unknown;
+- ``layout_declaration``  ``model.template_layout``: a layout declared in the config, merged with the probe's;
+- ``render``     **the fast path**: one render of the whole conversation, walked message by message with the
+                 layout, each trained turn verified (its reasoning, content, calls and end marker inside its own
+                 span) -> ``RenderedConversation`` (text, char mask, ``TurnSpan`` per trained turn);
+- ``prefix``     **the general path**, for rows the layout cannot verify: the rule itself, by per-turn prefix
+                 renders, verified the same way (``verified_by="prefix_renders"``);
+- ``tokenize``   one batched tokenizer call with offsets (``encode_batch``), the char mask projected onto
+                 tokens, labels.
+
+**A refusal** is chosen, never a guess: a row neither path verifies is ``mask_unverified`` (the general path's
+reason, then the layout's), a template that raises is ``template_error``; a part the template does not write
+(a call, the content) refuses the row; reasoning it does not render is trained without it and counted
+(``TurnSpan.reasoning_dropped``).
+
+**To add a layout class**: give ``TemplateLayout`` the part it lacks (a field with its default "unknown"), let
+``probe_layout`` find it from its probe texts (never from added-token boundaries: plain-text markers must probe
+the same), teach ``render``'s walk to use it, name the class in ``LAYOUT_CLASSES``, and add a family template of
+ours under tests/data/family_templates/ with its facts in tests/data/families.py; the hypothesis properties
+against the prefix-render oracle (tests/data/oracle.py) and ``make audit`` then check it on three vocabularies.
+docs/masking.md is the long form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, template_layout, tool_block
+from qlora_train.masking.layout_declaration import check_declaration, layout_dict, layout_yaml, resolve_layout
+from qlora_train.masking.messages import (
+    CONFIGURED_DROPS,
+    KNOWN_ROLES,
+    THINK_CLOSE,
+    THINK_OPEN,
+    BadRowError,
+    DropReason,
+    Message,
+    RowRejected,
+    check_unicode,
+)
+from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, ReasoningHistory, ThinkLoss, TrainOnEos
+from qlora_train.masking.render import RenderedConversation, TurnSpan, render_conversation, render_text
+from qlora_train.masking.tokenize import (
+    IGNORE_INDEX,
+    OffsetArray,
+    Offsets,
+    count_tokens,
+    encode_batch,
+    make_labels,
+    project_char_mask,
+)
+
+__all__ = [
+    # a conversation in, its mask out (mask_conversation; the batch form: render_conversation, encode_batch,
+    # project_char_mask, make_labels)
+    "DEFAULT_POLICY", "IGNORE_INDEX", "LossPolicy", "MaskedConversation", "Message", "RenderedConversation",
+    "RowRejected", "TurnSpan", "encode_batch", "make_labels", "mask_conversation", "project_char_mask",
+    "render_conversation",
+    # the template's layout: probed, declared (model.template_layout), printed
+    "TEMPLATE_ERRORS", "TemplateLayout", "check_declaration", "layout_dict", "layout_yaml", "probe_layout",
+    "resolve_layout", "template_layout", "tool_block",
+    # facts the readers of rows share with the engine: drop reasons, roles, reasoning tags, the policy's choices
+    "CONFIGURED_DROPS", "KNOWN_ROLES", "THINK_CLOSE", "THINK_OPEN", "BadRowError", "DropReason", "ReasoningHistory",
+    "ThinkLoss", "TrainOnEos", "check_unicode",
+    # text and token helpers (text blocks, counting dropped reasoning, rendering without a mask)
+    "OffsetArray", "Offsets", "count_tokens", "render_text",
+]
+
+
+@dataclass(frozen=True)
+class MaskedConversation:
+    """A conversation's render with its verified mask, and its tokens with their labels."""
+
+    rendered: RenderedConversation  # text, char_mask, one TurnSpan per trained turn, which path verified it
+    input_ids: list[int]
+    labels: list[int]  # IGNORE_INDEX where untrained
+
+    @property
+    def text(self) -> str:
+        return self.rendered.text
+
+
+def mask_conversation(messages: list[Message], tokenizer, *, tools: list[dict] | None = None,
+                      policy: LossPolicy = DEFAULT_POLICY) -> MaskedConversation:
+    """Canonical messages (string content; a message's own ``train`` flag, where set, is kept) -> their
+    ``MaskedConversation``, or ``RowRejected``. The batch form, as the dataset pipeline runs it:
+    ``render_conversation`` per conversation, one ``encode_batch`` for the texts, ``make_labels`` of each with
+    ``project_char_mask``."""
+    rendered = render_conversation(policy.mark(messages), tokenizer, tools=tools, policy=policy)
+    (ids, offsets), = encode_batch([rendered.text], tokenizer)
+    example = make_labels(ids, project_char_mask(offsets, rendered.char_mask))
+    return MaskedConversation(rendered, example["input_ids"], example["labels"])
