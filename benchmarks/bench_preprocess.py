@@ -300,12 +300,13 @@ STAGES = {  # what process_rows does, timed inside it: (module, name) of each st
 
 def stage_seconds(rows: list[dict], tok, cfg: DataConfig, args) -> dict[str, float]:
     """Seconds (best of ``args.repeats`` per batch) of each stage of ``STAGES`` inside ``process_rows`` (with
-    ``data.dedup`` on), of the whole call (``process_rows``), and of ``json.loads`` over the rows' JSON lines
-    (``json``: the CLI's map parses each line; this bench hands ``process_rows`` parsed rows). The rest of
+    ``data.dedup`` on), of the whole call (``process_rows``), of ``json.loads`` over the rows' JSON lines
+    (``json``: the CLI's map parses each line; this bench hands ``process_rows`` parsed rows), and of the floor
+    (``floor``, interleaved with them, the base of the shares). The rest of
     ``process_rows`` (``other``) is its bookkeeping: per-row guards and outputs, schema detection, the unicode
     check, the parse report."""
     from qlora_train.data import pipeline as pipeline_module
-    from qlora_train.data import render as render_module
+    from qlora_train.masking import render as render_module
 
     modules = {"pipeline": pipeline_module, "render": render_module}
     spent = dict.fromkeys(STAGES, 0.0)
@@ -320,11 +321,12 @@ def stage_seconds(rows: list[dict], tok, cfg: DataConfig, args) -> dict[str, flo
         return wrapper
 
     lines = [[json.dumps(r, ensure_ascii=False) for r in b] for b in batches(rows, args.batch_size)]
+    canon = list(batches([canonicalize_row(r, cfg) for r in rows], args.batch_size))
     dedup = cfg.model_copy(update={"dedup": True})
     saved = {key: getattr(modules[m], name) for key, (m, name) in STAGES.items()}
     for key, (m, name) in STAGES.items():
         setattr(modules[m], name, timed(key, saved[key]))
-    best = {k: [float("inf")] * len(lines) for k in (*STAGES, "process_rows", "json")}
+    best = {k: [float("inf")] * len(lines) for k in (*STAGES, "process_rows", "json", "floor")}
     try:
         for _ in range(args.repeats):
             for k, (batch, text) in enumerate(zip(batches(rows, args.batch_size), lines)):
@@ -334,7 +336,9 @@ def stage_seconds(rows: list[dict], tok, cfg: DataConfig, args) -> dict[str, flo
                 [json.loads(line) for line in text]
                 t2 = time.perf_counter()
                 process_rows(batch, tok, dedup)
-                measured = {**spent, "json": t2 - t, "process_rows": time.perf_counter() - t2}
+                t3 = time.perf_counter()
+                floor_hf(canon[k], tok)
+                measured = {**spent, "json": t2 - t, "process_rows": t3 - t2, "floor": time.perf_counter() - t3}
                 for key, v in measured.items():
                     best[key][k] = min(best[key][k], v)
     finally:
@@ -394,7 +398,7 @@ def distribution_table(args) -> None:
               f"{best['pipeline'] / floor:>14.3f} {n_examples / args.rows:>12.2f} "
               f"{per_example:>9.3f} {hf_best['pipeline'] / hf_best['HF assistant mask']:>16.3f} "
               f"{agreement(hf_out['pipeline'], hf_out['HF assistant mask']):>9.3%}"
-              + "".join(f" {stages[k] / floor:>7.1%}" for k in SHARES), flush=True)
+              + "".join(f" {stages[k] / stages['floor']:>7.1%}" for k in SHARES), flush=True)
 
 
 # --- scale: each size in its own process, through datasets.map ---
