@@ -31,7 +31,7 @@ import bench_rows  # noqa: E402
 # (label, file suffix, function): cumulative time per row; nested stages are indented under what holds them
 STAGES = [
     ("stats-only, all", "qlora_train/cli.py", "main"),
-    ("read the JSON lines into Arrow", "qlora_train/data/sources.py", "load_sources"),
+    ("read the JSON lines into Arrow, label", "qlora_train/data/sources.py", "load_labelled_source"),
     ("datasets.map of the pipeline", "datasets/arrow_dataset.py", "map"),
     ("  the map function", "qlora_train/data/dataset.py", "_process_raw_batch"),
     ("    json.loads of the lines", "qlora_train/data/batches.py", "parse_readable"),
