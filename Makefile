@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast lint bench bench-scale bench-train bench-dpo demo demo-dpo docs vocab audit audit-pairs
+.PHONY: install browser test test-fast lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -29,10 +29,16 @@ test-fast:
 lint:
 	$(PYTHON) -m ruff check qlora_train tests benchmarks scripts
 
-# process_rows vs its floor, then the path users run: --stats-only through the CLI per row, and start-up times
+# process_rows vs its floor, then per row distribution (benchmarks/bench_rows.py), then the path users run:
+# --stats-only through the CLI per row and distribution, and start-up times
 bench: $(TINY)/config.json
 	$(PYTHON) benchmarks/bench_preprocess.py
+	$(PYTHON) benchmarks/bench_preprocess.py --dists all
 	$(PYTHON) benchmarks/bench_cli.py
+
+# where --stats-only spends its time per row beyond the floor, by stage and distribution (cProfile)
+profile-cli: $(TINY)/config.json
+	$(PYTHON) benchmarks/profile_cli.py
 
 # per-row cost and memory by dataset size through datasets.map (add 100000 for the full check: ~8 min on 2 cores)
 bench-scale:

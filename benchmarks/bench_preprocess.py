@@ -28,6 +28,11 @@ packing into ``--pack-length`` vs padding to the longest of each batch (random o
 Rows are generated deterministically (multi-turn, reasoning, tool calls, unicode, code); nothing is
 downloaded. Timed runs are interleaved, best of ``--repeats``.
 
+``--dists chat,reasoning,...`` (or ``all``) prints table 4 instead: per row distribution of ``bench_rows.py``
+(rows nobody tuned the pipeline to, and their mix), the pipeline against the floor (HF call) with the tokenizer
+on one thread, ``expand``'s cost per example against the pipeline's, and the pipeline against transformers'
+assistant mask with the generation-tagged template (table 2's reference).
+
 ``--scale N1,N2,...`` runs each size in a fresh process through the real path (JSON lines file ->
 ``load_sources`` -> ``process_dataset``, a batched ``datasets.map`` writing the Arrow cache) and prints the
 per-row cost and the peak RSS added by the map. Sizes are run ``--scale-repeats`` times, interleaved.
@@ -48,6 +53,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_rows  # noqa: E402
 
 from qlora_train.config import DataConfig  # noqa: E402
 from qlora_train.data import canonicalize_row, process_rows  # noqa: E402
@@ -279,6 +287,120 @@ def main_tables(args) -> None:
         print(f"padding to the longest of batches of {b:>2} (random order): {padded_efficiency(shuffled, b):.1%}")
 
 
+STAGES = {  # what process_rows does, timed inside it: (module, name) of each stage
+    "canonicalize": ("pipeline", "canonicalize_row"),
+    "render": ("pipeline", "render_conversation"),  # the template render + locating and verifying the spans
+    "template": ("render", "render_text"),  # the template render alone (the floor's first part)
+    "tokenize": ("pipeline", "_encode_each"),  # the batched call with offsets (the floor's second part)
+    "labels": ("pipeline", "_example"),  # projection to tokens, labels, tool block count
+    "count": ("pipeline", "count_tokens"),  # tokens of the reasoning the template drops
+    "dedup": ("pipeline", "_hash"),  # data.dedup's content hash (timed with dedup on)
+}
+
+
+def stage_seconds(rows: list[dict], tok, cfg: DataConfig, args) -> dict[str, float]:
+    """Seconds (best of ``args.repeats`` per batch) of each stage of ``STAGES`` inside ``process_rows`` (with
+    ``data.dedup`` on), of the whole call (``process_rows``), of ``json.loads`` over the rows' JSON lines
+    (``json``: the CLI's map parses each line; this bench hands ``process_rows`` parsed rows), and of the floor
+    (``floor``, interleaved with them, the base of the shares). The rest of
+    ``process_rows`` (``other``) is its bookkeeping: per-row guards and outputs, schema detection, the unicode
+    check, the parse report."""
+    from qlora_train.data import pipeline as pipeline_module
+    from qlora_train.masking import render as render_module
+
+    modules = {"pipeline": pipeline_module, "render": render_module}
+    spent = dict.fromkeys(STAGES, 0.0)
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return wrapper
+
+    lines = [[json.dumps(r, ensure_ascii=False) for r in b] for b in batches(rows, args.batch_size)]
+    canon = list(batches([canonicalize_row(r, cfg) for r in rows], args.batch_size))
+    dedup = cfg.model_copy(update={"dedup": True})
+    saved = {key: getattr(modules[m], name) for key, (m, name) in STAGES.items()}
+    for key, (m, name) in STAGES.items():
+        setattr(modules[m], name, timed(key, saved[key]))
+    best = {k: [float("inf")] * len(lines) for k in (*STAGES, "process_rows", "json", "floor")}
+    try:
+        for _ in range(args.repeats):
+            for k, (batch, text) in enumerate(zip(batches(rows, args.batch_size), lines)):
+                for key in STAGES:
+                    spent[key] = 0.0
+                t = time.perf_counter()
+                [json.loads(line) for line in text]
+                t2 = time.perf_counter()
+                process_rows(batch, tok, dedup)
+                t3 = time.perf_counter()
+                floor_hf(canon[k], tok)
+                measured = {**spent, "json": t2 - t, "process_rows": t3 - t2, "floor": time.perf_counter() - t3}
+                for key, v in measured.items():
+                    best[key][k] = min(best[key][k], v)
+    finally:
+        for key, (m, name) in STAGES.items():
+            setattr(modules[m], name, saved[key])
+    out = {key: sum(v) for key, v in best.items()}
+    out["verify"] = out.pop("render") - out["template"]
+    out["other"] = out["process_rows"] - sum(out[k] for k in ("canonicalize", "verify", "template", "tokenize",
+                                                               "labels", "count", "dedup"))
+    return out
+
+
+SHARES = ("json", "canonicalize", "verify", "labels", "count", "dedup", "other")
+
+
+def distribution_table(args) -> None:
+    """Table 4: per distribution, the ratios of tables 1a and 2 and expand's cost per example."""
+    names = list(bench_rows.NAMES) if args.dists == "all" else args.dists.split(",")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = build_qwen_tokenizer("qwen3")
+    gen = build_qwen_tokenizer("chatml")
+    gen.chat_template = GENERATION_TEMPLATE.read_text()
+    cfg = DataConfig(max_length=args.max_length, batch_size=args.batch_size, reasoning_history="drop")
+    expand = cfg.model_copy(update={"reasoning_history": "expand"})
+    print(f"machine: {platform.machine()}, {args.cpus} CPU cores, python {platform.python_version()}; rows "
+          f"{args.rows} per distribution, batch {args.batch_size}, best of {args.repeats} per batch, interleaved; "
+          "tokenizer on one thread")
+    print("\n4. per row distribution (bench_rows.py): pipeline / floor (HF call) as table 1a, expand per example / "
+          "pipeline, pipeline / HF assistant mask as table 2; then the work the floor does not do, timed inside "
+          "process_rows (data.dedup on), as a share of the floor's time: json = json.loads of the rows' JSON lines "
+          "(the CLI's map parses them), canonicalize, verify = locating and verifying the spans in the render, "
+          "labels = projection to tokens and labels, count = the tokens of the reasoning the template drops, dedup "
+          "= the content hash, other = the rest of process_rows (guards, outputs, schema detection, unicode check, "
+          "parse report)")
+    print(f"{'distribution':<12} {'tokens/row':>10} {'floor us/row':>12} {'pipeline/floor':>14} "
+          f"{'examples/row':>12} {'expand/ex':>9} {'pipeline/HF mask':>16} {'HF agrees':>9}"
+          + "".join(f" {k[:7]:>7}" for k in SHARES))
+    for name in names:
+        rows = bench_rows.rows(name, args.rows)
+        canon = [canonicalize_row(r, cfg) for r in rows]
+        process_rows(rows[:8], tok, cfg)
+        process_rows(rows[:8], gen, cfg)
+        row_batches, canon_batches = list(batches(rows, args.batch_size)), list(batches(canon, args.batch_size))
+        best, results = best_of({"floor (HF call)": (floor_hf, canon_batches, (tok,)),
+                                 "pipeline": (pipeline, row_batches, (tok, cfg))}, len(row_batches), args.repeats)
+        lengths = [len(lab) for lab in results["pipeline"]]
+        ex_best, ex_out = best_of({"pipeline (expand)": (pipeline_examples, row_batches, (tok, expand)),
+                                   "pipeline": (pipeline, row_batches, (tok, cfg))}, len(row_batches), args.repeats)
+        n_examples = sum(ex_out["pipeline (expand)"])
+        per_example = ex_best["pipeline (expand)"] / ex_best["pipeline"] * args.rows / n_examples
+        hf_best, hf_out = best_of({"pipeline": (pipeline, row_batches, (gen, cfg)),
+                                   "HF assistant mask": (hf_assistant_mask, canon_batches, (gen,))},
+                                  len(row_batches), args.repeats)
+        floor = best["floor (HF call)"]
+        stages = stage_seconds(rows, tok, cfg, args)
+        print(f"{name:<12} {sum(lengths) / len(lengths):>10.0f} {floor / args.rows * 1e6:>12.0f} "
+              f"{best['pipeline'] / floor:>14.3f} {n_examples / args.rows:>12.2f} "
+              f"{per_example:>9.3f} {hf_best['pipeline'] / hf_best['HF assistant mask']:>16.3f} "
+              f"{agreement(hf_out['pipeline'], hf_out['HF assistant mask']):>9.3%}"
+              + "".join(f" {stages[k] / stages['floor']:>7.1%}" for k in SHARES), flush=True)
+
+
 # --- scale: each size in its own process, through datasets.map ---
 
 
@@ -315,7 +437,7 @@ class PeakMemory:
         self._thread.join()
 
 
-def scale_worker(n: int, batch_size: int) -> None:
+def scale_worker(n: int, batch_size: int, dist: str = "bench") -> None:
     from qlora_train.config import DatasetSource
     from qlora_train.data.dataset import process_dataset
     from qlora_train.data.sources import load_sources
@@ -324,7 +446,7 @@ def scale_worker(n: int, batch_size: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.jsonl"
         with path.open("w") as fh:
-            for row in iter_rows(n):
+            for row in bench_rows.iter_rows(dist, n):
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         cfg = DataConfig(datasets=[DatasetSource(path=str(path))], batch_size=batch_size, max_length=4096,
                          cache_dir=str(Path(tmp) / "cache"))
@@ -351,12 +473,13 @@ def main_scale(args) -> None:
     for _ in range(args.scale_repeats):
         for n in sizes:
             proc = subprocess.run([sys.executable, __file__, "--scale-worker", str(n), "--batch-size",
-                                   str(args.batch_size)], capture_output=True, text=True, check=True)
+                                   str(args.batch_size), "--scale-dist", args.scale_dist],
+                                  capture_output=True, text=True, check=True)
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             if n not in best or r["cpu"] < best[n]["cpu"]:
                 best[n] = r
     print(f"machine: {platform.machine()}, {args.cpus} CPU cores, python {platform.python_version()}; "
-          f"JSON lines -> load_sources -> process_dataset (datasets.map, num_proc=None, batch "
+          f"{args.scale_dist} rows, JSON lines -> load_sources -> process_dataset (datasets.map, num_proc=None, batch "
           f"{args.batch_size}), best of {args.scale_repeats} by CPU time, one process per run")
     print("cpu us/row = (CPU seconds of the map - CPU seconds of one 16-row map, its fixed cost) / rows; "
           "memory in MB, sampled during the map: anonymous (heap) before and at peak, file-backed (mmap) at peak")
@@ -381,15 +504,19 @@ def main() -> None:
     ap.add_argument("--pack-length", type=int, default=4096)
     ap.add_argument("--tokenizer-threads", choices=["on", "off", "both"], default="both",
                     help="table 1 with tokenizers' thread pool on, off (single thread), or both")
+    ap.add_argument("--dists", help="table 4 only, for these row distributions of bench_rows.py (or all)")
     ap.add_argument("--scale", help="comma-separated row counts, e.g. 1000,20000 (or 1000,100000)")
     ap.add_argument("--scale-repeats", type=int, default=3)
+    ap.add_argument("--scale-dist", default="bench", help="the rows of --scale: a name of bench_rows.NAMES")
     ap.add_argument("--scale-worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cpus = os.cpu_count()
     if args.scale_worker:
-        scale_worker(args.scale_worker, args.batch_size)
+        scale_worker(args.scale_worker, args.batch_size, args.scale_dist)
     elif args.scale:
         main_scale(args)
+    elif args.dists:
+        distribution_table(args)
     else:
         main_tables(args)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -50,6 +51,28 @@ def test_reference_masks_match_the_pipeline(bench, generation_tok):
     assert [len(m) for m in hf] == [len(t) for t in trained]
     assert 0 < differ <= straddling  # (the generated rows do have some)
     assert bench.agreement(bench.pipeline(rows, generation_tok, cfg), hf) > 0.99
+
+
+@pytest.fixture(scope="module")
+def bench_rows(bench):
+    return sys.modules["bench_rows"]  # imported by bench_preprocess
+
+
+def test_every_distribution_is_deterministic_and_processes_without_a_drop(bench_rows, qwen3_tok):
+    """Each row distribution holds the properties it names, and the pipeline keeps every row of it."""
+    cfg = DataConfig(max_length=4096, reasoning_history="drop")
+    seen: dict[str, set] = {}
+    for name in bench_rows.NAMES:
+        rows = bench_rows.rows(name, 12)
+        assert rows == bench_rows.rows(name, 12) != bench_rows.rows(name, 12, seed=1)
+        out = process_rows(rows, qwen3_tok, cfg)
+        assert not any(out["drop_reason"]), (name, [d for d in out["drop_detail"] if d])
+        seen[name] = {k for r in out["parse_report"] for k, v in json.loads(r).items() if v and k != "rows"}
+    assert {"moved_reasoning_keys", "extracted_think_from_content", "reasoning_dropped_tokens"} <= seen["reasoning"]
+    assert "tools_parsed_from_string" in seen["agent"]
+    assert {"prompt_response", "sharegpt", "alpaca"} <= {s for r in bench_rows.rows("sft", 12)
+                                                          for s in [canonicalize_row(r, cfg).report.schema]}
+    assert any(isinstance(m["content"], list) for r in bench_rows.rows("unicode", 12) for m in r["messages"])
 
 
 @pytest.fixture(scope="module")

@@ -162,8 +162,12 @@ def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig, code: str = "") 
         return {**empty_output(), "drop_reason": DropReason.UNPARSEABLE_JSON,
                 "drop_detail": f"{batch['location'][i]}: {errors[i]}"}
 
-    merged = merge_back(n, ok, [{col: good[col][j] for col in OUTPUT_COLUMNS} for j in range(len(ok))], unreadable)
-    out = {col: [row[col] for row in merged] for col in OUTPUT_COLUMNS}
+    if len(ok) == n:  # every row read: the columns as they are
+        out = dict(good)
+    else:
+        merged = merge_back(n, ok, [{col: good[col][j] for col in OUTPUT_COLUMNS} for j in range(len(ok))],
+                            unreadable)
+        out = {col: [row[col] for row in merged] for col in OUTPUT_COLUMNS}
     out["source"] = list(batch["source"])
     out["location"] = list(batch["location"])
     out["domain"] = merge_back(n, ok, [_domain(r, cfg.domain_key) for r in rows], lambda i: "")

@@ -105,9 +105,19 @@ KEPT_COLUMNS = kept_columns("sft")
 EXPANDED_COLUMNS = columns(EXPANDED)
 
 
+_EMPTY_VALUES = {c.name: c.empty_value() for c in PROCESSED_ROW if c.written_by == "pipeline"}
+_LIST_COLUMNS = tuple(name for name, value in _EMPTY_VALUES.items() if isinstance(value, list))
+
+
 def empty_output() -> dict[str, Any]:
-    """The pipeline columns of a row before (or without) an example: what a refused row keeps."""
-    return {c.name: c.empty_value() for c in PROCESSED_ROW if c.written_by == "pipeline"}
+    """The pipeline columns of a row before (or without) an example: what a refused row keeps.
+
+    One per row: a copy of the empty values worked out once, each list column a new list (the pipeline appends
+    to ``expanded_*``)."""
+    out = _EMPTY_VALUES.copy()
+    for name in _LIST_COLUMNS:
+        out[name] = []
+    return out
 
 
 def processed_features():

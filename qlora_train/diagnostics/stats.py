@@ -11,6 +11,7 @@ least half the rows at or below it.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -340,12 +341,16 @@ def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[i
     pairs = data is not None and data.objective == "preference"
     sources: dict[str, dict] = {}
     labels = cols["source"]
-    for label in dict.fromkeys(labels):  # first-seen order
+    overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens, pairs=pairs)
+    distinct = list(dict.fromkeys(labels))  # first-seen order
+    for label in distinct:
+        if len(distinct) == 1:  # one source: its rows are all rows, its statistics the overall ones
+            sources[label] = copy.deepcopy(overall)
+            break
         idx = [i for i, s in enumerate(labels) if s == label]
         sub = {k: [cols[k][i] for i in idx] for k in STATS_COLUMNS}
         sub_tools = {j: tool_tokens[i] for j, i in enumerate(idx) if i in tool_tokens}
         sources[label] = group_stats(sub, max_length=max_length, tool_tokens=sub_tools, pairs=pairs)
-    overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens, pairs=pairs)
     return {"max_length": max_length, "overall": overall, "sources": sources, "markers": markers or {},
             "advice": advice(overall, max_length=max_length, data=data, markers=markers)}
 

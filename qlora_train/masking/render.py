@@ -251,11 +251,12 @@ def _eot_after(text: str, cursor: int, nxt: Message | None, layout: TemplateLayo
 
 def _find_untrained(text: str, content: str, cursor: int, limit: int) -> tuple[int, int] | None:
     """Where an untrained message's content is written, verbatim or JSON-escaped, before ``limit``."""
-    for written in dict.fromkeys((content, json.dumps(content, ensure_ascii=False)[1:-1])):
-        p = text.find(written, cursor, limit)
-        if p >= 0:
-            return p, p + len(written)
-    return None
+    p = text.find(content, cursor, limit)
+    if p >= 0:
+        return p, p + len(content)
+    escaped = json.dumps(content, ensure_ascii=False)[1:-1]  # only when the verbatim text is not there
+    p = text.find(escaped, cursor, limit) if escaped != content else -1
+    return (p, p + len(escaped)) if p >= 0 else None
 
 
 def _not_written(tokenizer, msg: Message, i: int) -> str | None:
