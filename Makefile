@@ -20,11 +20,14 @@ browser:
 		|| echo "could not install chromium: the browser check will be skipped"; \
 	else echo "no apt-get or not root: install chromium yourself to run the browser check"; fi
 
+# one worker per core (at most 4), whole files per worker: a file's module fixtures are built once
+PYTEST_PAR = -n auto --maxprocesses 4 --dist loadfile
+
 test:
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(PYTEST_PAR)
 
 test-fast:
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_PAR)
 
 lint:
 	$(PYTHON) -m ruff check qlora_train tests benchmarks scripts

@@ -58,14 +58,18 @@ def family_vocab_tokenizer(qwen_tokenizer_dir, real_vocab_dir):
     """``(family, vocabulary) -> tokenizer``, each built once per session (tests must not change them):
     ``qwen+tok`` the real Qwen vocabulary with the family's markers added as tokens; ``llama3+tok`` / ``llama3 text``
     the real Llama 3 vocabulary with them as tokens / left as plain text (tests/data/families.py)."""
+    from transformers import AutoTokenizer
+
     from tests.data.families import family_tokenizer
 
-    built = {}
+    built, bases = {}, {}
 
     def get(name: str, vocab: str = "qwen+tok"):
         if (name, vocab) not in built:
-            base = qwen_tokenizer_dir if vocab == "qwen+tok" else real_vocab_dir("llama3")
-            built[name, vocab] = family_tokenizer(base, name, markers_as_tokens=vocab != "llama3 text")
+            where = qwen_tokenizer_dir if vocab == "qwen+tok" else real_vocab_dir("llama3")
+            if where not in bases:  # loaded once, copied for each family (a copy costs half a load)
+                bases[where] = AutoTokenizer.from_pretrained(where)
+            built[name, vocab] = family_tokenizer(bases[where], name, markers_as_tokens=vocab != "llama3 text")
         return built[name, vocab]
 
     return get

@@ -11,6 +11,9 @@ import pytest
 
 from qlora_train import errors
 
+# starts fresh CLI processes: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 HEAVY = ("torch", "peft", "bitsandbytes", "transformers.trainer")
 
 

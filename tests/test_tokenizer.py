@@ -10,6 +10,9 @@ import pytest
 
 from qlora_train.tokenizer import tokenizer_class
 
+# saves and reloads tokenizers of several classes: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 TEXT = "user: 2+2? <think>add</think> 4<|im_end|>\n naïve 東京 \t done"
 
 

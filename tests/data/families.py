@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from os import PathLike
 from pathlib import Path
 
 TEMPLATE_DIR = Path(__file__).parent / "family_templates"
@@ -358,7 +357,7 @@ def example_messages(name: str) -> list[dict]:
     return messages if FAMILIES[name].supports_system else messages[1:]
 
 
-def family_tokenizer(base_tokenizer_dir: str | PathLike, name: str, *, markers_as_tokens: bool = True):
+def family_tokenizer(base_tokenizer_dir, name: str, *, markers_as_tokens: bool = True):
     """The base tokenizer with the family's chat template, bos/eos and (by default) its special tokens.
 
     Tokens the base tokenizer already has as added tokens (``<|endoftext|>``,

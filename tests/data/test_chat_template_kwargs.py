@@ -15,6 +15,9 @@ from qlora_train.chat_templates import jinja_literal, split_template_kwargs, wit
 from qlora_train.config import ConfigError
 from qlora_train.data import build_text_and_masks, get_chat_template, shipped_templates, template_layout
 
+# bakes templates into saved tokenizers and reloads them: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 USER = [{"role": "user", "content": "hi"}]
 CHAT = USER + [{"role": "assistant", "content": "yo", "reasoning_content": "think"},
                {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]

@@ -26,6 +26,10 @@ from qlora_train.masking.render import render_conversation
 from tests.data.families import FAMILIES, example_messages
 from tests.data.oracle import DECIDED, prefix_oracle, trained_text
 
+# every family template on real vocabularies (a tokenizer per family and vocabulary): make test (CI) runs it,
+# make test-fast does not
+pytestmark = pytest.mark.slow
+
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 
 NAMES = sorted(FAMILIES)

@@ -15,6 +15,9 @@ import pytest
 
 from tests.data.families import EXAMPLE, FAMILIES, example_messages
 
+# every family template's tokenizer built and rendered: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 NAMES = sorted(FAMILIES)
 DS_EOS = "<｜end▁of▁sentence｜>"
 SYS_PREAMBLE_START = (

@@ -26,6 +26,9 @@ from tests.data.families import FAMILIES, ISSUE24_NAMES, example_messages
 from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle
 from tests.vocabularies import SHIPPED_TEMPLATES
 
+# every family template probed on three vocabularies: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 NEW = sorted(ISSUE24_NAMES)
 # the family's markers as tokens on Qwen's vocabulary; on Llama 3's as plain text and as tokens
 VOCABS = ("qwen+tok", "llama3 text", "llama3+tok")

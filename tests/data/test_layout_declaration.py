@@ -39,6 +39,9 @@ from qlora_train.tokenizer import load_tokenizer
 from tests.data.families import FAMILIES, family_tokenizer
 from tests.data.test_family_masks import NO_VERIFIABLE_TOOL_CALLS, TOOLS, conversations
 
+# declared layouts round-tripped on every family template: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART_ROWS = [json.loads(line) for line in (REPO / "configs/data/quickstart.jsonl").read_text().splitlines()]
 

@@ -25,6 +25,9 @@ from qlora_train.data.prepared import (
 )
 from qlora_train.tokenizer import load_tokenizer
 
+# --preprocess round trips and subprocesses (~45 s on 2 cores): make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -12,7 +12,9 @@ from qlora_train.diagnostics.html import read_tokens
 
 from .test_diagnostics import NO_ANSWER, SIMPLE, write_config, write_data
 
-pytestmark = pytest.mark.skipif(chromium_binary() is None, reason="no chromium (make browser installs it)")
+# drives a headless browser: make test (CI) runs it, make test-fast does not
+pytestmark = [pytest.mark.skipif(chromium_binary() is None, reason="no chromium (make browser installs it)"),
+              pytest.mark.slow]
 
 
 @pytest.fixture

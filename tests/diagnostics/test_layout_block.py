@@ -12,6 +12,9 @@ import yaml
 
 from qlora_train.cli import main
 
+# runs --stats-only twice through the CLI: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from qlora_train.cli import main
 from qlora_train.diagnostics.stats import marker_advice
+
+# runs --stats-only on real vocabularies: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
 
 ROWS = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}] * 3
 

@@ -8,6 +8,9 @@ from qlora_train.data import DataConfig, process_rows
 from qlora_train.masking.layout import probe_tool_block, tool_block
 from tests.data.families import FAMILIES, family_tokenizer
 
+# every family template's tool block probed (~30 s on 2 cores): make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}},

@@ -13,6 +13,9 @@ from qlora_train.export.generate import Answer, ChatModel, answer, greedy
 from qlora_train.export.stop_tokens import eos_ids, serving_generation_config, stop_tokens
 from tests.data.families import FAMILIES, family_tokenizer
 
+# every family's tokenizer on two vocabularies (~35 s on 2 cores): make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 SHIPPED_END_OF_TURN = {"qwen3": "<|im_end|>", "qwen3.5": "<|im_end|>", "qwen2.5": "<|im_end|>",
                        "chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>"}
 

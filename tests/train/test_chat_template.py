@@ -16,6 +16,9 @@ from qlora_train.config import Config, ModelConfig
 from qlora_train.tokenizer import load_tokenizer
 from qlora_train.train.run import save_final_outputs, template_note
 
+# loads models with their templates: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "configs" / "data" / "quickstart.jsonl"
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

@@ -17,6 +17,9 @@ from qlora_train.config import Config, ModelConfig
 from qlora_train.train import run
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
 
+# runs the CLI on broken inputs: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 GOOD_ROW = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 
 

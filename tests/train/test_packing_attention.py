@@ -13,6 +13,9 @@ from qlora_train.data.packing import best_fit_decreasing, pack_examples
 from qlora_train.masking.tokenize import IGNORE_INDEX
 from qlora_train.train.collator import PackedCollator
 
+# runs a model per attention implementation: make test (CI) runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 SAMPLE = Path(__file__).resolve().parents[2] / "configs" / "data" / "quickstart.jsonl"
 
 
