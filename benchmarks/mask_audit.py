@@ -118,6 +118,29 @@ def _facts(template: str, vocab: str) -> dict:
             "arguments_as_string": fam.tool_arguments_as_string}
 
 
+def _start(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> tuple:
+    """An empty ``Audit``, the tokenizer, the template's facts and the ``n`` seeded conversations."""
+    from tests.data.conversations import conversation
+
+    tok, facts = _tokenizer(template, vocab, qwen_dir), _facts(template, vocab)
+    convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"],
+                          arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
+    return Audit(template, vocab, rows=n), tok, facts, convs
+
+
+def _process(result: Audit, rows: list[dict], tok, cfg) -> dict | None:
+    """``process_rows``, or None with every row counted refused where the template cannot be used at all."""
+    from qlora_train.data import process_rows
+
+    try:
+        return process_rows(rows, tok, cfg)
+    except ValueError as err:  # the engine refuses the template before reading a row
+        result.setup_error = str(err).splitlines()[0][:160]
+        result.refused = len(rows)
+        result.reasons[f"setup error: {result.setup_error[:60]}"] = len(rows)
+        return None
+
+
 def as_pair(i: int, msgs: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
     """A conversation as a preference pair: the prompt up to its last user message, chosen = what answers it,
     rejected = a plain other answer (even ``i``) or the same turns with another final answer (odd ``i``)."""
@@ -135,26 +158,15 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> 
     ``process_rows`` with ``data.objective: preference``; the oracle judges each side (prompt + response) and only
     the response's turns are its trained spans. A pair is decided when the oracle decides both sides; counts are
     per pair, tokens over both sides."""
-    from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows
-    from tests.data.conversations import conversation
+    from qlora_train.data import IGNORE_INDEX, DataConfig
     from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()
-    result = Audit(template, vocab, rows=n)
-    tok = _tokenizer(template, vocab, qwen_dir)
-    facts = _facts(template, vocab)
-    convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"],
-                          arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
+    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir)
     pairs_ = [as_pair(i, msgs) for i, (msgs, _) in enumerate(convs)]
     rows = [{"prompt": p, "chosen": c, "rejected": r, **({"tools": t} if t else {})}
             for (p, c, r), (_, t) in zip(pairs_, convs)]
-    try:
-        out = process_rows(rows, tok, DataConfig(objective="preference", max_length=8192))
-    except ValueError as err:
-        result.setup_error = str(err).splitlines()[0][:160]
-        result.refused = n
-        result.reasons[f"setup error: {result.setup_error[:60]}"] = n
-        out = None
+    out = _process(result, rows, tok, DataConfig(objective="preference", max_length=8192))
     for i, ((prompt, chosen, rejected), (_, tools)) in enumerate(zip(pairs_, convs)):
         verdicts = {}
         for side, response in (("chosen", chosen), ("rejected", rejected)):
@@ -193,24 +205,13 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> 
 
 
 def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
-    from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows
-    from tests.data.conversations import conversation
+    from qlora_train.data import IGNORE_INDEX, DataConfig
     from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()
-    result = Audit(template, vocab, rows=n)
-    tok = _tokenizer(template, vocab, qwen_dir)
-    facts = _facts(template, vocab)
-    convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"],
-                          arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
+    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir)
     rows = [{"messages": m, **({"tools": t} if t else {})} for m, t in convs]
-    try:
-        out = process_rows(rows, tok, DataConfig(max_length=4096, reasoning_history="drop"))
-    except ValueError as err:  # the engine's probe refuses the template before reading a row
-        result.setup_error = str(err).splitlines()[0][:160]
-        result.refused = n
-        result.reasons[f"setup error: {result.setup_error[:60]}"] = n
-        out = None
+    out = _process(result, rows, tok, DataConfig(max_length=4096, reasoning_history="drop"))
     for i, (msgs, tools) in enumerate(convs):
         verdict = prefix_oracle(tok, msgs, tools=tools, end_markers=facts["end_markers"],
                                 think_open=facts["think_open"])
