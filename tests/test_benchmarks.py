@@ -17,12 +17,18 @@ from qlora_train.masking.tokenize import IGNORE_INDEX
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_preprocess.py"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_preprocess", BENCH)
+def load_bench(name: str):
+    """benchmarks/<name>.py as a module (registered under its name: dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH.with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("bench_preprocess")
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +83,7 @@ def test_every_distribution_is_deterministic_and_processes_without_a_drop(bench_
 
 @pytest.fixture(scope="module")
 def bench_train():
-    path = BENCH.with_name("bench_train.py")
-    spec = importlib.util.spec_from_file_location("bench_train", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_train")
 
 
 def test_train_bench_rows_train_a_third_of_the_tokens(bench_train):
@@ -117,11 +119,7 @@ def test_train_bench_table_and_target_line(bench_train, capsys):
 
 @pytest.fixture(scope="module")
 def bench_dpo():
-    path = BENCH.with_name("bench_dpo.py")
-    spec = importlib.util.spec_from_file_location("bench_dpo", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_dpo")
 
 
 def test_dpo_bench_pairs_are_the_same_tokens_for_both_trainers(bench_dpo):
@@ -156,12 +154,7 @@ def test_dpo_bench_target_fits_and_table_compares_with_trl(bench_dpo, capsys):
 
 @pytest.fixture(scope="module")
 def mask_audit():
-    path = BENCH.with_name("mask_audit.py")
-    spec = importlib.util.spec_from_file_location("mask_audit", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mask_audit"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
+    yield load_bench("mask_audit")
     del sys.modules["mask_audit"]
 
 
