@@ -48,6 +48,12 @@ TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model / from
 REFERENCE_ADAPTER = "reference"
 
 
+def real_pairs(labels: torch.Tensor) -> torch.Tensor:
+    """``[2B, L]`` pair-batch labels (chosen rows first) -> ``[B]`` bool: the pairs that are not blank
+    (``global_batches``), counted as ``SequenceLogps.real`` counts them: a chosen response with trained tokens."""
+    return (trained_positions(labels[: labels.shape[0] // 2]) != IGNORE_INDEX).any(dim=1)
+
+
 def check_preference_head(model) -> None:
     """``ConfigError`` unless the model's logits are its decoder's last hidden states through a plain
     bias-free head (what ``sequence_logps`` computes with); the same conditions as the fused SFT loss."""
@@ -115,24 +121,23 @@ def pair_logps(model, batch: dict, *, chunk_tokens: int = CHUNK_TOKENS) -> Seque
 
 
 def preference_step(model, batch: dict, objective: PreferenceObjective, *, chunk_tokens: int = CHUNK_TOKENS,
-                    policy_model=None, nll_tokens: float | None = None):
+                    policy_model=None, nll_tokens: float | None = None, pairs: float | None = None):
     """A pair batch -> (loss, metrics): reference log-probs when the objective needs them (on ``model``, the peft
     model), then the policy's, through ``policy_model`` (what the Trainer wrapped ``model`` in; default ``model``);
-    ``nll_tokens`` as ``orpo_loss`` reads it."""
+    ``nll_tokens`` and ``pairs`` as the objective reads them."""
     reference = None
     if objective.needs_reference:
         with torch.no_grad(), reference_model(model):
             reference = pair_logps(model, batch, chunk_tokens=chunk_tokens)
     policy = pair_logps(model if policy_model is None else policy_model, batch, chunk_tokens=chunk_tokens)
-    return objective(policy, reference, nll_tokens=nll_tokens)
+    return objective(policy, reference, nll_tokens=nll_tokens, pairs=pairs)
 
 
 class PreferenceTrainer(Trainer):
-    """The ``Trainer`` with ``preference_step`` as its loss; the objective's metrics are averaged over the
-    micro-batches since the last log and logged with the loss (``eval_``-prefixed in evaluation). On several
-    processes the policy pass goes through the DDP model ``compute_loss`` is given, ORPO's NLL in training divides by
-    the ranks' mean chosen-token count (``mean_chosen_tokens``), and each logged metric is the mean of the ranks' means
-    (every rank runs as many micro-batches), as the Trainer averages the loss."""
+    """The ``Trainer`` with ``preference_step`` as its loss; the objective's metrics are averaged over the real
+    pairs (ORPO's NLL over the chosen tokens) since the last log, of every rank, and logged with the loss (``eval_``-prefixed in evaluation). On several
+    processes the policy pass goes through the DDP model ``compute_loss`` is given, and in training the loss divides
+    by the ranks' mean count of real pairs and ORPO's NLL by their mean chosen-token count (``rank_means``)."""
 
     # the loss is a mean over this micro-batch's pairs: the Trainer divides it by the accumulation steps
     loss_is_scaled_for_ga = False
@@ -141,27 +146,35 @@ class PreferenceTrainer(Trainer):
         super().__init__(*args, **kwargs)
         use_pair_forward(self.model)
         self.objective, self.chunk_tokens = objective, chunk_tokens
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._metrics = {"train": defaultdict(lambda: [0.0, 0]), "eval": defaultdict(lambda: [0.0, 0])}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         peft_model = self.accelerator.unwrap_model(model)
-        nll_tokens = None
-        if self.objective.method == "orpo" and self.args.world_size > 1 and peft_model.training:
-            nll_tokens = self.mean_chosen_tokens(inputs["labels"])
+        real = real_pairs(inputs["labels"])
+        chosen_tokens = (trained_positions(inputs["labels"][: real.shape[0]]) != IGNORE_INDEX).sum()
+        nll_tokens = pairs = None
+        if self.args.world_size > 1 and peft_model.training:  # the global batch's counts, as the ranks' means
+            pairs, nll_tokens = self.rank_means(real.sum(), chosen_tokens)
         loss, metrics = preference_step(peft_model, inputs, self.objective, chunk_tokens=self.chunk_tokens,
-                                        policy_model=model, nll_tokens=nll_tokens)
+                                        policy_model=model, nll_tokens=nll_tokens, pairs=pairs)
+        # each metric is a mean over this batch's real pairs (ORPO's NLL: over its chosen tokens): kept as a sum
+        # and a count, so that the logged mean is over every pair (token) since the last log, on every rank
+        counts = {"nll_loss": int(chosen_tokens)}
         for key, value in metrics.items():
-            self._metrics["train" if peft_model.training else "eval"][key].append(value)
+            count = counts.get(key, int(real.sum()))
+            totals = self._metrics["train" if peft_model.training else "eval"][key]
+            totals[0] += value * count if count else 0.0
+            totals[1] += count
         return (loss, {"loss": loss}) if return_outputs else loss
 
-    def mean_chosen_tokens(self, labels: torch.Tensor) -> float:
-        """The chosen rows' trained tokens (as ``sequence_logps`` counts them), averaged over the ranks: ORPO's NLL
-        in training divides by it (``orpo_loss``), so that a step on N ranks is the step on their global batch.
-        Every rank calls it at the same micro-batch. Not in evaluation: there each rank's batch is its own, as the
-        Trainer's ``eval_loss`` weighs it, and the pairs accelerate repeats to even out the ranks do not count."""
-        chosen = trained_positions(labels[: labels.shape[0] // 2]) != IGNORE_INDEX
-        count = chosen.sum().to(torch.float64)
-        return self.accelerator.reduce(count, reduction="mean").item()
+    def rank_means(self, *counts: torch.Tensor) -> list[float]:
+        """``counts`` of this rank's micro-batch, each averaged over the ranks (every rank calls it at the same
+        micro-batch): what the objective divides by in training (``mean_over``, ``orpo_loss``'s ``nll_tokens``),
+        so that a step on N ranks is the step on their global batch. Not in evaluation: there each rank's batch is
+        its own, as the Trainer's ``eval_loss`` weighs it, and the pairs accelerate repeats to even out the ranks
+        do not count."""
+        stacked = torch.stack([c.to(torch.float64) for c in counts]).to(self.args.device)
+        return self.accelerator.reduce(stacked, reduction="mean").tolist()
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -173,10 +186,9 @@ class PreferenceTrainer(Trainer):
         split = "train" if "loss" in logs else "eval"
         prefix = "" if split == "train" else "eval_"
         keys = list(self._metrics[split])  # the objective's order, the same on every rank
-        means = [sum(self._metrics[split][key]) / len(self._metrics[split][key]) for key in keys]
-        if self.args.world_size > 1 and keys:  # every rank logs here at the same step: average the ranks' means
-            means = (self.accelerator.reduce(torch.tensor(means, dtype=torch.float64, device=self.args.device),
-                                             reduction="mean")).tolist()
-        logs.update({prefix + key: mean for key, mean in zip(keys, means)})
+        totals = torch.tensor([self._metrics[split][key] for key in keys], dtype=torch.float64)  # [keys, 2]
+        if self.args.world_size > 1 and keys:  # every rank logs here at the same step: sum the ranks' totals
+            totals = self.accelerator.reduce(totals.to(self.args.device), reduction="sum").cpu()
+        logs.update({prefix + key: (s / n if n else float("nan")) for key, (s, n) in zip(keys, totals.tolist())})
         self._metrics[split].clear()
         super().log(logs, start_time)

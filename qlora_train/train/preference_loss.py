@@ -69,6 +69,19 @@ class SequenceLogps:
         """Length-normalised log-probs (sum / trained tokens) -> (chosen, rejected)."""
         return self.halves(self.sums / self.counts.clamp(min=1).to(self.sums.dtype))
 
+    @property
+    def real(self) -> torch.Tensor:
+        """``[B]`` bool: the pairs that are not blank (``global_batches``): a real pair's chosen response has
+        trained tokens, a blank pair none."""
+        return self.halves(self.counts)[0] > 0
+
+    def select(self, pairs: torch.Tensor) -> SequenceLogps:
+        """The rows of the pairs ``pairs`` (``[B]`` bool) picks, chosen rows first again."""
+        chosen, rejected = self.halves(self.sums)
+        chosen_counts, rejected_counts = self.halves(self.counts)
+        return SequenceLogps(torch.cat([chosen[pairs], rejected[pairs]]),
+                             torch.cat([chosen_counts[pairs], rejected_counts[pairs]]))
+
 
 def sequence_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                    chunk_tokens: int = CHUNK_TOKENS) -> SequenceLogps:
@@ -143,8 +156,9 @@ class TokenLogProbs(torch.autograd.Function):
 
 
 def dpo_loss(policy: SequenceLogps, reference: SequenceLogps, *, beta: float, loss_type: DpoLoss = "sigmoid",
-             label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """DPO (``sigmoid``, with ``label_smoothing`` cDPO), robust DPO (``robust``) or IPO (``ipo``) -> (loss, metrics)."""
+             label_smoothing: float = 0.0, pairs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO (``sigmoid``, with ``label_smoothing`` cDPO), robust DPO (``robust``) or IPO (``ipo``) -> (loss, metrics).
+    The loss is the pairs' summed loss over ``pairs`` (``mean_over``)."""
     chosen_ratio = policy.chosen - reference.chosen.detach()
     rejected_ratio = policy.rejected - reference.rejected.detach()
     h = chosen_ratio - rejected_ratio
@@ -158,26 +172,36 @@ def dpo_loss(policy: SequenceLogps, reference: SequenceLogps, *, beta: float, lo
     else:
         raise ValueError(f"unknown DPO loss {loss_type!r}")
     chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
-    return losses.mean(), reward_metrics(chosen_rewards, rejected_rewards, policy)
+    return mean_over(losses, pairs), reward_metrics(chosen_rewards, rejected_rewards, policy)
 
 
-def orpo_loss(policy: SequenceLogps, *, orpo_lambda: float,
-              nll_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """ORPO: NLL on the chosen tokens + ``orpo_lambda`` times the odds-ratio loss -> (loss, metrics).
+def orpo_loss(policy: SequenceLogps, *, orpo_lambda: float, nll_tokens: float | None = None,
+              pairs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """ORPO: NLL on the chosen tokens + ``orpo_lambda`` times the odds-ratio loss (a mean over ``pairs``,
+    ``mean_over``) -> (loss, metrics).
 
     The NLL is the chosen rows' summed log-probs over ``nll_tokens``: by default this batch's chosen tokens; on
     several processes the ranks' mean of theirs, so that DDP's mean of the ranks' gradients (and the Trainer's of
     their losses) is the NLL over all the ranks' chosen tokens, as one process with the global batch computes it."""
-    chosen_counts = policy.halves(policy.counts)[0]
-    nll = -policy.chosen.sum() / (chosen_counts.sum().clamp(min=1) if nll_tokens is None else nll_tokens)
+    own_tokens = policy.halves(policy.counts)[0].sum().clamp(min=1)
+    nll = -policy.chosen.sum() / (own_tokens if nll_tokens is None else nll_tokens)
     chosen_mean, rejected_mean = policy.means()
     log_odds = (chosen_mean - log1mexp(chosen_mean)) - (rejected_mean - log1mexp(rejected_mean))
     ratio = F.logsigmoid(log_odds)
-    loss = nll - orpo_lambda * ratio.mean()
+    loss = nll - orpo_lambda * mean_over(ratio, pairs)
     metrics = reward_metrics(orpo_lambda * chosen_mean.detach(), orpo_lambda * rejected_mean.detach(), policy)
-    metrics.update({"nll_loss": nll.item(), "log_odds_ratio": ratio.mean().item(),
+    metrics.update({"nll_loss": (-policy.chosen.detach().sum() / own_tokens).item(),  # this batch's, per token
+                    "log_odds_ratio": ratio.mean().item(),
                     "log_odds_chosen": log_odds.mean().item()})
     return loss, metrics
+
+
+def mean_over(losses: torch.Tensor, pairs: float | None) -> torch.Tensor:
+    """``losses`` (one per pair) summed over ``pairs``: by default their own count (their mean); on several
+    processes the ranks' mean count of real pairs, so that DDP's mean of the ranks' gradients (and the Trainer's
+    of their losses) is the mean over the global batch's pairs, as one process computes it, also when a rank's
+    batch has blank pairs (``global_batches``) or none that are real."""
+    return losses.sum() / (max(losses.numel(), 1) if pairs is None else pairs)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -223,10 +247,17 @@ class PreferenceObjective:
     def needs_reference(self) -> bool:
         return self.method == "dpo"
 
-    def __call__(self, policy: SequenceLogps, reference: SequenceLogps | None, *, nll_tokens: float | None = None):
+    def __call__(self, policy: SequenceLogps, reference: SequenceLogps | None, *, nll_tokens: float | None = None,
+                 pairs: float | None = None):
+        """-> (loss, metrics) of the batch's real pairs (``SequenceLogps.real``: blank pairs left out); the
+        metrics are means over them (nan when there are none)."""
+        real = policy.real
+        if not bool(real.all()):
+            policy = policy.select(real)
+            reference = reference.select(real) if reference is not None else None
         if self.method == "dpo":
             return dpo_loss(policy, reference, beta=self.beta, loss_type=self.dpo_loss,
-                            label_smoothing=self.label_smoothing)
+                            label_smoothing=self.label_smoothing, pairs=pairs)
         if self.method == "orpo":
-            return orpo_loss(policy, orpo_lambda=self.orpo_lambda, nll_tokens=nll_tokens)
+            return orpo_loss(policy, orpo_lambda=self.orpo_lambda, nll_tokens=nll_tokens, pairs=pairs)
         raise ValueError(f"unknown preference method {self.method!r}")

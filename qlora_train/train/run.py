@@ -38,6 +38,7 @@ from qlora_train.train.distributed import (
     with_fsdp,
 )
 from qlora_train.train.fused_loss import use_fused_loss
+from qlora_train.train.global_batches import with_global_batches
 from qlora_train.train.model import count_parameters, load_model, load_model_config, resolve_runtime
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
 
@@ -288,6 +289,8 @@ def train(cfg: Config, *, callbacks: list | None = None):
         write_atomic(out / "dataset_report.json", report.to_json())
         print("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens)), flush=True)
 
+    if args.world_size > 1:  # the epoch's ragged last step: blank rows, not repeated ones
+        trainer_class = with_global_batches(trainer_class)
     if args.fsdp:
         trainer_class = with_fsdp(trainer_class)
     stopper = StopOnSignal()

@@ -182,12 +182,12 @@ BYTES_LINE = re.compile(r"fsdp: 4-bit weight bytes per rank ([\d,]+) \([\d.]+%\)
 
 
 def packed_config(tmp_path, model_dir, name: str, **train) -> Path:
-    """48 rows packed into 128-token sequences (22 of them: 4 steps of 4 never reach the epoch's end), 2 micro-batches
-    per step, the model's own loss and no gradient checkpointing, an eval split (its loss is logged)."""
+    """48 rows packed into 128-token sequences (22 of them), 2 micro-batches per step, the model's own loss and no
+    gradient checkpointing, an eval split (its loss is logged); 7 steps: the epoch's 6th ends with one micro-batch."""
     cfg = {"model": {"name_or_path": str(model_dir), "chat_template": "qwen3"},
            "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
            "data": {"datasets": [{"path": str(SAMPLE)}], "max_length": 128, "eval_fraction": 0.25},
-           "train": {"output_dir": str(tmp_path / name), "max_steps": 4, "save_steps": 4, "eval_steps": 4,
+           "train": {"output_dir": str(tmp_path / name), "max_steps": 7, "save_steps": 7, "eval_steps": 7,
                      "logging_steps": 1, "report_to": "none", "lr_scheduler": "constant", "warmup_ratio": 0.0,
                      "learning_rate": 5e-3, "packing": True, "packing_length": 128, "gradient_accumulation_steps": 2,
                      "fused_loss": False, "gradient_checkpointing": False, **train}}
@@ -196,10 +196,16 @@ def packed_config(tmp_path, model_dir, name: str, **train) -> Path:
     return path
 
 
+QUICK_STEPS, QUICK_CHECKPOINT = 14, 7
+
+
 def quickstart_overrides(tmp_path, model_dir, name: str) -> list[str]:
-    """The shipped quickstarts on the tiny model, 4 steps, a checkpoint after 2, no eval split."""
-    return [f"model.name_or_path={model_dir}", f"train.output_dir={tmp_path / name}", "train.max_steps=4",
-            "train.save_steps=2", "train.logging_steps=1", "data.eval_fraction=0.0"]
+    """The shipped quickstarts on the tiny model, no eval split, 45 of its rows: 11 whole steps of 4 rows and a
+    ragged 12th of 1 (on 2 ranks: rank 0's batch half blank, rank 1's all blank), then 2 steps into the second
+    epoch; a checkpoint after step 7."""
+    return [f"model.name_or_path={model_dir}", f"train.output_dir={tmp_path / name}",
+            f"train.max_steps={QUICK_STEPS}", f"train.save_steps={QUICK_CHECKPOINT}", "train.logging_steps=1",
+            "data.eval_fraction=0.0", "data.max_samples=45"]
 
 
 def torchrun(port: int, *args: str, log: Path) -> subprocess.Popen:
@@ -257,21 +263,22 @@ def test_fsdp_on_two_processes_is_the_one_process_run(tmp_path, tiny_model_dir, 
                                                      per_device_train_batch_size=2)))}
     stderr = {"quick": finish(quick, logs["quick"]), "packed": finish(packed, logs["packed"])}
 
-    # resume: the quickstart's step-2 checkpoint alone in a fresh output directory, as if killed after it
+    # resume: the quickstart's step-7 checkpoint alone in a fresh output directory, as if killed after it
     (tmp_path / "resumed").mkdir()
-    shutil.copytree(tmp_path / "quick" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    checkpoint = f"checkpoint-{QUICK_CHECKPOINT}"
+    shutil.copytree(tmp_path / "quick" / checkpoint, tmp_path / "resumed" / checkpoint)
     resumed = torchrun(29543, "--config", str(QUICKSTART_FSDP), *(
         arg for o in [*quickstart_overrides(tmp_path, tiny_model_dir, "resumed"), "train.resume_from_checkpoint=auto"]
         for arg in ("--set", o)), log=logs["resumed"])
 
     for name, trainer in one.items():
         want, got = logged(Path(trainer.args.output_dir)), logged(tmp_path / name)
-        assert want.keys() == got.keys() == {1, 2, 3, 4}, name
+        assert want.keys() == got.keys() == set(range(1, trainer.args.max_steps + 1)), name
         for step in want:
             assert got[step] == pytest.approx(want[step], rel=0, abs=1e-5), (name, step)
         worst = assert_same_adapter(adapter(Path(trainer.args.output_dir)), adapter(tmp_path / name), atol=1e-5)
         print(f"{name}: losses differ by <= {max(abs(got[s] - want[s]) for s in want):.2e}, adapter by {worst:.2e}")
-    assert logged(tmp_path / "packed", "eval_loss").keys() == {4}
+    assert logged(tmp_path / "packed", "eval_loss").keys() == {7}
     assert "fsdp: 4-bit weight bytes per rank" in stderr["packed"]
 
     rank0, rank1, whole = (int(n.replace(",", "")) for n in BYTES_LINE.search(stderr["quick"]).groups())
@@ -290,6 +297,6 @@ def test_fsdp_on_two_processes_is_the_one_process_run(tmp_path, tiny_model_dir, 
         torch.testing.assert_close(lora[key], tensor, rtol=0, atol=0)
 
     finish(resumed, logs["resumed"])
-    assert logged(tmp_path / "resumed").keys() == {1, 2, 3, 4}
+    assert logged(tmp_path / "resumed").keys() == set(range(1, QUICK_STEPS + 1))
     worst = assert_same_adapter(adapter(tmp_path / "quick"), adapter(tmp_path / "resumed"), atol=1e-6)
     print(f"resumed adapter differs by {worst:.2e}")
