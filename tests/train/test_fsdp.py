@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -208,12 +208,35 @@ def quickstart_overrides(tmp_path, model_dir, name: str) -> list[str]:
             "data.eval_fraction=0.0", "data.max_samples=45"]
 
 
-def torchrun(port: int, *args: str, log: Path) -> subprocess.Popen:
+def torchrun(port: int, *args: str, log: Path, program: tuple[str, ...] = ("-m", "qlora_train.cli"),
+             stdout=subprocess.DEVNULL) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",  # float32 on CPU, also on a GPU machine
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(port), "-m", "qlora_train.cli", *args], cwd=REPO / "configs", env=env,
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
+                             str(port), *program, *args], cwd=REPO / "configs", env=env,
+                            stdout=stdout, stderr=log.open("w"), text=True)
+
+
+# The CLI with a callback that says (rank 0, on stdout) when a checkpoint is saved, and pauses after the step
+# after it (argv[1] + 1), so that a SIGTERM sent on "saved <argv[1]>" arrives during that step.
+PACED_CLI = """
+import sys, time
+from transformers import TrainerCallback
+import qlora_train.train.run as run
+from qlora_train.cli import main
+
+class Pace(TrainerCallback):
+    def on_save(self, args, state, control, **kw):
+        if args.process_index == 0:
+            print(f"saved {state.global_step}", flush=True)
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == int(sys.argv[1]) + 1:
+            time.sleep(3)
+
+real_train = run.train
+run.train = lambda cfg, callbacks=None: real_train(cfg, callbacks=[Pace()])
+sys.exit(main(sys.argv[2:]))
+"""
 
 
 def finish(proc: subprocess.Popen, log: Path) -> str:
@@ -246,13 +269,13 @@ def test_fsdp_on_two_processes_is_the_one_process_run(tmp_path, tiny_model_dir, 
     """configs/quickstart-fsdp.yaml (padded rows, the fused loss and gradient checkpointing: its defaults) on 2
     ranks x 2 rows, and a packed run (2 micro-batches per step, the model's own loss, eval) on 2 ranks x 1 sequence:
     the same losses as one process with 4 rows / 2 sequences, within 1e-5 in float32, and the same adapter, which
-    loads on one process; each rank holds half of the 4-bit weight bytes; resuming the quickstart from its step-2
-    checkpoint ends at the same adapter."""
+    loads on one process; each rank holds half of the 4-bit weight bytes; the quickstart stopped by SIGTERM after a
+    checkpoint saves one and, resumed from it, ends at the same adapter."""
     from qlora_train.train.run import train
 
     monkeypatch.chdir(REPO / "configs")  # the quickstarts' data path is relative to it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the one-process runs: float32 on CPU too
-    logs = {name: tmp_path / f"{name}.log" for name in ("quick", "packed", "resumed")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("quick", "packed", "stopped", "resumed")}
     quick = torchrun(29541, "--config", str(QUICKSTART_FSDP), *(
         arg for o in quickstart_overrides(tmp_path, tiny_model_dir, "quick") for arg in ("--set", o)),
         log=logs["quick"])
@@ -263,13 +286,23 @@ def test_fsdp_on_two_processes_is_the_one_process_run(tmp_path, tiny_model_dir, 
                                                      per_device_train_batch_size=2)))}
     stderr = {"quick": finish(quick, logs["quick"]), "packed": finish(packed, logs["packed"])}
 
-    # resume: the quickstart's step-7 checkpoint alone in a fresh output directory, as if killed after it
-    (tmp_path / "resumed").mkdir()
-    checkpoint = f"checkpoint-{QUICK_CHECKPOINT}"
-    shutil.copytree(tmp_path / "quick" / checkpoint, tmp_path / "resumed" / checkpoint)
-    resumed = torchrun(29543, "--config", str(QUICKSTART_FSDP), *(
-        arg for o in [*quickstart_overrides(tmp_path, tiny_model_dir, "resumed"), "train.resume_from_checkpoint=auto"]
-        for arg in ("--set", o)), log=logs["resumed"])
+    # SIGTERM to torchrun (it passes it on to the ranks) once the step-7 checkpoint is saved: every rank stops
+    # after step 8 with a checkpoint; the run then resumed from it, across the ragged step 12
+    (tmp_path / "paced.py").write_text(PACED_CLI)
+    overrides = [*quickstart_overrides(tmp_path, tiny_model_dir, "resumed"), "train.resume_from_checkpoint=auto"]
+    config = ["--config", str(QUICKSTART_FSDP), *(arg for o in overrides for arg in ("--set", o))]
+    stopped = torchrun(29543, str(QUICK_CHECKPOINT), *config, log=logs["stopped"],
+                       program=(str(tmp_path / "paced.py"),), stdout=subprocess.PIPE)
+    for line in stopped.stdout:
+        if line.strip() == f"saved {QUICK_CHECKPOINT}":
+            stopped.send_signal(signal.SIGTERM)
+            break
+    stopped.communicate(timeout=300)
+    stop_line = (f"interrupted: stopped by SIGTERM at step {QUICK_CHECKPOINT + 1}; checkpoint saved to "
+                 f"{tmp_path / 'resumed' / f'checkpoint-{QUICK_CHECKPOINT + 1}'}")
+    assert stopped.returncode != 0 and logs["stopped"].read_text().count(stop_line) == 2  # each rank's
+    assert not (tmp_path / "resumed" / "adapter_model.safetensors").exists()
+    resumed = torchrun(29545, *config, log=logs["resumed"])
 
     for name, trainer in one.items():
         want, got = logged(Path(trainer.args.output_dir)), logged(tmp_path / name)
