@@ -60,7 +60,8 @@ import bench_rows  # noqa: E402
 from qlora_train.config import DataConfig  # noqa: E402
 from qlora_train.data import canonicalize_row, process_rows  # noqa: E402
 from qlora_train.data.packing import PackingStats, best_fit_decreasing, padded_efficiency  # noqa: E402
-from qlora_train.masking.render import render_text  # noqa: E402
+from qlora_train.masking.layout import template_layout  # noqa: E402
+from qlora_train.masking.render import template_messages  # noqa: E402
 from qlora_train.masking.tokenize import IGNORE_INDEX, encode_batch, project_char_mask  # noqa: E402
 from qlora_train.tiny import build_qwen_tokenizer  # noqa: E402
 
@@ -111,18 +112,25 @@ def batches(items: list, size: int):
 # --- the timed methods: each handles one batch and returns what it made ---
 
 
+def hf_render(messages, tok, *, tools=None, add_generation_prompt=False) -> str:
+    """The text ``process_rows`` renders, by ``apply_chat_template`` itself (the floor's render and the other
+    methods'; the pipeline's own render skips transformers' copies, masking/apply_template.py)."""
+    return tok.apply_chat_template(template_messages(messages, template_layout(tok)), tools=tools, tokenize=False,
+                                   add_generation_prompt=add_generation_prompt)
+
+
 def floor_hf(canon, tok) -> None:
-    texts = [render_text(c.messages, tok, tools=c.tools) for c in canon]
+    texts = [hf_render(c.messages, tok, tools=c.tools) for c in canon]
     tok(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
 
 
 def floor_rust(canon, tok) -> None:
-    texts = [render_text(c.messages, tok, tools=c.tools) for c in canon]
+    texts = [hf_render(c.messages, tok, tools=c.tools) for c in canon]
     [(e.ids, e.offsets) for e in tok._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
 def floor_ids(canon, tok) -> None:
-    texts = [render_text(c.messages, tok, tools=c.tools) for c in canon]
+    texts = [hf_render(c.messages, tok, tools=c.tools) for c in canon]
     [e.ids for e in tok._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
@@ -155,12 +163,12 @@ def hf_assistant_mask(canon, tok) -> list[list[int]]:
 
 def prefix_spans(messages, tools, tok) -> tuple[str, list[tuple[int, int]]]:
     """Trained spans by prefix renders: turn i spans len(render(:i) + header) .. len(render(:i+1)) - newline."""
-    text = render_text(messages, tok, tools=tools)
+    text = hf_render(messages, tok, tools=tools)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
-            a = len(render_text(messages[:i], tok, tools=tools, add_generation_prompt=True))
-            b = len(render_text(messages[:i + 1], tok, tools=tools).rstrip("\n"))
+            a = len(hf_render(messages[:i], tok, tools=tools, add_generation_prompt=True))
+            b = len(hf_render(messages[:i + 1], tok, tools=tools).rstrip("\n"))
             spans.append((a, b))
     return text, spans
 
@@ -227,7 +235,7 @@ def main_tables(args) -> None:
     rows = make_rows(args.rows)
     canon = [canonicalize_row(r, cfg) for r in rows]
     process_rows(rows[:8], tok, cfg)  # warm caches (template compile, layout probe)
-    lengths = [len(ids) for ids, _ in encode_batch([render_text(c.messages, tok, tools=c.tools) for c in canon], tok)]
+    lengths = [len(ids) for ids, _ in encode_batch([hf_render(c.messages, tok, tools=c.tools) for c in canon], tok)]
     print(f"machine: {platform.machine()}, {args.cpus} CPU cores, python {platform.python_version()}; rows "
           f"{args.rows}, mean tokens/row {sum(lengths) / len(lengths):.0f}, batch {args.batch_size}, "
           f"best of {args.repeats} per batch, interleaved")
@@ -290,7 +298,7 @@ def main_tables(args) -> None:
 STAGES = {  # what process_rows does, timed inside it: (module, name) of each stage
     "canonicalize": ("pipeline", "canonicalize_row"),
     "render": ("pipeline", "render_conversation"),  # the template render + locating and verifying the spans
-    "template": ("render", "render_text"),  # the template render alone (the floor's first part)
+    "template": ("render", "render_text"),  # the template render alone (the floor's first part, made cheaper)
     "tokenize": ("pipeline", "_encode_each"),  # the batched call with offsets (the floor's second part)
     "labels": ("pipeline", "_example"),  # projection to tokens, labels, tool block count
     "count": ("pipeline", "count_tokens"),  # tokens of the reasoning the template drops

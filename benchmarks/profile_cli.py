@@ -6,8 +6,9 @@ Each distribution of ``bench_rows.py`` (seed 1, as bench_cli.py) runs ``qlora-tr
 process under cProfile (fresh datasets cache, ``reasoning_history: drop``, tokenizer on one thread), on
 ``--rows`` and on ``--small`` rows. The table gives, per row, the cumulative time of the stages by the same
 two-size difference as bench_cli.py (so fixed costs such as loading the tokenizer cancel); the floor's two
-parts (the template render and the batched tokenization with offsets) are marked, what the pipeline does
-beyond them is the rest. cProfile slows Python code more than Rust calls, so the shares of the Python stages
+parts as the pipeline makes them (its template render, ``apply_template``, cheaper than the floor's
+``apply_chat_template``, and the batched tokenization with offsets) are marked, what the pipeline does beyond
+them is the rest. cProfile slows Python code more than Rust calls, so the shares of the Python stages
 are upper bounds: bench_cli.py gives the real ratio. ``--top N`` also prints the N functions with the most
 own time.
 """
@@ -39,7 +40,7 @@ STAGES = [
     ("      canonicalize_row", "qlora_train/data/parse.py", "canonicalize_row"),
     ("        tools from a JSON string", "qlora_train/data/parse.py", "row_tools"),
     ("      render_conversation", "qlora_train/masking/render.py", "render_conversation"),
-    ("        template render (floor)", "qlora_train/masking/render.py", "render_text"),
+    ("        template render (apply_template)", "qlora_train/masking/render.py", "render_text"),
     ("      check_unicode", "qlora_train/masking/messages.py", "check_unicode"),
     ("      encode_batch (floor)", "qlora_train/masking/tokenize.py", "encode_batch"),
     ("      count dropped reasoning tokens", "qlora_train/masking/tokenize.py", "count_tokens"),

@@ -35,6 +35,7 @@ import os
 
 import numpy as np
 
+from qlora_train.masking.apply_template import apply_template
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, template_layout
 from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected, argument_values
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
@@ -64,8 +65,7 @@ class PrefixRenderer:
         msgs = self.messages[:k] if last is None else [*self.messages[:k], last]
         self.count += 1
         try:
-            return self.tokenizer.apply_chat_template(msgs, tools=self.tools, tokenize=False,
-                                                      add_generation_prompt=gen)
+            return apply_template(msgs, self.tokenizer, tools=self.tools, add_generation_prompt=gen)
         except TEMPLATE_ERRORS as exc:
             raise RowRejected(DropReason.TEMPLATE_ERROR, f"rendering messages[:{len(msgs)}]: "
                               f"{type(exc).__name__}: {exc}") from None

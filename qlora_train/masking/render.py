@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from qlora_train.masking.apply_template import apply_template
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, role_is_rendered, template_layout
 from qlora_train.masking.messages import KNOWN_ROLES, WHITESPACE, DropReason, Message, RowRejected, argument_values
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
@@ -91,10 +92,8 @@ def _string_arguments(call: dict) -> dict:
 def render_text(messages: list[Message], tokenizer, *, tools=None, add_generation_prompt=False) -> str:
     """Exactly ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)`` (reasoning under the
     key the template reads)."""
-    return tokenizer.apply_chat_template(
-        template_messages(messages, template_layout(tokenizer)), tools=tools, tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-    )
+    return apply_template(template_messages(messages, template_layout(tokenizer)), tokenizer, tools=tools,
+                          add_generation_prompt=add_generation_prompt)
 
 
 def _skip_ws(text: str, pos: int) -> int:

@@ -1,0 +1,95 @@
+"""``apply_template`` is ``apply_chat_template(..., tokenize=False)``, the text exactly: on every family template, and
+it falls back to it on any difference."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+
+import pytest
+
+from qlora_train.masking import apply_template as at
+from tests.data.conversations import conversation
+from tests.data.families import FAMILIES
+
+
+def reference(messages, tok, tools=None, gen=False):
+    try:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+    except Exception as exc:  # noqa: BLE001 - a template's own error is an outcome too
+        return type(exc)
+
+
+def direct(messages, tok, tools=None, gen=False):
+    """The direct render alone, never checked against the reference (what renders after the first ones do)."""
+    try:
+        return at._DirectRender(tok, tok.special_tokens_map).render(tok, messages, tools, gen)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc)
+
+
+EDGES = [  # keys transformers treats specially: None values dropped, reasoning under any of its names aliased
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "tool_calls": None}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning": "hmm"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "thinking": "hmm"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "reasoning_content": "a",
+                                         "tool_calls": [{"type": "function", "function": {
+                                             "name": "add", "arguments": {"a": 1, "b": None}}}]}],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_direct_render_is_apply_chat_template_on_every_family(name, family_vocab_tokenizer):
+    """40 seeded conversations (tools, reasoning, unicode and whitespace edges; every prefix of each, with and
+    without the generation prompt) and the edge cases above: the same text, or the same exception type."""
+    tok = family_vocab_tokenizer(name)
+    rng = random.Random(name)
+    cases = [(msgs, None) for msgs in EDGES]
+    for _ in range(40):
+        msgs, tools = conversation(rng, system=FAMILIES[name].supports_system,
+                                   arguments_as_string=FAMILIES[name].tool_arguments_as_string)
+        cases += [(msgs[:k], tools) for k in range(1, len(msgs) + 1)]
+    rendered = 0
+    for msgs, tools in cases:
+        for gen in (False, True):
+            want = reference(copy.deepcopy(msgs), tok, tools, gen)
+            assert direct(msgs, tok, tools, gen) == want, (msgs, tools, gen)
+            rendered += isinstance(want, str)
+    assert rendered > len(cases) // 2  # mostly texts, not errors: the comparison is not between two exceptions
+
+
+def test_renders_are_checked_then_direct(qwen3_tok, monkeypatch):
+    tok = copy.copy(qwen3_tok)
+    calls = []
+    real = at._reference
+    monkeypatch.setattr(at, "_reference", lambda *a: calls.append(1) or real(*a))
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    want = tok.apply_chat_template(msgs, tokenize=False)
+    assert all(at.apply_template(msgs, tok) == want for _ in range(at.CHECKED_RENDERS + 5))
+    assert len(calls) == at.CHECKED_RENDERS  # checked this many times, then rendered directly
+    tok.chat_template = tok.chat_template + "{{ '!' }}"  # a new template: checked again
+    assert at.apply_template(msgs, tok) == want + "!" and len(calls) == at.CHECKED_RENDERS + 1
+
+
+def test_a_difference_falls_back_to_apply_chat_template_for_good(qwen3_tok, monkeypatch, caplog):
+    tok = copy.copy(qwen3_tok)
+    monkeypatch.setattr(at._DirectRender, "render", lambda self, *a: "not the text")
+    msgs = [{"role": "user", "content": "hi"}]
+    want = tok.apply_chat_template(msgs, tokenize=False)
+    with caplog.at_level(logging.WARNING):
+        assert at.apply_template(msgs, tok) == want
+    assert "gave another text than apply_chat_template" in caplog.text
+    monkeypatch.setattr(at, "CHECKED_RENDERS", 0)  # even past the checked renders: apply_chat_template
+    assert at.apply_template(msgs, tok) == want
+
+
+def test_other_special_tokens_make_a_new_direct_render(qwen3_tok):
+    tok = copy.copy(qwen3_tok)
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    msgs = [{"role": "user", "content": "hi"}]
+    for _ in range(at.CHECKED_RENDERS + 1):
+        at.apply_template(msgs, tok)
+    tok.bos_token = "<|im_start|>"
+    assert at.apply_template(msgs, tok) == tok.apply_chat_template(msgs, tokenize=False) == "<|im_start|>hi"
