@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 CHECKED_RENDERS = 16  # per tokenizer and template: rendered both ways and compared
 
 try:  # transformers' own steps of apply_chat_template (5.x), so that the render is its render
-    from transformers.utils.chat_template_utils import _alias_reasoning_fields, _compile_jinja_template, \
-        _plain_template_data
+    from transformers.utils.chat_template_utils import (
+        _alias_reasoning_fields,
+        _compile_jinja_template,
+        _plain_template_data,
+    )
 except ImportError:  # pragma: no cover - another transformers: apply_chat_template itself
     _alias_reasoning_fields = _compile_jinja_template = _plain_template_data = None
 

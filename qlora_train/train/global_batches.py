@@ -8,9 +8,9 @@ that step's update differs, and so does every later loss. Here the per-device ba
 ``WholeGlobalBatches`` instead: the epoch's last batch is completed, and whole batches added, with ``BLANK``, an
 index ``BlankRows`` answers with a row of one untrained token. A blank row adds nothing to the loss or the
 gradient: the SFT loss is normalised by the trained tokens of the global batch (``num_items_in_batch``), and a
-preference loss by the pairs that are real (``preference_loss.mean_over``). So accelerate has nothing to fill, and the step is
-the one process's step on the rows left (the quickstart: 43 rows, 2 ranks x 2 rows; the last step's 3 rows are
-2 on rank 0 and 1 + a blank on rank 1).
+preference loss by the pairs that are real (``preference_loss.mean_over``). So accelerate has nothing to fill,
+and the step is the one process's step on the rows left (the quickstart: 43 rows, 2 ranks x 2 rows; the last
+step's 3 rows are 2 on rank 0 and 1 + a blank on rank 1).
 
     >>> from torch.utils.data import SequentialSampler
     >>> list(WholeGlobalBatches(SequentialSampler(range(5)), batch_size=2, num_processes=2))

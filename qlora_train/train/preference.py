@@ -135,9 +135,10 @@ def preference_step(model, batch: dict, objective: PreferenceObjective, *, chunk
 
 class PreferenceTrainer(Trainer):
     """The ``Trainer`` with ``preference_step`` as its loss; the objective's metrics are averaged over the real
-    pairs (ORPO's NLL over the chosen tokens) since the last log, of every rank, and logged with the loss (``eval_``-prefixed in evaluation). On several
-    processes the policy pass goes through the DDP model ``compute_loss`` is given, and in training the loss divides
-    by the ranks' mean count of real pairs and ORPO's NLL by their mean chosen-token count (``rank_means``)."""
+    pairs (ORPO's NLL over the chosen tokens) since the last log, of every rank, and logged with the loss
+    (``eval_``-prefixed in evaluation). On several processes the policy pass goes through the DDP model
+    ``compute_loss`` is given, and in training the loss divides by the ranks' mean count of real pairs and ORPO's
+    NLL by their mean chosen-token count (``rank_means``)."""
 
     # the loss is a mean over this micro-batch's pairs: the Trainer divides it by the accumulation steps
     loss_is_scaled_for_ga = False
