@@ -86,7 +86,7 @@ def test_a_difference_falls_back_to_apply_chat_template_for_good(qwen3_tok, monk
 
 
 def test_other_special_tokens_make_a_new_direct_render(qwen3_tok):
-    tok = copy.copy(qwen3_tok)
+    tok = copy.deepcopy(qwen3_tok)  # a shallow copy shares its special tokens with the session's tokenizer
     tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     msgs = [{"role": "user", "content": "hi"}]
     for _ in range(at.CHECKED_RENDERS + 1):
