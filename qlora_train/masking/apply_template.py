@@ -7,9 +7,9 @@ under the other names templates read it by (``_alias_reasoning_fields``) and pic
 by whether there are tools). For messages and tools that are plain JSON data already (what the parser makes) the
 copies change nothing: the template sees equal data, and the sandbox keeps it from writing to it. ``apply_template``
 does the rest (the template picked per call, None keys dropped, reasoning aliased by transformers' own function,
-the special tokens converted once per tokenizer) and calls the compiled template (transformers' cache) with what
-transformers would pass it: about 20 us less a render (66 -> 46 us a short chat row), which matters because the
-render is half of a row's cost.
+the special tokens converted once per tokenizer) and renders the compiled template (transformers' cache) with
+what transformers would pass it, as jinja's ``Template.render`` does but with the template's globals flattened
+once: 45 us a short chat row instead of 67, which matters because the render is half of a row's cost.
 
 It is checked, not assumed: the first ``CHECKED_RENDERS`` renders of each tokenizer and template are made both
 ways and compared; on a difference (or where transformers' internals it uses are missing) that tokenizer renders
