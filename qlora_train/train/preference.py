@@ -48,10 +48,10 @@ TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model / from
 REFERENCE_ADAPTER = "reference"
 
 
-def real_pairs(labels: torch.Tensor) -> torch.Tensor:
-    """``[2B, L]`` pair-batch labels (chosen rows first) -> ``[B]`` bool: the pairs that are not blank
-    (``global_batches``), counted as ``SequenceLogps.real`` counts them: a chosen response with trained tokens."""
-    return (trained_positions(labels[: labels.shape[0] // 2]) != IGNORE_INDEX).any(dim=1)
+def chosen_trained(labels: torch.Tensor) -> torch.Tensor:
+    """``[2B, L]`` pair-batch labels (chosen rows first) -> ``[B, L]`` bool: the chosen rows' trained positions, as
+    ``sequence_logps`` counts them. A pair whose chosen row has none is blank (``global_batches``)."""
+    return trained_positions(labels[: labels.shape[0] // 2]) != IGNORE_INDEX
 
 
 def check_preference_head(model) -> None:
@@ -151,18 +151,18 @@ class PreferenceTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         peft_model = self.accelerator.unwrap_model(model)
-        real = real_pairs(inputs["labels"])
-        chosen_tokens = (trained_positions(inputs["labels"][: real.shape[0]]) != IGNORE_INDEX).sum()
+        chosen = chosen_trained(inputs["labels"])
+        real, chosen_tokens = chosen.any(dim=1).sum(), chosen.sum()
         nll_tokens = pairs = None
         if self.args.world_size > 1 and peft_model.training:  # the global batch's counts, as the ranks' means
-            pairs, nll_tokens = self.rank_means(real.sum(), chosen_tokens)
+            pairs, nll_tokens = self.rank_means(real, chosen_tokens)
         loss, metrics = preference_step(peft_model, inputs, self.objective, chunk_tokens=self.chunk_tokens,
                                         policy_model=model, nll_tokens=nll_tokens, pairs=pairs)
         # each metric is a mean over this batch's real pairs (ORPO's NLL: over its chosen tokens): kept as a sum
         # and a count, so that the logged mean is over every pair (token) since the last log, on every rank
         counts = {"nll_loss": int(chosen_tokens)}
         for key, value in metrics.items():
-            count = counts.get(key, int(real.sum()))
+            count = counts.get(key, int(real))
             totals = self._metrics["train" if peft_model.training else "eval"][key]
             totals[0] += value * count if count else 0.0
             totals[1] += count
