@@ -6,8 +6,12 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from qlora_train.masking import apply_template as at
 from tests.data.conversations import conversation
@@ -93,3 +97,66 @@ def test_other_special_tokens_make_a_new_direct_render(qwen3_tok):
         at.apply_template(msgs, tok)
     tok.bos_token = "<|im_start|>"
     assert at.apply_template(msgs, tok) == tok.apply_chat_template(msgs, tokenize=False) == "<|im_start|>hi"
+
+
+# --- the sandbox that decides once per type and name: the same values and refusals as jinja's own ---
+
+NAMES = ["role", "content", "items", "keys", "get", "append", "pop", "update", "clear", "strip", "split", "upper",
+         "format", "format_map", "mro", "first", "last", "index0", "depth0", "previtem", "cycle", "found", "_x",
+         "__class__", "__init__", "__globals__", "real", "imag", "count", "index"]
+OBJECTS = {
+    "message": "{'role': 'user', 'content': 'hi', 'items': 3}",  # a key that is also a dict method's name
+    "words": "['a', 'b']",
+    "pair": "('a', 1)",
+    "text": "'some text {0}'",
+    "number": "7",
+    "real": "2.5",
+    "flag": "true",
+    "nothing": "none",
+    "ns": "namespace(found=1)",
+}
+USES = ["{{{{ {x}.{name} }}}}", "{{{{ {x}.{name}() }}}}", "{{{{ {x}.{name}('a') }}}}",
+        "{{{{ {x}.{name} is defined }}}}", "{{% for i in [1, 2] %}}{{{{ loop.{name} }}}}{{% endfor %}}"]
+
+
+def outcome(template, env) -> str:
+    try:
+        text = env.from_string(template).render()
+    except Exception as exc:  # noqa: BLE001 - refusals and errors are outcomes too
+        text = f"{type(exc).__name__}: {exc}"
+    return re.sub(r" at 0x[0-9a-f]+", "", text)  # a method's repr: the same method, another object
+
+
+@pytest.fixture(scope="module")
+def environments(qwen3_tok):
+    """(jinja's sandbox as transformers makes it, ours made from it) for the Qwen3 template."""
+    theirs = at._compile_jinja_template(qwen3_tok.chat_template).environment
+    ours = at._compile(qwen3_tok.chat_template).environment
+    assert type(ours) is at._DecidedOnceSandbox and type(theirs) is ImmutableSandboxedEnvironment
+    return theirs, ours
+
+
+@given(name=st.sampled_from(NAMES), x=st.sampled_from(sorted(OBJECTS)), use=st.sampled_from(USES))
+@settings(max_examples=300, deadline=None)
+def test_the_decided_once_sandbox_reads_and_refuses_what_jinjas_does(environments, name, x, use):
+    """Each read, first and later (the decisions are kept across examples), gives jinja's sandbox's text or its
+    error, refusals of private, internal and mutating names and the wrapped ``str.format`` included; in
+    transformers' environment (its namespace, its dict) as a template sees it."""
+    theirs, ours = environments
+    template = f"{{% set {x} = {OBJECTS[x]} %}}" + use.format(x=x, name=name)
+    want = outcome(template, theirs)
+    assert outcome(template, ours) == want
+    assert outcome(template, ours) == want  # decided by now
+
+
+def test_unsafe_reads_are_refused_after_safe_ones_of_the_same_type(environments):
+    """A safe method of a type decided first does not let the type's unsafe ones through: mutating a list or a
+    dict raises, a private name and a field of ``str.format`` read nothing, as in jinja's sandbox."""
+    theirs, ours = environments
+    for env in (theirs, ours):
+        env.from_string("{{ [1].count(1) }}{{ {}.get('a') }}{{ 'x'.upper() }}{{ 'a{0}'.format(1) }}").render()
+    for template, want in [("{{ [1].pop() }}", "SecurityError: access to attribute 'pop' of 'list' object is unsafe."),
+                           ("{{ {}.update({}) }}", "SecurityError: access to attribute 'update' of 'dict' object is "
+                                                   "unsafe."),
+                           ("{{ 'x'.__class__ }}", ""), ("{{ '{0.__class__}'.format('a') }}", "")]:
+        assert outcome(template, theirs) == outcome(template, ours) == want, template
