@@ -96,7 +96,7 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
         kind = type(obj)
         how = _SANDBOX
         namespace = issubclass(kind, Namespace) and kind.__getattribute__ is Namespace.__getattribute__
-        if (kind in self.FIXED_TYPES or namespace) and not attribute.startswith("_") \
+        if (kind in self.FIXED_TYPES or namespace) and type(attribute) is str and not attribute.startswith("_") \
                 and attribute not in ("format", "format_map"):
             if hasattr(kind, attribute) or namespace:  # a namespace's names are its own (``ns.found``)
                 if self.is_safe_attribute(obj, attribute, None):

@@ -160,3 +160,13 @@ def test_unsafe_reads_are_refused_after_safe_ones_of_the_same_type(environments)
                                                    "unsafe."),
                            ("{{ 'x'.__class__ }}", ""), ("{{ '{0.__class__}'.format('a') }}", "")]:
         assert outcome(template, theirs) == outcome(template, ours) == want, template
+
+
+def test_a_name_that_is_no_string_raises_what_jinjas_sandbox_raises(environments):
+    """Extensions may call ``getattr`` with any name: a number raises jinja's own TypeError, not ours."""
+    raised = []
+    for env in environments:
+        with pytest.raises(TypeError) as exc:
+            env.getattr({"a": 1}, 5)
+        raised.append(str(exc.value))
+    assert raised[0] == raised[1] == "attribute name must be string, not 'int'"
