@@ -89,10 +89,11 @@ def _string_arguments(call: dict) -> dict:
     return {**call, "function": {**call["function"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-def render_text(messages: list[Message], tokenizer, *, tools=None, add_generation_prompt=False) -> str:
+def render_text(messages: list[Message], tokenizer, *, tools=None, add_generation_prompt=False,
+                layout: TemplateLayout | None = None) -> str:
     """Exactly ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)`` (reasoning under the
-    key the template reads)."""
-    return apply_template(template_messages(messages, template_layout(tokenizer)), tokenizer, tools=tools,
+    key the template reads; ``layout``: the tokenizer's ``template_layout``, when the caller has it)."""
+    return apply_template(template_messages(messages, layout or template_layout(tokenizer)), tokenizer, tools=tools,
                           add_generation_prompt=add_generation_prompt)
 
 
@@ -296,7 +297,7 @@ def render_conversation(
     """
     layout = template_layout(tokenizer)
     try:
-        text = render_text(messages, tokenizer, tools=tools)
+        text = render_text(messages, tokenizer, tools=tools, layout=layout)
     except TEMPLATE_ERRORS as exc:  # jinja raise_exception, undefined fields, type errors: a row-level reason
         raise RowRejected(DropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
     try:
