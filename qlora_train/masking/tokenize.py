@@ -14,23 +14,26 @@ with " \n" (masked: it starts in the header) or a reasoning's final "." merged
 with the masked "\n" before "</think>" (trained: it starts in the reasoning).
 ``project_char_mask`` counts them. ``IGNORE_INDEX`` marks tokens without loss.
 
-Offsets come in two kinds with the same rule. ``EncodingOffsets`` reads a few
-offsets on demand from the tokenizer's encoding, for tokenizers whose offsets
-are in text order by construction (``text_order_forms``): byte-level BPE such as
-Qwen's and Llama 3's. ``OffsetArray`` holds every token's offsets and applies
-the rule to each token, for any tokenizer.
+Offsets come in three kinds with the same rule. ``ByteOffsets`` works them out
+from the ids alone, for byte-level BPE such as Qwen's and Llama 3's: each token
+stands for a known number of the text's UTF-8 bytes, so a running sum places it
+(the tokenizer is asked for no offsets). ``EncodingOffsets`` reads a few offsets
+on demand from the tokenizer's encoding, for tokenizers whose offsets are in text
+order by construction (``text_order_forms``). ``OffsetArray`` holds every token's
+offsets and applies the rule to each token, for any tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import unicodedata
+import weakref
 from collections.abc import Sequence
 from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 IGNORE_INDEX = -100
 
@@ -181,7 +184,93 @@ class _Uncovered(Exception):
     """A character no token contains (``EncodingOffsets`` then reads every offset)."""
 
 
-Offsets = OffsetArray | EncodingOffsets
+class ByteOffsets:
+    """Offsets of a byte-level BPE's tokens from their ids: token ``t`` is the text's UTF-8 bytes
+    ``[bounds[t], bounds[t + 1])`` (``bounds`` the running sum of ``token_byte_lengths``).
+
+    The rule read in bytes: a token's first character is the one holding its first byte, so the tokens
+    starting in trained characters ``[a, b)`` are those whose first byte is in ``[B(a), B(b))``, ``B(p)``
+    being the byte where character ``p`` starts; a token straddles an edge ``b`` when it holds byte ``B(b)``
+    but starts before it. Equal to ``EncodingOffsets`` on the same text (tested), with no call into the
+    tokenizer: one ``searchsorted`` per kind of lookup.
+    """
+
+    __slots__ = ("bounds", "text", "ascii")
+
+    def __init__(self, bounds: np.ndarray, text: str):
+        self.bounds = bounds  # [n + 1], bounds[0] = 0, bounds[n] = the text's bytes
+        self.text = text
+        self.ascii = text.isascii()
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def _byte(self, pos: int) -> int:
+        """Where character ``pos`` starts in the text's UTF-8 bytes (the end for ``pos >= len(text)``)."""
+        return min(pos, len(self.text)) if self.ascii else len(self.text[:pos].encode())
+
+    def _bytes(self, positions: list[int]) -> list[int]:
+        """``_byte`` of ascending positions, the text encoded once in pieces."""
+        if self.ascii:
+            return positions
+        out, at, b = [], 0, 0
+        for p in positions:
+            b += len(self.text[at:p].encode())
+            at = p
+            out.append(b)
+        return out
+
+    def _first_starting_at(self, byte: int) -> int:
+        """Index of the first token whose first byte is >= ``byte`` (``n`` when none: ``bounds[n]`` is the
+        text's last byte position, which no ``_byte`` exceeds)."""
+        return int(self.bounds.searchsorted(byte, "left"))
+
+    def count_starting_in(self, a: int, b: int, n_chars: int) -> int:
+        """Tokens whose first character is in ``[a, b)``."""
+        return self._first_starting_at(self._byte(b)) - self._first_starting_at(self._byte(a))
+
+    def tokens_before(self, pos: int, n_chars: int) -> tuple[int, int]:
+        """``(tokens wholly before pos, tokens starting before pos)``: they differ by one where a token
+        straddles ``pos``."""
+        byte = self._byte(pos)
+        starting = self._first_starting_at(byte)
+        return starting - int(starting > 0 and self.bounds[starting] > byte), starting
+
+    def _char_of_byte(self) -> np.ndarray:
+        """The character each byte of the text belongs to."""
+        if self.ascii:
+            return np.arange(len(self.text), dtype=np.int64)
+        points = np.frombuffer(self.text.encode("utf-32-le"), dtype=np.uint32)
+        widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+        return np.repeat(np.arange(len(points), dtype=np.int64), widths)
+
+    def to_array(self) -> OffsetArray:
+        """Every token's ``(start, end)`` in characters, as the tokenizer's offsets give them."""
+        char = self._char_of_byte()
+        starts, ends = self.bounds[:-1], self.bounds[1:]
+        return OffsetArray(np.stack([char[starts], char[ends - 1] + 1], axis=1) if len(self)
+                           else np.zeros((0, 2), dtype=np.int64))
+
+    def starts(self) -> np.ndarray:
+        return self._char_of_byte()[self.bounds[:-1]]
+
+    def project(self, char_mask: np.ndarray) -> TokenMask:
+        edges, n_chars = _edges(char_mask), len(char_mask)
+        if not edges:
+            return TokenMask([], 0)
+        at = self._bytes(edges)
+        first = self.bounds.searchsorted(at, "left").tolist()  # numpy's methods: its functions add a wrapper
+        runs = [(i, j) for i, j in zip(first[::2], first[1::2]) if i < j]
+        straddling = covered = 0
+        holding = (self.bounds.searchsorted(at, "right") - 1).tolist()  # the token holding each edge's byte
+        for b, byte, t, hi in zip(edges, at, holding, first):
+            if 0 < b < n_chars and self.bounds[t] < byte and hi > max(t, covered):  # starts before the edge
+                straddling += hi - max(t, covered)
+                covered = hi
+        return TokenMask(runs, straddling)
+
+
+Offsets = OffsetArray | EncodingOffsets | ByteOffsets
 
 
 def project_char_mask(offsets: Offsets, char_mask: np.ndarray) -> TokenMask:
@@ -256,6 +345,45 @@ def count_tokens(texts: list[str], tokenizer) -> list[int]:
     return [len(enc) for enc in encode(texts, add_special_tokens=False)]
 
 
+_BYTE_LENGTHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (backend, size, lengths)
+_NEVER = 1 << 40  # the length of an id no token has: a text holding it fails the byte count
+
+
+def token_byte_lengths(tokenizer, backend: Tokenizer) -> np.ndarray | None:
+    """How many bytes of the text each token id stands for, for a byte-level BPE; None for other pipelines.
+
+    A token of the model stands for one byte per character of its ByteLevel form; an added token for its
+    content in UTF-8, or more where it takes in whitespace around it (``lstrip`` / ``rstrip``). The lengths
+    never exceed the bytes a token covers, so a text whose tokens' lengths sum to its own byte count has
+    each token where the sum puts it (``encode_batch`` checks that per text). Worked out once per
+    tokenizer and vocabulary size (about 0.1 s for 150k tokens)."""
+    n = backend.get_vocab_size(with_added_tokens=True)
+    memo = _BYTE_LENGTHS.get(tokenizer)
+    if memo is None or memo[0] is not backend or memo[1] != n:
+        memo = (backend, n, _byte_lengths(backend))
+        _BYTE_LENGTHS[tokenizer] = memo
+    return memo[2]
+
+
+def _byte_lengths(backend: Tokenizer) -> np.ndarray | None:
+    model = backend.model
+    pre = _flatten(_spec(backend.pre_tokenizer), "pretokenizers")
+    if (type(model).__name__ != "BPE" or model.continuing_subword_prefix or model.end_of_word_suffix
+            or not any(p["type"] == "ByteLevel" for p in pre)):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=False)
+    added = {i: len(t.content.encode()) for i, t in backend.get_added_tokens_decoder().items()}
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    lengths = np.full(max([*vocab.values(), *added, -1]) + 1, _NEVER, dtype=np.int64)
+    for piece, i in vocab.items():
+        if not alphabet.issuperset(piece) or (i in added and added[i] != len(piece)):
+            return None  # not a byte-level vocabulary after all, or an id standing for two lengths
+        lengths[i] = len(piece)
+    for i, n in added.items():
+        lengths[i] = n if n else _NEVER
+    return lengths
+
+
 def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], Offsets]]:
     """One batched fast-tokenizer call -> per text ``(input_ids, offsets)``.
 
@@ -263,8 +391,12 @@ def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], Offsets]]
     rendered text, so no BOS is added on top of one the template wrote. The
     Rust backend is called directly when that is equivalent (it skips
     transformers' per-encoding conversion to dicts), else the tokenizer itself.
-    Offsets stay in the encoding (``EncodingOffsets``) when the tokenizer keeps
-    them in text order for this text, else all are read (``OffsetArray``).
+    A byte-level BPE is asked for ids only (``encode_batch_fast``: the offsets
+    are most of a short text's tokenizing time) and its offsets worked out from
+    them (``ByteOffsets``) when the ids' byte lengths add up to the text's; a
+    text where they do not is encoded again with offsets. Otherwise offsets stay
+    in the encoding (``EncodingOffsets``) when the tokenizer keeps them in text
+    order for this text, else all are read (``OffsetArray``).
     """
     if not texts:
         return []
@@ -273,13 +405,28 @@ def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], Offsets]]
         enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
         return [(ids, OffsetArray.from_pairs(offs)) for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])]
     forms = text_order_forms(backend)
+    lengths = token_byte_lengths(tokenizer, backend) if forms is not None else None
+    if lengths is None or not hasattr(backend, "encode_batch_fast"):
+        return [_with_offsets(text, enc, forms) for text, enc in
+                zip(texts, backend.encode_batch(texts, add_special_tokens=False))]
     out = []
-    for text, enc in zip(texts, backend.encode_batch(texts, add_special_tokens=False)):
-        if forms is not None and all(unicodedata.is_normalized(f, text) for f in forms):
-            out.append((enc.ids, EncodingOffsets(enc)))
-        else:
-            out.append((enc.ids, OffsetArray.from_pairs(enc.offsets)))
+    for text, enc in zip(texts, backend.encode_batch_fast(texts, add_special_tokens=False)):
+        ids = enc.ids
+        if all(unicodedata.is_normalized(f, text) for f in forms):
+            bounds = np.zeros(len(ids) + 1, dtype=np.int64)
+            lengths[ids].cumsum(out=bounds[1:])
+            if bounds[-1] == (len(text) if text.isascii() else len(text.encode())):
+                out.append((ids, ByteOffsets(bounds, text)))
+                continue
+        out.append(_with_offsets(text, backend.encode(text, add_special_tokens=False), forms))
     return out
+
+
+def _with_offsets(text: str, enc, forms: tuple[str, ...] | None) -> tuple[list[int], Offsets]:
+    """A text's encoding with offsets -> its ids and the offsets read from it."""
+    if forms is not None and all(unicodedata.is_normalized(f, text) for f in forms):
+        return enc.ids, EncodingOffsets(enc)
+    return enc.ids, OffsetArray.from_pairs(enc.offsets)
 
 
 def make_labels(

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from qlora_train.masking.tokenize import (
     IGNORE_INDEX,
+    ByteOffsets,
     EncodingOffsets,
     OffsetArray,
     _rust_backend,
@@ -19,6 +20,7 @@ from qlora_train.masking.tokenize import (
     make_labels,
     project_char_mask,
     text_order_forms,
+    token_byte_lengths,
 )
 
 TEXTS = [
@@ -35,6 +37,8 @@ def hf_call(texts, tok):
 
 
 def pairs(offsets) -> list[tuple[int, int]]:
+    if isinstance(offsets, ByteOffsets):
+        offsets = offsets.to_array()
     if isinstance(offsets, OffsetArray):
         return [tuple(p) for p in offsets.array.tolist()]
     return list(offsets.encoding.offsets)
@@ -47,7 +51,7 @@ def as_lists(encoded):
 def test_rust_backend_path_equals_the_tokenizer_call(qwen3_tok):
     assert _rust_backend(qwen3_tok) is not None  # the fast path is the one taken
     got = encode_batch(TEXTS, qwen3_tok)
-    assert all(isinstance(offs, EncodingOffsets) and len(offs) == len(ids) for ids, offs in got)
+    assert all(isinstance(offs, ByteOffsets) and len(offs) == len(ids) for ids, offs in got)
     assert as_lists(got) == hf_call(TEXTS, qwen3_tok)
 
 
@@ -130,13 +134,19 @@ def check_projection(tok, text, mask, kind):
     ((ids, offsets),) = encode_batch([text], tok)
     assert isinstance(offsets, kind)
     got = pairs(offsets)
-    if kind is EncodingOffsets:  # what the kind relies on: offsets in text order, no empty token
+    assert (list(ids), got) == hf_call([text], tok)[0]  # ByteOffsets: worked out, equal to the tokenizer's
+    if kind is not OffsetArray:  # what the kind relies on: offsets in text order, no empty token
         starts, ends = [a for a, _ in got], [b for _, b in got]
         assert starts == sorted(starts) and ends == sorted(ends) and all(a < b for a, b in got)
     trained, straddling = brute_projection(got, mask)
-    for offs in (offsets, OffsetArray.from_pairs(got)):
+    every = OffsetArray.from_pairs(got)
+    for offs in (offsets, every):
         tm = project_char_mask(offs, mask)
         assert as_flags(tm.runs, len(ids)) == trained and tm.straddling == straddling
+    for pos in range(len(text) + 2):  # the lookups truncation and the tool block count make
+        assert offsets.tokens_before(pos, len(text)) == every.tokens_before(pos, len(text))
+        assert offsets.count_starting_in(0, pos, len(text)) == every.count_starting_in(0, pos, len(text))
+    assert offsets.starts().tolist() == every.starts().tolist()
 
 
 def random_mask(data, n: int) -> np.ndarray:
@@ -151,7 +161,7 @@ TEXT = st.text(st.characters(codec="utf-8"), max_size=80) | st.sampled_from(TEXT
 @settings(max_examples=150, deadline=None)
 @given(TEXT, st.data())
 def test_projection_with_the_real_tokenizer(qwen3_tok, text, data):
-    check_projection(qwen3_tok, text, random_mask(data, len(text)), EncodingOffsets)
+    check_projection(qwen3_tok, text, random_mask(data, len(text)), ByteOffsets)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +176,7 @@ def nfc_qwen(qwen3_tok):
 @given(st.text(st.sampled_from("ae\u0301\u0323\u0302\u00e9 \n\u1e09c\u0327\u0301\U0001f642"), max_size=30), st.data())
 def test_unicode_normalization_keeps_the_encoding_offsets_only_for_normalized_text(nfc_qwen, text, data):
     # combining marks: NFC composes and reorders them, so only a text already in NFC keeps its offsets in order
-    kind = EncodingOffsets if unicodedata.is_normalized("NFC", text) else OffsetArray
+    kind = ByteOffsets if unicodedata.is_normalized("NFC", text) else OffsetArray
     check_projection(nfc_qwen, text, random_mask(data, len(text)), kind)
 
 
@@ -216,3 +226,29 @@ def test_which_pipelines_keep_offsets_in_text_order(qwen3_tok, nfc_qwen, sentenc
     tok._tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
                                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])
     assert text_order_forms(tok._tokenizer) is None  # drops whitespace
+
+
+@pytest.fixture(scope="module")
+def lstrip_qwen(qwen3_tok):
+    """The Qwen tokenizer with an added token that takes in the whitespace before it (``lstrip``)."""
+    tok = copy.deepcopy(qwen3_tok)
+    tok.add_tokens([AddedToken("<tool>", lstrip=True, normalized=False)])
+    return tok
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(["<tool>", " ", "\n", "a", "é"]), max_size=12).map("".join), st.data())
+def test_an_added_token_taking_in_whitespace_is_encoded_again_with_offsets(lstrip_qwen, text, data):
+    # whitespace before "<tool>" gets no token of its own: the ids' byte lengths fall short of the text's
+    taken_in = any(text[i - 1].isspace() for i in range(1, len(text)) if text.startswith("<tool>", i))
+    check_projection(lstrip_qwen, text, random_mask(data, len(text)), EncodingOffsets if taken_in else ByteOffsets)
+
+
+def test_byte_lengths_by_hand(qwen3_tok, sentencepiece_style, dropping):
+    lengths = token_byte_lengths(qwen3_tok, qwen3_tok._tokenizer)
+    ids = qwen3_tok("<|im_start|>user\n東京", add_special_tokens=False)["input_ids"]
+    assert [qwen3_tok.decode([i]) for i in ids] == ["<|im_start|>", "user", "\n", "東", "京"]
+    assert lengths[ids].tolist() == [12, 4, 1, 3, 3]  # 東 and 京: three UTF-8 bytes each
+    assert token_byte_lengths(qwen3_tok, qwen3_tok._tokenizer) is lengths  # worked out once
+    assert token_byte_lengths(sentencepiece_style, sentencepiece_style._tokenizer) is None  # "▁" pieces
+    assert token_byte_lengths(dropping, dropping._tokenizer) is None  # no byte level: pieces are characters
