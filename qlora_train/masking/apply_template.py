@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import weakref
+from types import BuiltinMethodType
 
-from jinja2.runtime import LoopContext
+from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
@@ -105,6 +106,25 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
                 how = _ITEM
         _DECIDED[(kind, attribute)] = how
         return how
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's names (kwargs cannot clash)
+        """A call from the template. The sandbox asks every callable whether it is marked unsafe and jinja whether
+        it takes the context, reading attributes most callables lack (each a caught ``AttributeError``). A
+        template's own macro (safe; it takes the evaluation context) and a builtin method (it can carry no such
+        mark; the sandbox's ``getattr`` already refused the unsafe ones) always get the same answers: called
+        directly, as ``Context.call`` would. Anything else takes the sandbox's way."""
+        kind = type(__obj)
+        if kind is Macro:
+            args = (__context.eval_ctx, *args)
+        elif kind is not BuiltinMethodType:
+            return super().call(__context, __obj, *args, **kwargs)
+        kwargs.pop("_block_vars", None)
+        kwargs.pop("_loop_vars", None)
+        try:
+            return __obj(*args, **kwargs)
+        except StopIteration:
+            return __context.environment.undefined("value was undefined because a callable raised a StopIteration "
+                                                   "exception")
 
 
 _SANDBOX, _ATTRIBUTE, _ITEM = 0, 1, 2  # how a (type, name) is read: the sandbox's way, as an attribute, as a key
