@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import logging
 import weakref
-from types import BuiltinMethodType
+from types import BuiltinMethodType, FunctionType, MethodType
 
 from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace
+from jinja2.utils import Namespace, _PassArg
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +109,29 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's names (kwargs cannot clash)
         """A call from the template. The sandbox asks every callable whether it is marked unsafe and jinja whether
-        it takes the context, reading attributes most callables lack (each a caught ``AttributeError``). A
-        template's own macro (safe; it takes the evaluation context) and a builtin method (it can carry no such
-        mark; the sandbox's ``getattr`` already refused the unsafe ones) always get the same answers: called
-        directly, as ``Context.call`` would. Anything else takes the sandbox's way."""
+        it takes the context or environment, reading attributes most callables lack. A template's own macro
+        (safe; it takes the evaluation context) and a builtin method (it can carry no mark; the sandbox's
+        ``getattr`` already refused the unsafe ones) always get the same answers; a Python function or method (a
+        global such as ``raise_exception``, an extension's method) carries its marks in its function's
+        ``__dict__``, read there in one lookup each. Called as ``Context.call`` would, then; one that takes the
+        whole context, or a callable of another kind, takes the sandbox's way."""
         kind = type(__obj)
         if kind is Macro:
+            pass_arg = _PassArg.eval_context
+        elif kind is BuiltinMethodType:
+            pass_arg = None
+        else:
+            func = __obj.__func__ if kind is MethodType else __obj
+            marks = func.__dict__ if type(func) is FunctionType else None
+            if marks is None or marks.get("unsafe_callable") or marks.get("alters_data"):
+                return super().call(__context, __obj, *args, **kwargs)
+            pass_arg = marks.get("jinja_pass_arg")
+            if pass_arg is _PassArg.context:
+                return super().call(__context, __obj, *args, **kwargs)
+        if pass_arg is _PassArg.eval_context:
             args = (__context.eval_ctx, *args)
-        elif kind is not BuiltinMethodType:
-            return super().call(__context, __obj, *args, **kwargs)
+        elif pass_arg is _PassArg.environment:
+            args = (__context.environment, *args)
         kwargs.pop("_block_vars", None)
         kwargs.pop("_loop_vars", None)
         try:

@@ -11,7 +11,8 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import pass_context, pass_environment, pass_eval_context
+from jinja2.sandbox import ImmutableSandboxedEnvironment, unsafe
 
 from qlora_train.masking import apply_template as at
 from tests.data.conversations import conversation
@@ -119,9 +120,9 @@ USES = ["{{{{ {x}.{name} }}}}", "{{{{ {x}.{name}() }}}}", "{{{{ {x}.{name}('a') 
         "{{{{ {x}.{name} is defined }}}}", "{{% for i in [1, 2] %}}{{{{ loop.{name} }}}}{{% endfor %}}"]
 
 
-def outcome(template, env) -> str:
+def outcome(template, env, variables=None) -> str:
     try:
-        text = env.from_string(template).render()
+        text = env.from_string(template).render(**(variables or {}))
     except Exception as exc:  # noqa: BLE001 - refusals and errors are outcomes too
         text = f"{type(exc).__name__}: {exc}"
     return re.sub(r" at 0x[0-9a-f]+", "", text)  # a method's repr: the same method, another object
@@ -184,7 +185,46 @@ CALLS = [  # a template's calls: its macros (in loops, with defaults, varargs, k
     "{% generation %}{{ 'gen'.upper() }}{% endgeneration %}",  # transformers' extension: a call block
     "{{ raise_exception('no') }}", "{{ range(3) | list }}{{ dict(a=1) }}{{ 'x'.zfill('a') }}",
     "{{ [1].pop() }}", "{{ 'a{0}'.format(2) }}",
+    "{{ marked() }}", "{{ plain(1) }}{{ bound(2) }}{{ ctx_fn() }}{{ obj.unsafe_method() }}{{ obj.method(3) }}",
+    "{% for i in [1] %}{{ eval_fn(i) }}{{ env_fn(i) }}{{ ctx_fn() }}{% endfor %}",
 ]
+
+
+class _Host:
+    def method(self, x):
+        return x + 1
+
+    @unsafe
+    def unsafe_method(self):
+        return "ran"
+
+
+def _plain(x):
+    return x * 2
+
+
+@unsafe
+def _marked():
+    return "ran"
+
+
+@pass_context
+def _ctx_fn(context):
+    return type(context).__name__
+
+
+@pass_eval_context
+def _eval_fn(eval_ctx, x):
+    return f"{type(eval_ctx).__name__}{x}"
+
+
+@pass_environment
+def _env_fn(env, x):
+    return f"sandboxed={env.sandboxed}{x}"
+
+
+GLOBALS = {"plain": _plain, "bound": _Host().method, "marked": _marked, "ctx_fn": _ctx_fn, "obj": _Host(),
+           "eval_fn": _eval_fn, "env_fn": _env_fn}
 
 
 @pytest.mark.parametrize("template", CALLS)
@@ -192,7 +232,7 @@ def test_calls_give_what_jinjas_sandbox_gives(environments, template, monkeypatc
     """The decided-once sandbox calls a template's macros and builtin methods directly (no per-call safety or
     context lookups): the same text or error as jinja's sandbox, refusals included."""
     theirs, ours = environments
-    assert outcome(template, ours) == outcome(template, theirs)
+    assert outcome(template, ours, GLOBALS) == outcome(template, theirs, GLOBALS)
 
 
 def test_macros_and_builtin_methods_are_called_directly(environments, monkeypatch):
@@ -204,4 +244,9 @@ def test_macros_and_builtin_methods_are_called_directly(environments, monkeypatc
     monkeypatch.setattr(ImmutableSandboxedEnvironment, "call", lambda *a, **k: seen.append(a[2]) or original(*a, **k))
     assert ours.from_string(CALLS[2] + "{{ ' a '.strip() }}").render() == "1122a"
     assert seen == []
+    assert ours.from_string("{{ plain(2) }}{{ bound(1) }}").render(**GLOBALS) == "42" and seen == []
+    assert ours.from_string("{{ eval_fn(1) }}").render(**GLOBALS) == "EvalContext1" and seen == []
+    assert ours.from_string("{{ env_fn(1) }}").render(**GLOBALS) == "sandboxed=True1" and seen == []
     assert ours.from_string("{{ dict(a=1) }}").render() == "{'a': 1}" and len(seen) == 1  # transformers' dict
+    assert outcome("{{ marked() }}{{ ctx_fn() }}", ours, GLOBALS).startswith("SecurityError") and len(seen) == 2
+    assert ours.from_string("{{ ctx_fn() }}").render(**GLOBALS) == "Context" and len(seen) == 3
