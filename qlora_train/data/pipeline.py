@@ -221,7 +221,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     where = locations or [f"row {i}" for i in range(len(rows))]
     outs = [empty_output() for _ in rows]
     policy = LossPolicy.of(cfg)
-    template_layout(tokenizer)  # probed once, before the rows (facts it cannot find stay unknown)
+    layout = template_layout(tokenizer)  # probed once, before the rows (facts it cannot find stay unknown)
 
     def refuse(i: int, rej: RowRejected) -> None:
         outs[i].update(drop_reason=rej.reason, drop_detail=f"{where[i]}: {rej.detail}", error_traceback=rej.traceback)
@@ -257,7 +257,8 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                 _check_length(content_chars(canon.messages), cfg)
                 if cfg.dedup:
                     outs[i]["content_hash"] = guarded(_hash, [canon.messages, canon.tools])
-                rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, policy=policy)
+                rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, policy=policy,
+                                   layout=layout)
                 check_unicode(rendered.text, rendered.message_ends)
                 for st in _stage_chat_row(i, canon, rendered, tokenizer, policy, dropped_reasoning):
                     if st.extra:  # refused alone, without refusing its row

@@ -288,14 +288,16 @@ def render_conversation(
     *,
     tools: list[dict] | None = None,
     policy: LossPolicy = DEFAULT_POLICY,
+    layout: TemplateLayout | None = None,
 ) -> RenderedConversation:
     """Marked messages (each with its ``train`` flag) -> one render with a verified per-character training mask.
 
     Of ``policy`` only ``think_loss`` and ``train_on_eos`` are read: which end-of-turn markers are trained:
     those of trained turns (``turn``), also those closing every other message (``all``), only the last trained
     turn's (``last``), or none (``none``). Which messages are trained was decided when they were marked.
+    ``layout``: the tokenizer's ``template_layout``, where the caller has it (a batch looks it up once).
     """
-    layout = template_layout(tokenizer)
+    layout = template_layout(tokenizer) if layout is None else layout
     try:
         text = render_text(messages, tokenizer, tools=tools, layout=layout)
     except TEMPLATE_ERRORS as exc:  # jinja raise_exception, undefined fields, type errors: a row-level reason
