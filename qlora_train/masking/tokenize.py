@@ -352,11 +352,12 @@ _NEVER = 1 << 40  # the length of an id no token has: a text holding it fails th
 def token_byte_lengths(tokenizer, backend: Tokenizer) -> np.ndarray | None:
     """How many bytes of the text each token id stands for, for a byte-level BPE; None for other pipelines.
 
-    A token of the model stands for one byte per character of its ByteLevel form; an added token for its
-    content in UTF-8, or more where it takes in whitespace around it (``lstrip`` / ``rstrip``). The lengths
-    never exceed the bytes a token covers, so a text whose tokens' lengths sum to its own byte count has
-    each token where the sum puts it (``encode_batch`` checks that per text). Worked out once per
-    tokenizer and vocabulary size (about 0.1 s for 150k tokens)."""
+    A token of the model stands for one byte per character of its ByteLevel form (every byte has a token, so
+    none falls back to an unknown one); an added token for its content in UTF-8, or more where it takes in
+    whitespace around it (``lstrip`` / ``rstrip``). The lengths never exceed the bytes a token covers, so a
+    text whose tokens' lengths sum to its own byte count has each token where the sum puts it
+    (``encode_batch`` checks that per text). Worked out once per tokenizer and vocabulary size (about 0.1 s
+    for 150k tokens)."""
     n = backend.get_vocab_size(with_added_tokens=True)
     memo = _BYTE_LENGTHS.get(tokenizer)
     if memo is None or memo[0] is not backend or memo[1] != n:
@@ -374,11 +375,16 @@ def _byte_lengths(backend: Tokenizer) -> np.ndarray | None:
     vocab = backend.get_vocab(with_added_tokens=False)
     added = {i: len(t.content.encode()) for i, t in backend.get_added_tokens_decoder().items()}
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    if not alphabet <= vocab.keys():
+        return None  # a byte without a token of its own: the model would fall back to an unknown token
     lengths = np.full(max([*vocab.values(), *added, -1]) + 1, _NEVER, dtype=np.int64)
     for piece, i in vocab.items():
-        if not alphabet.issuperset(piece) or (i in added and added[i] != len(piece)):
-            return None  # not a byte-level vocabulary after all, or an id standing for two lengths
-        lengths[i] = len(piece)
+        if alphabet.issuperset(piece):  # the model makes it of ByteLevel characters, one per byte
+            if i in added and added[i] != len(piece):
+                return None  # an id standing for two lengths
+            lengths[i] = len(piece)
+        # any other piece never comes out of the model (DeepSeek V3 keeps its special tokens' text among them):
+        # only out of the added tokens, if at all
     for i, n in added.items():
         lengths[i] = n if n else _NEVER
     return lengths

@@ -252,3 +252,29 @@ def test_byte_lengths_by_hand(qwen3_tok, sentencepiece_style, dropping):
     assert token_byte_lengths(qwen3_tok, qwen3_tok._tokenizer) is lengths  # worked out once
     assert token_byte_lengths(sentencepiece_style, sentencepiece_style._tokenizer) is None  # "▁" pieces
     assert token_byte_lengths(dropping, dropping._tokenizer) is None  # no byte level: pieces are characters
+
+
+@pytest.fixture(scope="module")
+def byte_level_families(real_vocab_dir):
+    """The real Llama 3 and DeepSeek V3 tokenizers (DeepSeek V3 keeps its special tokens' text, outside the
+    ByteLevel alphabet, among the model's pieces as well as among its added tokens)."""
+    from transformers import AutoTokenizer
+
+    return {name: AutoTokenizer.from_pretrained(real_vocab_dir(name)) for name in ("llama3", "deepseek_v3")}
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["llama3", "deepseek_v3"]), data=st.data())
+def test_offsets_from_the_ids_on_real_byte_level_vocabularies(byte_level_families, name, data):
+    tok = byte_level_families[name]
+    specials = sorted(t.content for t in tok._tokenizer.get_added_tokens_decoder().values())[:30]
+    pieces = data.draw(st.lists(st.sampled_from(specials) | TEXT, max_size=6))
+    text = "".join(pieces)
+    check_projection(tok, text, random_mask(data, len(text)), ByteOffsets)
+
+
+def test_byte_lengths_of_real_vocabularies(byte_level_families):
+    for name, tok in byte_level_families.items():
+        lengths = token_byte_lengths(tok, tok._tokenizer)
+        bos = tok.convert_tokens_to_ids(tok.bos_token)
+        assert lengths[bos] == len(tok.bos_token.encode()), name  # DeepSeek V3's: 27 bytes of 21 characters
