@@ -398,7 +398,7 @@ def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], Offsets]]
     Rust backend is called directly when that is equivalent (it skips
     transformers' per-encoding conversion to dicts), else the tokenizer itself.
     A byte-level BPE is asked for ids only (``encode_batch_fast``: the offsets
-    are most of a short text's tokenizing time) and its offsets worked out from
+    are a fifth of a short text's tokenizing time) and its offsets worked out from
     them (``ByteOffsets``) when the ids' byte lengths add up to the text's; a
     text where they do not is encoded again with offsets. Otherwise offsets stay
     in the encoding (``EncodingOffsets``) when the tokenizer keeps them in text
