@@ -250,6 +250,13 @@ def test_byte_lengths_by_hand(qwen3_tok, sentencepiece_style, dropping):
     assert [qwen3_tok.decode([i]) for i in ids] == ["<|im_start|>", "user", "\n", "東", "京"]
     assert lengths[ids].tolist() == [12, 4, 1, 3, 3]  # 東 and 京: three UTF-8 bytes each
     assert token_byte_lengths(qwen3_tok, qwen3_tok._tokenizer) is lengths  # worked out once
+    grown = copy.deepcopy(qwen3_tok)
+    before = token_byte_lengths(grown, grown._tokenizer)
+    grown.add_tokens(["<new_marker>"])  # model.new_tokens: the vocabulary grows, the lengths are worked out again
+    new_id = grown.convert_tokens_to_ids("<new_marker>")
+    assert len(before) == new_id and token_byte_lengths(grown, grown._tokenizer)[new_id] == len("<new_marker>")
+    (ids, offsets), = encode_batch(["a<new_marker>b"], grown)
+    assert ids[1] == new_id and isinstance(offsets, ByteOffsets) and pairs(offsets)[1] == (1, 13)
     assert token_byte_lengths(sentencepiece_style, sentencepiece_style._tokenizer) is None  # "▁" pieces
     assert token_byte_lengths(dropping, dropping._tokenizer) is None  # no byte level: pieces are characters
 
