@@ -93,7 +93,8 @@ def render_text(messages: list[Message], tokenizer, *, tools=None, add_generatio
                 layout: TemplateLayout | None = None) -> str:
     """Exactly ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)`` (reasoning under the
     key the template reads; ``layout``: the tokenizer's ``template_layout``, when the caller has it)."""
-    return apply_template(template_messages(messages, layout or template_layout(tokenizer)), tokenizer, tools=tools,
+    layout = template_layout(tokenizer) if layout is None else layout
+    return apply_template(template_messages(messages, layout), tokenizer, tools=tools,
                           add_generation_prompt=add_generation_prompt)
 
 

@@ -261,13 +261,9 @@ class ByteOffsets:
         at = self._bytes(edges)
         first = self.bounds.searchsorted(at, "left").tolist()  # numpy's methods: its functions add a wrapper
         runs = [(i, j) for i, j in zip(first[::2], first[1::2]) if i < j]
-        straddling = covered = 0
         holding = (self.bounds.searchsorted(at, "right") - 1).tolist()  # the token holding each edge's byte
-        for b, byte, t, hi in zip(edges, at, holding, first):
-            if 0 < b < n_chars and self.bounds[t] < byte and hi > max(t, covered):  # starts before the edge
-                straddling += hi - max(t, covered)
-                covered = hi
-        return TokenMask(runs, straddling)
+        straddling = {t for b, byte, t in zip(edges, at, holding) if 0 < b < n_chars and self.bounds[t] < byte}
+        return TokenMask(runs, len(straddling))  # tokens starting before an edge they hold, each counted once
 
 
 Offsets = OffsetArray | EncodingOffsets | ByteOffsets
