@@ -43,7 +43,7 @@ STAGES = [
     ("        template render (apply_template)", "qlora_train/masking/render.py", "render_text"),
     ("      check_unicode", "qlora_train/masking/messages.py", "check_unicode"),
     ("      encode_batch (floor)", "qlora_train/masking/tokenize.py", "encode_batch"),
-    ("      count dropped reasoning tokens", "qlora_train/masking/tokenize.py", "count_tokens"),
+    ("      count dropped reasoning tokens", "qlora_train/masking/count.py", "count_tokens"),
     ("      _example: labels, tool block", "qlora_train/data/pipeline.py", "_example"),
     ("        tool_schema_tokens", "qlora_train/data/pipeline.py", "tool_schema_tokens"),
     ("      dedup hash", "qlora_train/data/pipeline.py", "_hash"),

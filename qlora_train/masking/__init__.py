@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qlora_train.masking.count import count_tokens
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, template_layout, tool_block
 from qlora_train.masking.layout_declaration import check_declaration, layout_dict, layout_yaml, resolve_layout
 from qlora_train.masking.messages import (
@@ -70,7 +71,6 @@ from qlora_train.masking.tokenize import (
     IGNORE_INDEX,
     OffsetArray,
     Offsets,
-    count_tokens,
     encode_batch,
     make_labels,
     project_char_mask,

@@ -329,18 +329,6 @@ def text_order_forms(backend: Tokenizer) -> tuple[str, ...] | None:
     return None
 
 
-def count_tokens(texts: list[str], tokenizer) -> list[int]:
-    """Tokens of each text (``add_special_tokens=False``), with no offsets or ids read into Python when the
-    Rust backend can be called directly."""
-    if not texts:
-        return []
-    backend = _rust_backend(tokenizer)
-    if backend is None:
-        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return [len(enc) for enc in encode(texts, add_special_tokens=False)]
-
-
 _BYTE_LENGTHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (backend, size, lengths)
 _NEVER = 1 << 40  # the length of an id no token has: a text holding it fails the byte count
 
