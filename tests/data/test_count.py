@@ -65,12 +65,39 @@ def test_counts_equal_the_tokenizers(vocabularies, name, texts):
     assert count_tokens(texts, tok) == tokenizer_counts(texts, tok)
 
 
+def _with_expression(tok, expression: str):
+    out = copy.deepcopy(tok)
+    out._tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(expression), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def unchunked(qwen3_tok):
+    """Expressions that read across a space: pieces of two words; a lookahead past the piece other than (?!\S)."""
+    return {"two words": _with_expression(qwen3_tok, r"\p{L}+ \p{L}+|\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]+"),
+            "lookahead": _with_expression(qwen3_tok, r" ?\p{L}+(?= \p{N})|\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+")}
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["two words", "lookahead"]), texts=st.lists(TEXT, max_size=4))
+@example(name="two words", texts=["ab cd ef", "x 1 y  z"])
+@example(name="lookahead", texts=["ab 12 cd", "ab  12"])
+def test_expressions_reading_across_a_space_are_not_cut_in_chunks(unchunked, name, texts):
+    tok = unchunked[name]
+    counter = piece_counter(tok)
+    assert counter is not None and not counter.chunked  # the ASCII probe, or the lookahead, ruled chunks out
+    assert count_tokens(texts, tok) == tokenizer_counts(texts, tok)
+
+
 def test_the_counter_counts_what_it_can(vocabularies):
     # the fast path is taken (a counter that always left texts to the tokenizer would pass the test above)
     text = "Plan: add 2 and 3, then check it's 5. Code: `print(add(2, 3))`\n\n  東京 naïve 🙂 ١٢٣"
     for name, tok in vocabularies.items():
         counter = piece_counter(tok)
-        assert counter is not None and counter.count([text]) == tokenizer_counts([text], tok), name
+        assert counter is not None and counter.chunked, name  # each text cut in chunks at its spaces (_chunks)
+        assert counter.count([text]) == tokenizer_counts([text], tok), name
     assert piece_counter(vocabularies["qwen+nfc"]).count(["cafe\u0301"]) == [None]  # NFC would change it
 
 
@@ -101,12 +128,9 @@ def test_other_pipelines_are_counted_by_the_tokenizer(qwen3_tok, real_vocab_dir)
     from transformers import AutoTokenizer
 
     gemma = AutoTokenizer.from_pretrained(real_vocab_dir("gemma3"))  # SentencePiece-style: no ByteLevel pieces
-    capturing = copy.deepcopy(qwen3_tok)  # an expression `regex` would read with a capturing group
-    capturing._tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"(\p{L}+)|\s+"), "isolated"), pre_tokenizers.ByteLevel(use_regex=False)])
-    anchored = copy.deepcopy(qwen3_tok)  # "$" is a line end to Oniguruma, the text's end to `regex`
-    anchored._tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{L}+$|\s+"), "isolated"), pre_tokenizers.ByteLevel(use_regex=False)])
+    capturing = _with_expression(qwen3_tok, r"(\p{L}+)|\s+|\P{L}")  # a group `regex` would read as capturing
+    anchored = _with_expression(qwen3_tok, r"\p{L}+$|\s+|.")  # "$" ends a line to Oniguruma, the text to `regex`
+    assert piece_counter(_with_expression(qwen3_tok, r"\p{L}+|\s+|\P{L}")) is not None  # the same, plain
     texts = ["Add 2 and 3: 5.", "x\ny z"]
     for tok in (gemma, capturing, anchored):
         assert piece_counter(tok) is None
