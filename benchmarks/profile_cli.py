@@ -48,7 +48,8 @@ STAGES = [
     ("        tool_schema_tokens", "qlora_train/data/pipeline.py", "tool_schema_tokens"),
     ("      dedup hash", "qlora_train/data/pipeline.py", "_hash"),
     ("      parse report JSON", "qlora_train/data/pipeline.py", "_report_json"),
-    ("  Arrow writing", "datasets/arrow_writer.py", "write_batch"),
+    ("    the int-list columns as Arrow", "qlora_train/data/processed.py", "arrow_lists"),
+    ("  Arrow writing", "datasets/arrow_writer.py", "write_table"),
     ("the statistics after the map", "qlora_train/diagnostics/run.py", "stats_report"),
     ("  tool schema tokens by re-render", "qlora_train/diagnostics/stats.py", "tool_schema_tokens"),
 ]

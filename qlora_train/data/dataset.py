@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from qlora_train.config import DataConfig, DatasetSource
@@ -34,13 +35,16 @@ from qlora_train.data.parse import ParseReport
 from qlora_train.data.pipeline import process_rows
 from qlora_train.data.processed import (
     EXPANDED_COLUMNS,
+    INT_LIST_COLUMNS,
     MODEL_COLUMNS,
     OUTPUT_COLUMNS,
     REPORT_COLUMNS,
+    arrow_lists,
     empty_output,
     kept_columns,
     model_columns,
     processed_features,
+    processed_schema,
 )
 from qlora_train.data.sources import SourceError, load_labelled_source, source_label
 from qlora_train.errors import DataError, InternalError
@@ -150,8 +154,9 @@ def pipeline_code_hash() -> str:
     return h.hexdigest()
 
 
-def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig, code: str = "") -> dict:
-    """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source, location, domain.
+def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig, code: str = "") -> pa.Table:
+    """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source, location, domain,
+    as an Arrow table of ``processed_features`` (written as it is; the int lists made by ``arrow_lists``).
 
     ``code`` (``pipeline_code_hash``) only feeds the cache fingerprint."""
     n = len(batch["load_error"])
@@ -173,7 +178,9 @@ def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig, code: str = "") 
     out["domain"] = merge_back(n, ok, [_domain(r, cfg.domain_key) for r in rows], lambda i: "")
     if cfg.on_bad_row == "error":
         stop_at_first_bad_row(out["drop_reason"], out["drop_detail"])
-    return out
+    for name, dtype in INT_LIST_COLUMNS:
+        out[name] = arrow_lists(out[name], dtype)
+    return pa.Table.from_pydict(out, schema=processed_schema())
 
 
 def stop_at_first_bad_row(reasons: list[str], details: list[str]) -> None:

@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 
 from qlora_train.config import DatasetSource
 from qlora_train.data.handlers import apply_row_handlers, row_json
@@ -194,14 +195,17 @@ def source_label(index: int, src: DatasetSource) -> str:
     return f"{index}:{src.path if isinstance(src.path, str) else '+'.join(src.path)}"
 
 
-def _label_rows(batch: dict, label: str) -> dict:
-    return {"source": [label] * len(batch["row"])}
+def _label_rows(batch: pa.Table, label: str) -> pa.Table:
+    return batch.append_column("source", pa.array([label] * batch.num_rows, pa.string()))
 
 
 def load_labelled_source(index: int, src: DatasetSource, *, cache_dir: str | None = None) -> datasets.Dataset:
-    """The ``index``-th entry -> its raw rows, each tagged with ``source = source_label(index, src)``."""
-    return load_source(src, cache_dir=cache_dir).map(
-        _label_rows, batched=True, fn_kwargs={"label": source_label(index, src)}, desc="labelling rows")
+    """The ``index``-th entry -> its raw rows, each tagged with ``source = source_label(index, src)``.
+
+    The rows stay Arrow tables through the map (a column appended), not read into Python and written back."""
+    return load_source(src, cache_dir=cache_dir).with_format("arrow").map(
+        _label_rows, batched=True, fn_kwargs={"label": source_label(index, src)},
+        desc="labelling rows").with_format(None)
 
 
 def load_sources(sources: list[DatasetSource], *, cache_dir: str | None = None) -> datasets.Dataset:

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data.dataset import EmptyDatasetError, build_datasets
+from qlora_train.data.pipeline import process_rows
+from qlora_train.data.processed import OUTPUT_COLUMNS, arrow_lists, processed_features
 from qlora_train.data.sources import SourceError, load_labelled_source, load_source
 
 GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
@@ -91,3 +97,34 @@ def test_a_change_to_the_masking_code_is_a_new_cache_fingerprint(tmp_path, qwen3
     assert dataset.process_dataset(raw, qwen3_tok, cfg)._fingerprint == first  # same code: cache reused
     monkeypatch.setattr(dataset, "pipeline_code_hash", lambda: "other code")
     assert dataset.process_dataset(raw, qwen3_tok, cfg)._fingerprint != first
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 1), max_size=12), max_size=8),
+       st.lists(st.lists(st.integers(-100, 2**31 - 1), max_size=12), max_size=8))
+def test_int_list_columns_are_written_as_the_values_they_hold(bits, ints):
+    # the map's int-list columns go to Arrow as one flat array (arrow_lists); a column of ones is made as ones
+    for values, dtype in ((bits, "int8"), (ints, "int32"), (ints, "int64"), ([[1, 1], [], [1]], "int8")):
+        array = arrow_lists(values, dtype)
+        assert array.type == pa.list_(pa.from_numpy_dtype(np.dtype(dtype)))
+        assert array.to_pylist() == values
+
+
+def direct_locations(path) -> list[str]:
+    return [f"{path}:{i}" for i in (1, 2, 3)]
+
+
+def test_the_processed_dataset_holds_what_process_rows_returned(tmp_path, qwen3_tok):
+    rows = [GOOD, {"messages": [{"role": "user", "content": "x"}]}, {"text": "plain text " * 3}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(datasets=[DatasetSource(path=str(path))], cache_dir=str(tmp_path / "cache"))
+    from qlora_train.data import dataset
+
+    processed = dataset.process_dataset(load_labelled_source(0, cfg.datasets[0], cache_dir=cfg.cache_dir),
+                                        qwen3_tok, cfg)
+    direct = process_rows(rows, qwen3_tok, cfg, locations=direct_locations(path))
+    assert processed.features == processed_features()
+    for name in OUTPUT_COLUMNS:
+        assert processed[name] == direct[name], name
+    assert processed["source"] == [f"0:{path}"] * 3 and processed["location"] == direct_locations(path)
