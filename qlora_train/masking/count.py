@@ -52,7 +52,7 @@ _BYTE_CHARS = str.maketrans(
 _CONTEXTS = ("a", "Z", "é", "中", "あ", "ア", "가", "ж", "ع", "\u0301", "1", "1234", "١", " ", "   ", "\t", "\u3000",
              "\xa0", "\n", "\r\n", "\n\n", " \n", "'", "'s", "'LL", ".", ",", "-", "_", "(", "!", "+", "$", "^", "€",
              "🙂")
-_MAX_PIECES = 1 << 17  # distinct pieces kept per tokenizer; the table starts again when full
+_MAX_PIECES = 1 << 17  # distinct chunks (or pieces) counted per tokenizer; the table starts again when full
 _COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (backend, size, counter)
 
 
@@ -173,7 +173,7 @@ class PieceCounter:
 
 def _chunks(text: str) -> list[str]:
     """The text cut before each space that follows a character other than whitespace (GPT-2's, Llama 3's,
-    Qwen's and DeepSeek V3's expressions end a piece there, and read nothing across it but ``(?!\S)``, which a
+    Qwen's and DeepSeek V3's expressions end a piece there, and read nothing across it but ``(?!\\S)``, which a
     space and the text's end answer alike)."""
     parts = text.split(" ")
     out = [parts[0]]
