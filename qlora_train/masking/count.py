@@ -17,7 +17,7 @@ character around letters, marks, digits, spaces, newlines, apostrophes, punctuat
 scripts, ``_probe``), and the two agreed on every piece. A character where they differ (Oniguruma's and
 ``regex``'s Unicode tables are of different versions) sends every text holding it to the tokenizer, as does an
 added token's content (the tokenizer cuts those out before its pre-tokenizer) and a text the normalizer would
-change. Chunks are used only where the expressions look past a piece for nothing but ``(?!\S)`` and the probes
+change. Chunks are used only where the expressions look past a piece for nothing but ``(?!\\S)`` and the probes
 of every ASCII character agree with them; else each piece is looked up. Any other tokenizer is counted by the
 tokenizer.
 """
