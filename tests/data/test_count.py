@@ -75,7 +75,7 @@ def _with_expression(tok, expression: str):
 
 @pytest.fixture(scope="module")
 def unchunked(qwen3_tok):
-    """Expressions that read across a space: pieces of two words; a lookahead past the piece other than (?!\S)."""
+    """Expressions that read across a space: pieces of two words; a lookahead past the piece other than (?!\\S)."""
     return {"two words": _with_expression(qwen3_tok, r"\p{L}+ \p{L}+|\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]+"),
             "lookahead": _with_expression(qwen3_tok, r" ?\p{L}+(?= \p{N})|\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+")}
 
