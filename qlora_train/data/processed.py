@@ -19,7 +19,8 @@ would otherwise be typed ``list<null>``, which the next batch's ints cannot be c
 from __future__ import annotations
 
 import functools
-from itertools import chain, repeat
+from itertools import chain
+from operator import methodcaller
 from typing import Any, NamedTuple
 
 MODEL, PAIR, REPORT, STATS, KEPT, EXPANDED = "model", "pair", "report", "stats", "kept", "expanded"
@@ -137,7 +138,7 @@ def arrow_lists(values: list[list[int]], dtype: str):
     offsets = np.zeros(len(values) + 1, np.int32)
     np.cumsum(np.fromiter(map(len, values), np.int64, len(values)), out=offsets[1:])
     total = int(offsets[-1])
-    if sum(map(list.count, values, repeat(1))) == total:
+    if sum(map(methodcaller("count", 1), values)) == total:
         flat = np.ones(total, dtype)
     else:
         flat = np.fromiter(chain.from_iterable(values), dtype, total)
