@@ -30,7 +30,7 @@ import weakref
 import regex
 from tokenizers import Tokenizer
 
-from qlora_train.masking.tokenize import _UNICODE_FORMS, _flatten, _rust_backend, _spec
+from qlora_train.masking.tokenize import _UNICODE_FORMS, _flatten, _rust_backend, _spec, per_vocabulary
 
 # GPT-2's expression, which ByteLevel(use_regex=True) runs itself
 _BYTE_LEVEL_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -199,12 +199,7 @@ def piece_counter(tokenizer) -> PieceCounter | None:
     backend = _rust_backend(tokenizer)
     if backend is None:
         return None
-    n = backend.get_vocab_size(with_added_tokens=True)
-    memo = _COUNTERS.get(tokenizer)
-    if memo is None or memo[0] is not backend or memo[1] != n:
-        memo = (backend, n, _make_counter(backend))
-        _COUNTERS[tokenizer] = memo
-    return memo[2]
+    return per_vocabulary(_COUNTERS, tokenizer, backend, _make_counter)
 
 
 def _make_counter(backend: Tokenizer) -> PieceCounter | None:

@@ -342,12 +342,16 @@ def token_byte_lengths(tokenizer, backend: Tokenizer) -> np.ndarray | None:
     text whose tokens' lengths sum to its own byte count has each token where the sum puts it
     (``encode_batch`` checks that per text). Worked out once per tokenizer and vocabulary size (about 0.1 s
     for 150k tokens)."""
+    return per_vocabulary(_BYTE_LENGTHS, tokenizer, backend, _byte_lengths)
+
+
+def per_vocabulary(memo: weakref.WeakKeyDictionary, tokenizer, backend: Tokenizer, make):
+    """``make(backend)``, worked out once per tokenizer, backend and vocabulary size (kept in ``memo``)."""
     n = backend.get_vocab_size(with_added_tokens=True)
-    memo = _BYTE_LENGTHS.get(tokenizer)
-    if memo is None or memo[0] is not backend or memo[1] != n:
-        memo = (backend, n, _byte_lengths(backend))
-        _BYTE_LENGTHS[tokenizer] = memo
-    return memo[2]
+    kept = memo.get(tokenizer)
+    if kept is None or kept[0] is not backend or kept[1] != n:
+        kept = memo[tokenizer] = (backend, n, make(backend))
+    return kept[2]
 
 
 def _byte_lengths(backend: Tokenizer) -> np.ndarray | None:
