@@ -40,12 +40,6 @@ _BYTE_LEVEL_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{
 _ESCAPE = r"\\[pP]\{[A-Za-z_]+\}|\\[sSdDwWrntfv]|\\[^A-Za-z0-9]"
 _PORTABLE = regex.compile(
     rf"(?:{_ESCAPE}|\[\^?(?:{_ESCAPE}|(?!&&)[^\]\\\[])+\]|\(\?(?:i?:|!|=)|[^\\()\[\]^$]|\))*")
-# A byte as the ByteLevel character that stands for it (GPT-2's table: printable Latin-1 bytes stand for
-# themselves, the others for 256 + their rank among them)
-_PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-_BYTE_CHARS = str.maketrans(
-    {b: chr(b) if b in _PRINTABLE else chr(0x100 + [c for c in range(256) if c not in _PRINTABLE].index(b))
-     for b in range(256)})
 # What a character is probed next to: letters (Latin, CJK, kana, Hangul, Cyrillic, Arabic), a combining mark,
 # digits (ASCII runs, Arabic-Indic), spaces (runs, tab, ideographic, no-break), newlines, the contractions'
 # apostrophe, punctuation, symbols, an emoji
@@ -64,7 +58,10 @@ class PieceCounter:
     """Counts a byte-level BPE's tokens piece by piece (module docstring); built by ``piece_counter``."""
 
     def __init__(self, backend: Tokenizer, patterns: list[regex.Pattern], forms: tuple[str, ...]):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
         self.backend, self.patterns, self.forms = backend, patterns, forms
+        self._byte_chars = str.maketrans(bytes_to_unicode())  # a byte (as a Latin-1 character) -> its ByteLevel one
         # an expression whose matches leave gaps is cut by ``split`` (gaps and matches, in C); one that matches
         # everywhere by ``findall``, checked to cover each piece
         wrapped = [regex.compile(f"({p.pattern})", p.flags) for p in patterns]
@@ -115,7 +112,7 @@ class PieceCounter:
 
     def _tokens(self, piece: str) -> int:
         """The model's tokens of one piece (its bytes as ByteLevel characters)."""
-        return len(self.backend.model.tokenize(piece.encode().decode("latin-1").translate(_BYTE_CHARS)))
+        return len(self.backend.model.tokenize(piece.encode().decode("latin-1").translate(self._byte_chars)))
 
     def _cut(self, text: str) -> list[str]:
         """The pieces this counter makes of a text (chunk by chunk where it cuts chunks)."""
