@@ -53,7 +53,7 @@ from qlora_train.masking import (
     RenderedConversation,
     RowRejected,
     check_unicode,
-    encode_batch,
+    encode_rendered,
     make_labels,
     project_char_mask,
     render_conversation,
@@ -321,7 +321,7 @@ def build_preference_example(
     rendered = {side: _render_side(side, mark_side(prompt, response, side_policy), tokenizer, tools, side_policy)
                 for side, response in zip(SIDES, (chosen, rejected))}
     boundary = {side: next(t.start for t in r.turns if t.index == len(prompt)) for side, r in rendered.items()}
-    encoded = dict(zip(SIDES, encode_batch([rendered[side].text for side in SIDES], tokenizer)))
+    encoded = dict(zip(SIDES, encode_rendered([rendered[side] for side in SIDES], tokenizer)))
     if encoded["chosen"][0] == encoded["rejected"][0]:
         raise RowRejected(DropReason.PAIR_IDENTICAL, "chosen and rejected render to the same tokens")
     prompt_length, merges = shared_prompt_length(rendered, boundary, encoded)

@@ -8,7 +8,8 @@ or a list of row dicts) so the tokenizer is called once per batch. Every row
 comes out: kept rows have tokens, dropped rows have ``drop_reason`` set and
 empty token lists, to be counted and then filtered.
 
-Chat schemas go parse (1) -> render (2) -> tokenize (3) -> truncate (4) -> ``make_labels``;
+Chat schemas go parse (1) -> render (2) -> tokenize (3: the render cut where each trained turn's generated part
+begins, ``masking.encode_rendered``) -> truncate (4) -> ``make_labels``;
 ``segments`` and ``text`` rows skip the template (``formats``) and join at
 tokenize; ``pretokenized`` rows join at ``make_labels``. Plain ``text`` rows
 keep all their tokens here (``formats.split_into_blocks`` cuts them later).
@@ -99,15 +100,17 @@ def guarded(stage, *args, **kwargs):
                           traceback="".join(traceback.format_exception(exc))) from exc
 
 
-def _encode_each(texts: list[str], tokenizer) -> list[tuple[list[int], np.ndarray] | RowRejected]:
-    """``encode_batch``, falling back to one text at a time so one bad text cannot fail the batch."""
+def _encode_each(texts: list[str], cuts: list[tuple[int, ...]], tokenizer
+                 ) -> list[tuple[list[int], np.ndarray] | RowRejected]:
+    """``encode_batch`` (each text cut at its ``cuts``: a render's ``RenderedConversation.cuts``), falling back to
+    one text at a time so one bad text cannot fail the batch."""
     try:
-        return encode_batch(texts, tokenizer)
+        return encode_batch(texts, tokenizer, cuts)
     except Exception:
         out = []
-        for text in texts:
+        for text, cut in zip(texts, cuts):
             try:
-                out.append(guarded(encode_batch, [text], tokenizer)[0])
+                out.append(guarded(encode_batch, [text], tokenizer, [cut])[0])
             except RowRejected as rej:
                 out.append(rej)
         return out
@@ -233,7 +236,8 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
             except RowRejected as rej:
                 refuse(i, rej)
         return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
-    waiting: list[tuple[str, Callable]] = []  # (text, what fills its row once it is tokenized), for one call
+    # (text, where it is cut, what fills its row once it is tokenized), for one call
+    waiting: list[tuple[str, tuple[int, ...], Callable]] = []
     dropped_reasoning: list[tuple[int, str]] = []  # (row index, reasoning trained without being rendered)
     reports: dict[int, ParseReport] = {}  # chat rows
 
@@ -267,7 +271,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                     else:
                         finish = fill(i, partial(_example, st.messages, st.tools, st.rendered, tokenizer=tokenizer,
                                                  cfg=cfg, policy=policy, out=outs[i]))
-                    waiting.append((st.rendered.text, finish))
+                    waiting.append((st.rendered.text, st.rendered.cuts, finish))
                 continue
             outs[i]["parse_report"] = _report_json(ParseReport(schema, {schema: 1}, rows=1))
             text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
@@ -278,11 +282,12 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                         max_length=cfg.max_length)
             else:  # text rows keep every token: they are cut into blocks, not truncated
                 check_unicode(text)
-                waiting.append((text, fill(i, partial(_template_free_example, outs[i], mask=mask, cfg=cfg,
-                                                      max_length=None if schema == "text" else cfg.max_length))))
+                waiting.append((text, (), fill(i, partial(_template_free_example, outs[i], mask=mask, cfg=cfg,
+                                                          max_length=None if schema == "text" else cfg.max_length))))
         except RowRejected as rej:
             refuse(i, rej)
-    for (_, finish), enc in zip(waiting, _encode_each([text for text, _ in waiting], tokenizer)):
+    encoded = _encode_each([text for text, _, _ in waiting], [cuts for _, cuts, _ in waiting], tokenizer)
+    for (_, _, finish), enc in zip(waiting, encoded):
         finish(enc)
     for (i, _), n in zip(dropped_reasoning, count_tokens([r for _, r in dropped_reasoning], tokenizer)):
         reports[i].reasoning_dropped_tokens += n

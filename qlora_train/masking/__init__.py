@@ -12,8 +12,10 @@ datasets (``qlora_train.data`` does, through this API) and nothing imports ``dat
 ``last_turn_only``), the characters the model must generate: what ``render(messages[:i+1])`` adds after its common
 prefix with ``render(messages[:i], add_generation_prompt=True)``, through the turn's end marker: its reasoning block
 (per ``think_loss``), content, tool calls and end-of-turn marker (per ``train_on_eos``). Never a header, a
-separator after the marker, BOS, or any character of another message. A token is trained when its first character
-is (``tokenize.project_char_mask``); ``tokenize.make_labels`` is the one place labels are made.
+separator after the marker, BOS, or any character of another message. The ids are the text tokenized in pieces
+cut where each trained turn's generated part begins (``tokenize.encode_rendered``): at inference the prompt is
+tokenized alone, so the model's first token starts exactly there. A token is trained when its first character is
+(``tokenize.project_char_mask``); ``tokenize.make_labels`` is the one place labels are made.
 
 **Modules**, in the order a row goes through them:
 
@@ -31,8 +33,8 @@ is (``tokenize.project_char_mask``); ``tokenize.make_labels`` is the one place l
                  span) -> ``RenderedConversation`` (text, char mask, ``TurnSpan`` per trained turn);
 - ``prefix``     **the general path**, for rows the layout cannot verify: the rule itself, by per-turn prefix
                  renders, verified the same way (``verified_by="prefix_renders"``);
-- ``tokenize``   one batched tokenizer call with offsets (``encode_batch``), the char mask projected onto
-                 tokens, labels.
+- ``tokenize``   one batched tokenizer call with offsets (``encode_batch``; a render cut at its trained turns'
+                 starts: ``encode_rendered``), the char mask projected onto tokens, labels.
 
 **A refusal** is chosen, never a guess: a row neither path verifies is ``mask_unverified`` (the general path's
 reason, then the layout's), a template that raises is ``template_error``; a part the template does not write
@@ -72,16 +74,17 @@ from qlora_train.masking.tokenize import (
     OffsetArray,
     Offsets,
     encode_batch,
+    encode_rendered,
     make_labels,
     project_char_mask,
 )
 
 __all__ = [
-    # a conversation in, its mask out (mask_conversation; the batch form: render_conversation, encode_batch,
-    # project_char_mask, make_labels)
+    # a conversation in, its mask out (mask_conversation; the batch form: render_conversation, encode_rendered,
+    # project_char_mask, make_labels; encode_batch for texts without a render)
     "DEFAULT_POLICY", "IGNORE_INDEX", "LossPolicy", "MaskedConversation", "Message", "RenderedConversation",
-    "RowRejected", "TurnSpan", "encode_batch", "make_labels", "mask_conversation", "project_char_mask",
-    "render_conversation",
+    "RowRejected", "TurnSpan", "encode_batch", "encode_rendered", "make_labels", "mask_conversation",
+    "project_char_mask", "render_conversation",
     # the template's layout: probed, declared (model.template_layout), printed
     "TEMPLATE_ERRORS", "TemplateLayout", "check_declaration", "layout_dict", "layout_yaml", "probe_layout",
     "resolve_layout", "template_layout", "tool_block",
@@ -110,9 +113,9 @@ def mask_conversation(messages: list[Message], tokenizer, *, tools: list[dict] |
                       policy: LossPolicy = DEFAULT_POLICY) -> MaskedConversation:
     """Canonical messages (string content; a message's own ``train`` flag, where set, is kept) -> their
     ``MaskedConversation``, or ``RowRejected``. The batch form, as the dataset pipeline runs it:
-    ``render_conversation`` per conversation, one ``encode_batch`` for the texts, ``make_labels`` of each with
-    ``project_char_mask``."""
+    ``render_conversation`` per conversation, one ``encode_rendered`` for the renders, ``make_labels`` of each
+    with ``project_char_mask``."""
     rendered = render_conversation(policy.mark(messages), tokenizer, tools=tools, policy=policy)
-    (ids, offsets), = encode_batch([rendered.text], tokenizer)
+    (ids, offsets), = encode_rendered([rendered], tokenizer)
     example = make_labels(ids, project_char_mask(offsets, rendered.char_mask))
     return MaskedConversation(rendered, example["input_ids"], example["labels"])

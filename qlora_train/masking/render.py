@@ -64,6 +64,13 @@ class RenderedConversation(NamedTuple):
     verified_by: str = "layout"  # or "prefix_renders": the rule applied with per-turn prefix renders (prefix.py)
     renders: int = 1  # chat-template renders this result cost
 
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """Where the text is cut before it is tokenized (``tokenize.encode_rendered``): where each trained turn's
+        generated part begins, so that its first token starts there, as it does at inference after the prompt
+        tokenized alone. A cut at 0 or at the end of the text is no cut."""
+        return tuple(t.start for t in self.turns)
+
 
 def template_messages(messages: list[Message], layout: TemplateLayout) -> list[Message]:
     """Messages as the template reads them: reasoning under the key it reads (``reasoning`` for some), tool

@@ -378,42 +378,141 @@ def _byte_lengths(backend: Tokenizer) -> np.ndarray | None:
     return lengths
 
 
-def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], Offsets]]:
+def piece_bounds(text: str, cuts: Sequence[int]) -> list[int]:
+    """Where a text's pieces begin and end: ``[0, *cuts inside the text, len(text)]``; a cut at 0 or at the end, or
+    twice at one place, is no cut.
+
+    >>> piece_bounds("Q: hi A: yo", [9, 0, 9, 11])
+    [0, 9, 11]
+    """
+    n = len(text)
+    return [0, *sorted({c for c in cuts if 0 < c < n}), n]
+
+
+def cuttable(tokenizer) -> bool:
+    """Whether a text cut in pieces tokenizes to ids that still spell it: the tokenizer writes nothing before a
+    piece of its own (no SentencePiece dummy prefix: ``Metaspace`` prepending, a ``Prepend`` normalizer,
+    ByteLevel's ``add_prefix_space``). Tokenizers without a Rust pipeline to read are not cut."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return False
+    if any(n["type"] == "Prepend" for n in _flatten(_spec(backend.normalizer), "normalizers")):
+        return False
+    for p in _flatten(_spec(backend.pre_tokenizer), "pretokenizers"):
+        if p["type"] == "ByteLevel" and p.get("add_prefix_space"):
+            return False
+        if p["type"] == "Metaspace" and (p.get("prepend_scheme", "never") != "never" or p.get("add_prefix_space")):
+            return False
+    return True
+
+
+def encode_batch(texts: list[str], tokenizer, cuts: Sequence[Sequence[int]] | None = None
+                 ) -> list[tuple[list[int], Offsets]]:
     """One batched fast-tokenizer call -> per text ``(input_ids, offsets)``.
 
+    ``cuts[i]``: where text ``i`` is cut before it is tokenized (character positions; ``piece_bounds``). Each
+    piece is tokenized on its own and the ids concatenated, so a token never crosses a cut; the offsets are in
+    the whole text. All pieces of all texts go into the one call. A rendered conversation is cut where each
+    trained turn's generated part begins (``RenderedConversation.cuts``, ``encode_rendered``): at inference the
+    prompt is tokenized alone and the model's first token begins the answer, so that is what is trained. A
+    tokenizer that writes a prefix before every text it is given (``cuttable``) is not cut.
+
     ``add_special_tokens=False``: the ids are exactly the tokenization of the
-    rendered text, so no BOS is added on top of one the template wrote. The
-    Rust backend is called directly when that is equivalent (it skips
+    rendered text (its pieces), so no BOS is added on top of one the template
+    wrote. The Rust backend is called directly when that is equivalent (it skips
     transformers' per-encoding conversion to dicts), else the tokenizer itself.
     A byte-level BPE is asked for ids only (``encode_batch_fast``: the offsets
     are a fifth of a short text's tokenizing time) and its offsets worked out from
-    them (``ByteOffsets``) when the ids' byte lengths add up to the text's; a
-    text where they do not is encoded again with offsets. Otherwise offsets stay
-    in the encoding (``EncodingOffsets``) when the tokenizer keeps them in text
-    order for this text, else all are read (``OffsetArray``).
+    them (``ByteOffsets``) when each piece's ids' byte lengths add up to the
+    piece's bytes; a text where they do not is encoded again with offsets. Otherwise
+    offsets stay in the encoding (``EncodingOffsets``) when the text is one piece
+    and the tokenizer keeps them in text order for it, else all are read
+    (``OffsetArray``).
     """
     if not texts:
         return []
+    if cuts is None or not cuttable(tokenizer):
+        bounds = [[0, len(text)] for text in texts]
+    else:
+        bounds = [piece_bounds(text, c) for text, c in zip(texts, cuts, strict=True)]
+    pieces = [text if len(b) == 2 else text[i:j] for text, b in zip(texts, bounds)
+              for i, j in zip(b[:-1], b[1:])]
     backend = _rust_backend(tokenizer)
     if backend is None:
-        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
-        return [(ids, OffsetArray.from_pairs(offs)) for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])]
+        enc = tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+        encoded = list(zip(enc["input_ids"], enc["offset_mapping"]))
+        return [_joined(b, encoded[k:k + len(b) - 1]) for b, k in zip(bounds, _firsts(bounds))]
     forms = text_order_forms(backend)
     lengths = token_byte_lengths(tokenizer, backend) if forms is not None else None
     if lengths is None or not hasattr(backend, "encode_batch_fast"):
-        return [_with_offsets(text, enc, forms) for text, enc in
-                zip(texts, backend.encode_batch(texts, add_special_tokens=False))]
+        encs = backend.encode_batch(pieces, add_special_tokens=False)
+        return [_with_offsets(text, encs[k], forms) if len(b) == 2 else
+                _joined(b, [(e.ids, e.offsets) for e in encs[k:k + len(b) - 1]])
+                for text, b, k in zip(texts, bounds, _firsts(bounds))]
+    encs = backend.encode_batch_fast(pieces, add_special_tokens=False)
     out = []
-    for text, enc in zip(texts, backend.encode_batch_fast(texts, add_special_tokens=False)):
-        ids = enc.ids
-        if all(unicodedata.is_normalized(f, text) for f in forms):
-            bounds = np.zeros(len(ids) + 1, dtype=np.int64)
-            lengths[ids].cumsum(out=bounds[1:])
-            if bounds[-1] == (len(text) if text.isascii() else len(text.encode())):
-                out.append((ids, ByteOffsets(bounds, text)))
-                continue
-        out.append(_with_offsets(text, backend.encode(text, add_special_tokens=False), forms))
+    for text, b, k in zip(texts, bounds, _firsts(bounds)):
+        n = len(b) - 1
+        offsets = _byte_offsets(text, b, encs[k:k + n], lengths, forms)
+        if offsets is not None:
+            out.append(offsets)
+        elif n == 1:
+            out.append(_with_offsets(text, backend.encode(text, add_special_tokens=False), forms))
+        else:
+            again = backend.encode_batch(pieces[k:k + n], add_special_tokens=False)
+            out.append(_joined(b, [(e.ids, e.offsets) for e in again]))
     return out
+
+
+def _firsts(bounds: list[list[int]]) -> list[int]:
+    """The index of each text's first piece among all texts' pieces."""
+    firsts, k = [], 0
+    for b in bounds:
+        firsts.append(k)
+        k += len(b) - 1
+    return firsts
+
+
+def _byte_offsets(text: str, bounds: list[int], encs, lengths: np.ndarray, forms: tuple[str, ...]
+                  ) -> tuple[list[int], ByteOffsets] | None:
+    """A text's pieces' encodings -> its ids and ``ByteOffsets``, or None where a piece is not in the Unicode
+    forms the offsets need or its ids' byte lengths do not add up to its bytes."""
+    if len(encs) == 1:
+        ids = encs[0].ids
+    else:
+        ids = list(chain.from_iterable(e.ids for e in encs))
+    if not all(unicodedata.is_normalized(f, text if len(encs) == 1 else text[i:j])
+               for f in forms for i, j in zip(bounds[:-1], bounds[1:])):
+        return None
+    token_bounds = np.zeros(len(ids) + 1, dtype=np.int64)
+    lengths[ids].cumsum(out=token_bounds[1:])
+    if text.isascii():
+        piece_bytes = bounds[1:]
+    else:
+        piece_bytes = np.cumsum([len(text[i:j].encode()) for i, j in zip(bounds[:-1], bounds[1:])]).tolist()
+    ends = np.cumsum([len(e.ids) for e in encs]) if len(encs) > 1 else [len(ids)]
+    if any(token_bounds[t] != b for t, b in zip(ends, piece_bytes)):
+        return None
+    return ids, ByteOffsets(token_bounds, text)
+
+
+def _joined(bounds: list[int], encoded: list[tuple[list[int], Sequence[tuple[int, int]]]]
+            ) -> tuple[list[int], OffsetArray]:
+    """A text's pieces' ``(ids, offsets in the piece)`` -> the text's ids and ``OffsetArray`` (offsets shifted by
+    where each piece starts)."""
+    if len(encoded) == 1:
+        ids, offs = encoded[0]
+        return list(ids), OffsetArray.from_pairs(offs)
+    arrays = [OffsetArray.from_pairs(offs).array + start for start, (_, offs) in zip(bounds, encoded)]
+    return ([i for ids, _ in encoded for i in ids],
+            OffsetArray(np.concatenate(arrays) if arrays else np.zeros((0, 2), dtype=np.int64)))
+
+
+def encode_rendered(rendered: Sequence, tokenizer) -> list[tuple[list[int], Offsets]]:
+    """Rendered conversations (``render.RenderedConversation``) -> per conversation ``(input_ids, offsets)``: its
+    text cut where each trained turn's generated part begins (``RenderedConversation.cuts``), in one
+    ``encode_batch`` call. What every caller that tokenizes a render for training uses."""
+    return encode_batch([r.text for r in rendered], tokenizer, cuts=[r.cuts for r in rendered])
 
 
 def _with_offsets(text: str, enc, forms: tuple[str, ...] | None) -> tuple[list[int], Offsets]:

@@ -18,7 +18,11 @@ opener its generation prompt may write. Applied to one conversation::
 
 - ``decided``: ``spans`` are the trained character spans of ``text`` (the full
   render); ``token_mask`` turns them into tokens by the first-character rule
-  (qlora_train/masking/tokenize.py: a token is trained when its first character is);
+  (qlora_train/masking/tokenize.py: a token is trained when its first character is),
+  the tokens of the text cut where each turn starts (``cuts``; ``tokens``: at
+  inference the prompt is tokenized alone, so the answer's first token starts
+  there), with plain tokenizer calls (the tokenizers tested write nothing before
+  a piece of text, no SentencePiece prefix);
 - ``refuse``: the row has no right mask: the template raises on it, or a part a
   turn must generate (its content, a tool call's name or argument values) is not
   inside that turn's generated part (a call the template does not write);
@@ -74,6 +78,7 @@ class Verdict:
     spans: tuple[tuple[int, int], ...] = ()  # trained character spans of text (DECIDED only)
     reason: str = ""  # why REFUSE / UNDECIDED, naming the message
     turns: tuple[int, ...] = field(default=())  # message index of each span
+    cuts: tuple[int, ...] = ()  # where each judged turn starts in text: the text is tokenized cut there (tokens)
 
 
 def _render(tok, messages, tools, generation_prompt: bool) -> str:
@@ -112,13 +117,20 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
                   think_open: str = "<think>", trained: range | None = None) -> Verdict:
     """The trained spans of every assistant message of ``messages`` per the rule (see the module doc); with
     ``trained``, only of the assistant messages whose index is in it (a preference pair's response), the others
-    judged as context like any untrained message."""
+    judged as context like any untrained message. The verdict's ``cuts`` are where the full render is cut before
+    it is tokenized (``tokens``): each judged turn's start, where the oracle can place it."""
     messages = list(messages)
     try:
         full = _render(tok, messages, tools, False)
     except TEMPLATE_ERRORS as err:
         return Verdict(REFUSE, reason=f"the template raises: {type(err).__name__}: {err}")
-    spans, turns, cursor = [], [], 0
+    spans, turns, cuts, cursor = [], [], [], 0
+    failed: tuple[str, str] | None = None  # the first (kind, reason) that leaves the row not decided
+
+    def fail(kind: str, reason: str) -> None:
+        nonlocal failed
+        failed = failed or (kind, reason)
+
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or (trained is not None and i not in trained):
             continue
@@ -127,15 +139,25 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
             turn = _render(tok, messages[: i + 1], tools, False)
             bare = _render(tok, messages[:i], tools, False)
         except TEMPLATE_ERRORS as err:
-            return Verdict(UNDECIDED, full, reason=f"messages[{i}]: a prefix render raises: {err}")
+            fail(UNDECIDED, f"messages[{i}]: a prefix render raises: {err}")
+            continue
         start = len(os.path.commonprefix([prompt, turn]))
         prompt_own = len(os.path.commonprefix([bare, prompt]))  # where the generation prompt's own text starts
         if start < prompt_own:
-            return Verdict(UNDECIDED, full, reason=f"messages[{i}]: the render through the turn writes the "
-                                                   "conversation before it differently from the prompt")
+            fail(UNDECIDED, f"messages[{i}]: the render through the turn writes the conversation before it "
+                            "differently from the prompt")
+            aligned = _aligned_end(prompt, full, cuts[-1] if cuts else 0, len(prompt) - prompt_own)
+            opened = prompt.find(think_open, prompt_own) if think_open else -1
+            if aligned is not None:  # back to a reasoning block the generation prompt opens, as below
+                cuts.append(aligned - (len(prompt) - opened if opened >= 0 else 0))
+            continue
         opened = prompt.find(think_open, prompt_own) if think_open else -1
         if 0 <= opened < start:
             start = opened  # a reasoning block the generation prompt opens is trained
+        if full.startswith(turn[:start]):  # the full render has the turn's prompt where its own render has it
+            cuts.append(start)
+        if failed:
+            continue  # only where the turns after it start (the tokens are compared even where not decided)
         generated = turn[start:]
         last_end = max((generated.rfind(e) + len(e) for e in end_markers if e in generated), default=-1)
         if last_end >= 0:
@@ -153,19 +175,41 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
                     end += len(marker or "")
                 break
         if end < 0:
-            return Verdict(UNDECIDED, full, reason=f"messages[{i}]: the full render writes the turn differently "
-                                                   "from its prefix render")
+            fail(UNDECIDED, f"messages[{i}]: the full render writes the turn differently from its prefix render")
+            continue
         if start < cursor:
-            return Verdict(UNDECIDED, full, reason=f"messages[{i}]: the turn starts inside the previous one")
+            fail(UNDECIDED, f"messages[{i}]: the turn starts inside the previous one")
+            continue
         missing = _missing_part(message, full[start:end])
         if missing is not None:
-            return Verdict(REFUSE, full, reason=f"messages[{i}]: {missing} not inside the turn's generated part "
-                                                f"{full[start:end][:80]!r}")
+            fail(REFUSE, f"messages[{i}]: {missing} not inside the turn's generated part {full[start:end][:80]!r}")
+            continue
         if end > start:
             spans.append((start, end))
             turns.append(i)
         cursor = end
-    return Verdict(DECIDED, full, tuple(spans), turns=tuple(turns))
+    if failed:
+        return Verdict(failed[0], full, reason=failed[1], cuts=tuple(cuts))
+    return Verdict(DECIDED, full, tuple(spans), turns=tuple(turns), cuts=tuple(cuts))
+
+
+def _aligned_end(prompt: str, full: str, after: int, own: int) -> int | None:
+    """Where the prompt ends in the full render, for a turn whose render writes the conversation before it
+    differently (a system prompt or tools moved into the last user turn): the end of the longest text the prompt
+    ends with that the full render has (after ``after``), more than the generation prompt's own ``own``
+    characters; the first such place. None where there is none."""
+    best, where = own, None
+    if not prompt:
+        return None
+    for t in range(after + 1, len(full) + 1):
+        if full[t - 1] != prompt[-1]:
+            continue
+        k = 1
+        while k < len(prompt) and k < t and full[t - 1 - k] == prompt[-1 - k]:
+            k += 1
+        if k > best:
+            best, where = k, t
+    return where
 
 
 def trained_text(verdict: Verdict) -> str:
@@ -178,6 +222,18 @@ def char_mask(text: str, spans: Sequence[tuple[int, int]]) -> list[bool]:
     for a, b in spans:
         mask[a:b] = [True] * (b - a)
     return mask
+
+
+def tokens(tok, text: str, cuts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """``text``'s ids and offsets as training must see them: the text cut at ``cuts`` (each judged turn's start),
+    each piece tokenized alone, as the prompt is at inference, ids joined, offsets into the whole text."""
+    bounds = [0, *sorted({c for c in cuts if 0 < c < len(text)}), len(text)]
+    ids, offsets = [], []
+    for a, b in zip(bounds, bounds[1:]):
+        enc = tok(text[a:b], add_special_tokens=False, return_offsets_mapping=True)
+        ids += enc["input_ids"]
+        offsets += [(s + a, e + a) for s, e in enc["offset_mapping"]]
+    return ids, offsets
 
 
 def token_mask(offsets: Sequence[tuple[int, int]], mask: Sequence[bool]) -> list[bool]:
@@ -200,10 +256,9 @@ def check_kept_row(tok, verdict: Verdict, messages: Sequence[dict], input_ids: S
                    trained: Sequence[bool], trained_messages: range | None = None) -> RowCheck:
     """Compare the tokens the engine trains in a row it kept (``trained[k]``: token k has a label) with the
     oracle's verdict on the row, token by token (the first-character rule)."""
-    enc = tok(verdict.text, add_special_tokens=False, return_offsets_mapping=True)
-    if list(enc["input_ids"]) != list(input_ids):
+    ids, offsets = tokens(tok, verdict.text, verdict.cuts)
+    if ids != list(input_ids):
         return RowCheck(text_differs=True)
-    offsets = enc["offset_mapping"]
     if verdict.kind == DECIDED:
         expected = token_mask(offsets, char_mask(verdict.text, verdict.spans))
         return RowCheck(False, wrong=sum(t and not e for t, e in zip(trained, expected)),

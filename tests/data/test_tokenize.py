@@ -16,8 +16,10 @@ from qlora_train.masking.tokenize import (
     EncodingOffsets,
     OffsetArray,
     _rust_backend,
+    cuttable,
     encode_batch,
     make_labels,
+    piece_bounds,
     project_char_mask,
     text_order_forms,
     token_byte_lengths,
@@ -129,13 +131,27 @@ def test_projection_equals_the_per_token_definition(case):
     assert tm.straddling == straddling
 
 
-def check_projection(tok, text, mask, kind):
-    """encode_batch picks ``kind`` of offsets for ``text``; both kinds give the per-token definition."""
-    ((ids, offsets),) = encode_batch([text], tok)
-    assert isinstance(offsets, kind)
+def pieces_call(text, cuts, tok):
+    """The tokenizer call on each piece of ``text`` cut at ``cuts`` alone: ids joined, offsets shifted into the
+    text."""
+    bounds = piece_bounds(text, cuts)
+    ids, offsets = [], []
+    for a, b in zip(bounds, bounds[1:]):
+        (piece_ids, piece_offsets), = hf_call([text[a:b]], tok)
+        ids += piece_ids
+        offsets += [(s + a, e + a) for s, e in piece_offsets]
+    return ids, offsets
+
+
+def check_projection(tok, text, mask, kind, cuts=None):
+    """encode_batch picks ``kind`` of offsets for ``text`` (cut at ``cuts``; any kind for None); all kinds give
+    the per-token definition."""
+    ((ids, offsets),) = encode_batch([text], tok, None if cuts is None else [cuts])
+    assert kind is None or isinstance(offsets, kind)
     got = pairs(offsets)
-    assert (list(ids), got) == hf_call([text], tok)[0]  # ByteOffsets: worked out, equal to the tokenizer's
-    if kind is not OffsetArray:  # what the kind relies on: offsets in text order, no empty token
+    expected = hf_call([text], tok)[0] if cuts is None else pieces_call(text, cuts, tok)
+    assert (list(ids), got) == expected  # ByteOffsets: worked out, equal to the tokenizer's
+    if kind not in (OffsetArray, None):  # what the kind relies on: offsets in text order, no empty token
         starts, ends = [a for a, _ in got], [b for _, b in got]
         assert starts == sorted(starts) and ends == sorted(ends) and all(a < b for a, b in got)
     trained, straddling = brute_projection(got, mask)
@@ -285,3 +301,82 @@ def test_byte_lengths_of_real_vocabularies(byte_level_families):
         lengths = token_byte_lengths(tok, tok._tokenizer)
         bos = tok.convert_tokens_to_ids(tok.bos_token)
         assert lengths[bos] == len(tok.bos_token.encode()), name  # DeepSeek V3's: 27 bytes of 21 characters
+
+
+# ------------------------------------------------------------------ a text cut in pieces
+
+
+def cuts_of(data, text: str) -> list[int]:
+    return data.draw(st.lists(st.integers(0, len(text)), max_size=4), label="cuts")
+
+
+def test_a_cut_is_a_token_boundary_by_hand(qwen3_tok):
+    # ChatML's header "\n" and content " \nx": one token "\n \n" across the boundary; cut there, two
+    text = "<|im_start|>assistant\n \nx"
+    cut = len("<|im_start|>assistant\n")
+    whole, = encode_batch([text], qwen3_tok)
+    pieced, = encode_batch([text], qwen3_tok, [[cut]])
+    assert [qwen3_tok.decode([i]) for i in whole[0]] == ["<|im_start|>", "assistant", "\n \n", "x"]
+    assert [qwen3_tok.decode([i]) for i in pieced[0]] == ["<|im_start|>", "assistant", "\n", " \n", "x"]
+    assert isinstance(pieced[1], ByteOffsets) and pairs(pieced[1])[2:] == [(21, 22), (22, 24), (24, 25)]
+    assert encode_batch([text], qwen3_tok, [[0, len(text)]])[0][0] == whole[0]  # a cut at either end: no cut
+    assert piece_bounds(text, [cut, 0, cut, len(text)]) == [0, cut, len(text)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(TEXT, st.data())
+def test_pieces_are_each_tokenized_alone_offsets_from_the_ids(qwen3_tok, text, data):
+    check_projection(qwen3_tok, text, random_mask(data, len(text)), ByteOffsets, cuts_of(data, text))
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["llama3", "deepseek_v3"]), data=st.data())
+def test_pieces_on_real_byte_level_vocabularies(byte_level_families, name, data):
+    tok = byte_level_families[name]
+    specials = sorted(t.content for t in tok._tokenizer.get_added_tokens_decoder().values())[:30]
+    text = "".join(data.draw(st.lists(st.sampled_from(specials) | TEXT, max_size=6)))
+    check_projection(tok, text, random_mask(data, len(text)), ByteOffsets, cuts_of(data, text))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.sampled_from("ae\u0301\u0323\u0302\u00e9 \n\u1e09c\u0327\u0301\U0001f642"), max_size=30),
+       st.data())
+def test_pieces_with_unicode_normalization(nfc_qwen, text, data):
+    check_projection(nfc_qwen, text, random_mask(data, len(text)), None, cuts_of(data, text))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["<tool>", " ", "\n", "a", "é"]), max_size=12).map("".join), st.data())
+def test_pieces_with_an_added_token_taking_in_whitespace(lstrip_qwen, text, data):
+    check_projection(lstrip_qwen, text, random_mask(data, len(text)), None, cuts_of(data, text))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.sampled_from("abz "), max_size=20), st.data())
+def test_pieces_read_from_the_encodings_without_byte_lengths(dropping, text, data):
+    cuts = cuts_of(data, text)
+    multi = len(piece_bounds(text, cuts)) > 2
+    check_projection(dropping, text, random_mask(data, len(text)), OffsetArray if multi else EncodingOffsets, cuts)
+
+
+def test_a_tokenizer_that_prefixes_every_text_is_not_cut(qwen3_tok, sentencepiece_style):
+    # a piece alone would gain the "▁" SentencePiece writes before a text: the ids would spell another text
+    assert cuttable(qwen3_tok) and not cuttable(sentencepiece_style)
+    text = "hello world"
+    assert encode_batch([text], sentencepiece_style, [[5]])[0][0] == hf_call([text], sentencepiece_style)[0][0]
+    tok = copy.deepcopy(qwen3_tok)
+    tok._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert not cuttable(tok)
+    tok._tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    assert not cuttable(tok)
+    tok._tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    assert cuttable(tok)
+
+
+def test_pieces_through_the_tokenizer_call(qwen3_tok):
+    tok = copy.deepcopy(qwen3_tok)
+    tok._tokenizer.enable_truncation(max_length=4)  # not the Rust backend directly: the tokenizer call
+    text = "<|im_start|>assistant\n \nx"
+    got = encode_batch([text, "ab"], tok, [[22], [1]])
+    assert all(isinstance(offs, OffsetArray) for _, offs in got)
+    assert as_lists(got) == [pieces_call(text, [22], qwen3_tok), pieces_call("ab", [1], qwen3_tok)]
