@@ -58,6 +58,8 @@ EXPECTED = {
     "mistral-v7": "<s>[SYSTEM_PROMPT]Answer briefly.[/SYSTEM_PROMPT][INST]What is the capital of France?[/INST]"
                   "Paris.</s>[INST]And of Italy?[/INST]Rome.</s>",
     "mistral-tekken": "<s>[INST]What is the capital of France?[/INST]Paris.</s>[INST]And of Italy?[/INST]Rome.</s>",
+    "qa-space-header": "Note: Answer briefly.\nQ: What is the capital of France?\nA: Paris.<|done|>\n"
+                       "Q: And of Italy?\nA: Rome.<|done|>\n",
     "zephyr": "<|system|>\nAnswer briefly.</s>\n<|user|>\nWhat is the capital of France?</s>\n"
               "<|assistant|>\nParis.</s>\n<|user|>\nAnd of Italy?</s>\n<|assistant|>\nRome.</s>\n",
     "vicuna": "<s>Answer briefly. USER: What is the capital of France? ASSISTANT: Paris.</s>"
@@ -144,6 +146,7 @@ EXPECTED_PROMPT_END = {
     "mistral-v3": "Paris.</s>[INST] Answer briefly.\n\nAnd of Italy?[/INST]",  # the system prompt moved here
     "mistral-v7": "[INST]And of Italy?[/INST]",
     "mistral-tekken": "Paris.</s>[INST]Answer briefly.\n\nAnd of Italy?[/INST]",
+    "qa-space-header": "Paris.<|done|>\nQ: And of Italy?\nA: ",  # the header's space is the prompt's
     "zephyr": "And of Italy?</s>\n<|assistant|>\n",
     "vicuna": "USER: And of Italy? ASSISTANT:",
     "command-r": "And of Italy?<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
@@ -402,6 +405,7 @@ def test_chat_template_kwargs(tokenizers):
     ("llama2", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], {}),
     ("mistral-v1", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], {}),
     ("vicuna", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], {}),
+    ("qa-space-header", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], {}),
     ("exaone4", [{"role": "knowledge", "content": "a"}, {"role": "user", "content": "b"}], {}),
     ("gpt-oss", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], {}),
     ("mistral-v3", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [
