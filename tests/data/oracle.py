@@ -156,6 +156,10 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
             start = opened  # a reasoning block the generation prompt opens is trained
         if full.startswith(turn[:start]):  # the full render has the turn's prompt where its own render has it
             cuts.append(start)
+        else:  # written elsewhere in the full render (tools before the last user message): where it ends there
+            aligned = _aligned_end(turn[:start], full, cuts[-1] if cuts else 0, start - prompt_own)
+            if aligned is not None:
+                cuts.append(aligned)
         if failed:
             continue  # only where the turns after it start (the tokens are compared even where not decided)
         generated = turn[start:]
@@ -194,9 +198,9 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
 
 
 def _aligned_end(prompt: str, full: str, after: int, own: int) -> int | None:
-    """Where the prompt ends in the full render, for a turn whose render writes the conversation before it
-    differently (a system prompt or tools moved into the last user turn): the end of the longest text the prompt
-    ends with that the full render has (after ``after``), more than the generation prompt's own ``own``
+    """Where a turn's prompt ends in the full render, where the two write the conversation before the turn
+    differently (a system prompt or tools written with the last user message): the end of the longest text the
+    prompt ends with that the full render has (after ``after``), longer than the generation prompt's own ``own``
     characters; the first such place. None where there is none."""
     best, where = own, None
     if not prompt:
