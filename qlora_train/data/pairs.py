@@ -12,7 +12,7 @@
 A side is exactly what SFT trains for the conversation ``prompt + response`` with only the response's
 assistant turns marked trained (``mark_side``): the same parse (``parse.canonical_messages``), the same one
 render and verified walk (``render.render_conversation``, the general path behind it), the same tokenization and
-labels (``tokenize.encode_batch``, ``make_labels``). Nothing here finds a turn: the boundary between prompt and
+labels (``tokenize.encode_rendered``, ``make_labels``). Nothing here finds a turn: the boundary between prompt and
 response is where ``render_conversation`` says the response's first turn starts its generated part
 (``TurnSpan.start``: after the header, ``[/INST]`` or whatever the template's prompt side writes).
 
@@ -20,12 +20,15 @@ The shared prompt (``shared_prompt_length``), checked on every pair:
 
 - the two renders are identical up to that boundary (else ``pair_prompt_differs``);
 - the tokens wholly before the boundary are the same ids on both sides (else ``pair_prompt_differs``); their
-  count (the fewer of the two sides') is ``prompt_length``;
-- one boundary token per side may differ: where the tokenizer merged the prompt's last characters with the
-  response's first ones (ChatML's header ``\\n`` + content `` \\nx`` -> ``\\n \\n``, while the other side keeps
-  ``\\n`` alone). It is labelled by SFT's first-character rule on each side alike: it starts in the prompt, so it
-  is never trained. It is not counted in ``prompt_length``; ``boundary_merges`` says on how many sides a token
-  straddles the boundary. More than one differing token starting in the prompt is ``pair_prompt_differs``.
+  count (the fewer of the two sides') is ``prompt_length``. Each side's render is cut at the boundary before it is
+  tokenized (it is where a trained turn begins, as in SFT), so the prompt is the same piece tokenized alone on
+  both sides, as at inference: the same ids, none crossing the boundary (ChatML's header ``\\n`` stays a token of
+  the prompt beside content `` \\nx``, whose `` \\n`` is trained);
+- with a tokenizer that is not cut (``tokenize.cuttable``: one that writes a prefix before every text), one
+  boundary token per side may differ: where the tokenizer merged the prompt's last characters with the response's
+  first ones. It starts in the prompt, so SFT's first-character rule leaves it untrained on both sides; it is not
+  counted in ``prompt_length``; ``boundary_merges`` says on how many sides a token straddles the boundary (0 where
+  the render is cut). More than one differing token starting in the prompt is ``pair_prompt_differs``.
 """
 
 from __future__ import annotations
@@ -375,12 +378,13 @@ def shared_prompt_length(rendered: dict[str, RenderedConversation], boundary: di
                          encoded: dict[str, tuple]) -> tuple[int, int]:
     """The prompt both sides share -> ``(prompt_length, boundary_merges)``, or ``pair_prompt_differs``.
 
-    ``boundary[side]`` is where the side's response starts its generated part in its render. The renders must be
-    the same text before it. ``prompt_length`` is the fewer of the two sides' tokens wholly before it; those ids
-    must be the same on both sides. After them, each side may have at most one more token starting in the prompt:
-    the boundary token, which either straddles the boundary (the tokenizer merged the prompt's end with the
-    response's start; counted in ``boundary_merges``) or ends at it where the other side merged it. It starts in
-    the prompt, so the first-character rule leaves it untrained on both sides.
+    ``boundary[side]`` is where the side's response starts its generated part in its render (a cut of
+    ``encode_rendered``: no token crosses it). The renders must be the same text before it. ``prompt_length`` is
+    the fewer of the two sides' tokens wholly before it; those ids must be the same on both sides. After them, each
+    side may have at most one more token starting in the prompt (only where the tokenizer is not cut): the
+    boundary token, which either straddles the boundary (the tokenizer merged the prompt's end with the response's
+    start; counted in ``boundary_merges``) or ends at it where the other side merged it. It starts in the prompt,
+    so the first-character rule leaves it untrained on both sides.
     """
     chosen, rejected = (rendered[side].text[:boundary[side]] for side in SIDES)
     if chosen != rejected:

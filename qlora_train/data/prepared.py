@@ -50,7 +50,9 @@ from qlora_train.files import publish_dir
 from qlora_train.masking import layout_dict, template_layout
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+# what a prepared directory holds, beyond what the fingerprint's parts say; 2: a render's ids are cut where each
+# trained turn's generated part begins (masking.encode_rendered), so directories of format 1 are refused
+FORMAT = 2
 FINGERPRINT_FILE, REPORT_FILE, DATA_CONFIG_FILE = "fingerprint.json", "dataset_report.json", "data_config.yaml"
 TRAIN_DIR, EVAL_DIR, RAW_DIR, PROCESSED_DIR = "train", "eval", "rows/raw", "rows/processed"
 # data keys that change how the rows are computed, not what they are (num_proc: tested to give the same rows)

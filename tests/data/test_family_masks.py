@@ -5,10 +5,11 @@ For every family: the mask of a fixed conversation equals the one written by han
 random conversations (system, multi-turn, reasoning, tool calls where the family
 has them, unicode and whitespace edges): no user/system/tool character is ever
 trained, every trained turn's content and end marker are trained, the prompt side
-(openers) never is, and, where the template renders each prefix the same way
-inside the whole conversation, the trained text equals an independent oracle: what
-each turn adds after the render of the conversation before it with the generation
-prompt.
+(openers) never is, a token starts where each trained turn begins (the render is
+tokenized in pieces cut there) and is trained, and, where the template renders each
+prefix the same way inside the whole conversation, the trained text equals an
+independent oracle: what each turn adds after the render of the conversation before
+it with the generation prompt.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from qlora_train.masking.layout import template_layout
 from qlora_train.masking.policy import LossPolicy
 from qlora_train.masking.render import render_conversation
 from tests.data.families import FAMILIES, example_messages
-from tests.data.oracle import DECIDED, prefix_oracle, trained_text
+from tests.data.oracle import DECIDED, prefix_oracle, tokens, trained_text
 
 # every family template on real vocabularies (a tokenizer per family and vocabulary): make test (CI) runs it,
 # make test-fast does not
@@ -53,8 +54,13 @@ def test_example_mask_by_hand(toks, name):
     assert out["drop_reason"] == [""], out["drop_detail"]
     ids = [i for i, lab in zip(out["input_ids"][0], out["labels"][0]) if lab != IGNORE_INDEX]
     assert tok.decode(ids) == fam.example_trained
-    assert out["input_ids"][0] == tok(tok.apply_chat_template(msgs, tokenize=False),
-                                      add_special_tokens=False)["input_ids"]
+    # the render tokenized in pieces cut where each hand-written turn begins (as the prompt is at inference)
+    text, cuts, at = tok.apply_chat_template(msgs, tokenize=False), [], 0
+    for turn in fam.example_turns:
+        at = text.index(turn, at)
+        cuts.append(at)
+        at += len(turn)
+    assert out["input_ids"][0] == tokens(tok, text, cuts)[0]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -145,6 +151,14 @@ def check_properties(tok, fam, msgs, *, tools) -> str | None:
     assert out["drop_reason"] == [""], out["drop_detail"]
     decoded = tok.decode([i for i, lab in zip(out["input_ids"][0], out["labels"][0]) if lab != IGNORE_INDEX])
     assert "".join(decoded.split()) == "".join(trained.split())  # tokens: exact up to boundary whitespace
+    # the ids: the render cut where each trained turn's generated part begins, each piece tokenized alone; a token
+    # starts there and is trained (the first word of every answer, whatever the header ends with)
+    ids, offsets = tokens(tok, r.text, [t.start for t in r.turns])
+    assert out["input_ids"][0] == ids
+    starts = [a for a, _ in offsets]
+    for turn in r.turns:
+        if turn.start < len(r.text):
+            assert out["labels"][0][starts.index(turn.start)] != IGNORE_INDEX, r.text[turn.start:turn.end]
     return trained
 
 

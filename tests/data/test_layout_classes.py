@@ -164,23 +164,28 @@ def test_the_probe_finds_the_documented_layout_class(tokenizers, name):
 
 
 def test_a_token_a_marker_shares_with_its_neighbour_belongs_to_where_it_starts(tokenizers):
-    """Issue 24, point 1: with Command R7B tool_use's markers as plain text, Llama 3's vocabulary merges the '>'
-    closing one marker with the '<' opening the next into one token, at both edges of each trained turn
-    (``<|CHATBOT_TOKEN|><|START_RESPONSE|>``, ``<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>``). The rule: a token
-    is trained when its first character is: the header's last '>' starts the first one (masked: the answer
-    marker's '<' goes untrained), the end marker's last '>' starts the second (trained: the next turn's '<' with
-    it), the same at every turn."""
+    """Issue 24, point 1, and issue 34, shape 2: with Command R7B tool_use's markers as plain text, Llama 3's
+    vocabulary merges the '>' closing one marker with the '<' opening the next into one token, at both edges of each
+    trained turn (``<|CHATBOT_TOKEN|><|START_RESPONSE|>``, ``<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>``). At the
+    start, the render is cut where the generated part begins (as the prompt is tokenized alone at inference): the
+    header's '>' ends the prompt, the answer marker's '<' starts the first trained token. At the end the rule
+    decides: a token is trained when its first character is, so the end marker's last '>' trains the next turn's '<'
+    with it, at every turn."""
     from qlora_train.masking.policy import LossPolicy
     from qlora_train.masking.render import render_conversation
+    from tests.data.oracle import tokens
 
     tok = tokenizers("command-r7b-tools", "llama3 text")
     r = render_conversation(LossPolicy().mark(example_messages("command-r7b-tools")), tok)
-    enc = tok(r.text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = tokens(tok, r.text, [t.start for t in r.turns])
     row = engine_row(tok, example_messages("command-r7b-tools"))
-    assert row["input_ids"] == enc["input_ids"]
+    assert row["input_ids"] == ids
+    for turn in r.turns:  # the header's last '>' a token of its own, the answer marker's '<' trained
+        k = [a for a, _ in offsets].index(turn.start)
+        assert r.text[offsets[k - 1][0]:offsets[k][1]].startswith(">") and row["labels"][k] != IGNORE_INDEX
     straddling = []
-    for (a, b), label in zip(enc["offset_mapping"], row["labels"]):
+    for (a, b), label in zip(offsets, row["labels"]):
         if b > a and len(set(r.char_mask[a:b].tolist())) == 2:  # part trained, part masked
             straddling.append((r.text[a:b], label != IGNORE_INDEX))
             assert (label != IGNORE_INDEX) == bool(r.char_mask[a]), (r.text[a:b], label)
-    assert straddling == [("><", False), ("><", True)] * 2  # both edges of both turns
+    assert straddling == [("><", True)] * 2  # the end edge of both turns

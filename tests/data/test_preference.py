@@ -1,6 +1,6 @@
 """Preference pairs (issue 20, data side): every row format to the exact prompt / chosen / rejected; each side's
-ids and labels equal to SFT's for the same conversation with only the response trained; the shared prompt and its
-one boundary token; refusals with their reasons, never a crash."""
+ids and labels equal to SFT's for the same conversation with only the response trained; the shared prompt, cut where
+the response begins; refusals with their reasons, never a crash."""
 
 from __future__ import annotations
 
@@ -96,19 +96,19 @@ def test_policy_parts_of_the_response(qwen3_tok, policy, chosen_trained):
     assert trained_text(qwen3_tok, ex["chosen_input_ids"], ex["chosen_labels"]) == chosen_trained
 
 
-def test_boundary_token_merged_on_one_side_is_untrained_on_both(family_tokenizers):
-    # ChatML's header ends with "\n"; content " \nx" makes Qwen merge "\n \n" across the boundary on chosen only
+def test_the_boundary_is_a_cut_on_both_sides(family_tokenizers):
+    # ChatML's header ends with "\n"; content " \nx" would make Qwen merge "\n \n" across the boundary on chosen
+    # only: the render is cut where the response begins, so both sides keep the prompt's "\n" and train " \n"
     tok = family_tokenizers["chatml"]
     ex = build_preference_example([U], [{"role": "assistant", "content": " \nx"}],
                                   [{"role": "assistant", "content": "y"}], tok)
     n = ex["prompt_length"]
-    assert tok.decode(ex["chosen_input_ids"][:n]) == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant"
-    assert ex["chosen_input_ids"][:n] == ex["rejected_input_ids"][:n] and ex["boundary_merges"] == 1
-    assert [tok.decode([i]) for i in ex["chosen_input_ids"][n:n + 2]] == ["\n \n", "x"]
-    assert [tok.decode([i]) for i in ex["rejected_input_ids"][n:n + 2]] == ["\n", "y"]
-    # the boundary token starts in the prompt on both sides: untrained on both (SFT's first-character rule)
-    assert ex["chosen_labels"][n:n + 2] == [IGNORE_INDEX, ex["chosen_input_ids"][n + 1]]
-    assert ex["rejected_labels"][n:n + 2] == [IGNORE_INDEX, ex["rejected_input_ids"][n + 1]]
+    assert tok.decode(ex["chosen_input_ids"][:n]) == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert ex["chosen_input_ids"][:n] == ex["rejected_input_ids"][:n] and ex["boundary_merges"] == 0
+    assert [tok.decode([i]) for i in ex["chosen_input_ids"][n:n + 2]] == [" \n", "x"]
+    assert [tok.decode([i]) for i in ex["rejected_input_ids"][n:n + 1]] == ["y"]
+    assert ex["chosen_labels"][n:n + 2] == ex["chosen_input_ids"][n:n + 2]  # the response's first token trained
+    assert ex["rejected_labels"][n] == ex["rejected_input_ids"][n]
     for side, content in (("chosen", " \nx"), ("rejected", "y")):
         sft = sft_side(tok, [U], [{"role": "assistant", "content": content}])
         assert (ex[f"{side}_input_ids"], ex[f"{side}_labels"]) == (sft["input_ids"], sft["labels"])
@@ -403,6 +403,7 @@ def check_pair_properties(tok, fam, prompt, chosen, rejected):
         return rej.reason
     n = ex["prompt_length"]
     assert ex["chosen_input_ids"][:n] == ex["rejected_input_ids"][:n] and n > 0
+    assert ex["boundary_merges"] == 0  # each side is cut where its response begins: no token crosses the boundary
     for side, response in (("chosen", chosen), ("rejected", rejected)):
         ids, labels = ex[f"{side}_input_ids"], ex[f"{side}_labels"]
         assert not sft[side]["drop_reason"], sft[side]["drop_detail"]

@@ -244,6 +244,17 @@ def test_a_missing_or_damaged_prepared_directory_is_exit_2(prepared_project, tmp
     assert code == 2 and "not a directory written by --preprocess" in err
 
 
+def test_data_prepared_before_renders_were_cut_at_their_turns_is_refused(prepared_project, tmp_path, capsys):
+    # format 1: ids of the render tokenized whole (before issue 34); its labels miss answers' first tokens
+    old = tmp_path / "old"
+    shutil.copytree(prepared_project.parent / "prepared", old)
+    saved = json.loads((old / FINGERPRINT_FILE).read_text())
+    assert saved["format"] == 2
+    (old / FINGERPRINT_FILE).write_text(json.dumps({**saved, "format": 1}))
+    code = main(["--config", str(prepared_project), "--set", f"data.prepared_path={old}"])
+    assert code == 2 and f"{FINGERPRINT_FILE} is not of format 2; run --preprocess again" in capsys.readouterr().err
+
+
 def test_preprocess_refuses_to_replace_a_directory_that_is_not_prepared_data(prepared_project, tmp_path, capsys):
     other = tmp_path / "results"
     other.mkdir()

@@ -16,8 +16,10 @@ from qlora_train.data import (
     template_layout,
     tokenize_with_char_mask,
 )
+from qlora_train.masking import mask_conversation
 from qlora_train.masking.policy import LossPolicy
 from qlora_train.masking.tokenize import OffsetArray, project_char_mask
+from tests.data.oracle import tokens
 
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 
@@ -129,7 +131,8 @@ def test_qwen35_xml_tool_calls(family_tokenizers):
 
 
 def test_straddling_token_belongs_to_where_it_starts(family_tokenizers, qwen3_tok):
-    # header "\n" + content " \nhi": the Qwen tokenizer makes "\n \n" one token, starting in the header
+    # header "\n" + content " \nhi" tokenized whole: the Qwen tokenizer makes "\n \n" one token, starting in
+    # the header, so the rule leaves it untrained
     tok = family_tokenizers["chatml"]
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": " \nhi"}]
     text, mask = build_text_and_masks(msgs, tok)
@@ -138,6 +141,9 @@ def test_straddling_token_belongs_to_where_it_starts(family_tokenizers, qwen3_to
     assert trained_decoded(tok, out) == "hi<|im_end|>"
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     assert project_char_mask(OffsetArray.from_pairs(enc["offset_mapping"]), mask).straddling == 1
+    # a conversation is not tokenized whole: cut where the answer begins, " \n" starts it and is trained
+    m = mask_conversation(msgs, tok)
+    assert trained_decoded(tok, {"input_ids": m.input_ids, "labels": m.labels}) == " \nhi<|im_end|>"
     # reasoning "Done." + masked "\n</think>": ".\n" is one token, starting in the reasoning
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A", "reasoning_content": "Done."}]
     text, mask = build_text_and_masks(msgs, qwen3_tok, policy=LossPolicy(think_loss="answer_plus_think"))
@@ -230,18 +236,16 @@ def expected_trimmed(msgs, eot):
 
 
 def check_row(tok, msgs, expected, tools=None):
-    text, mask = build_text_and_masks(msgs, tok, tools=tools)
+    r = render_conversation(mark(msgs), tok, tools=tools)
+    text, mask = r.text, r.char_mask
     assert text == tok.apply_chat_template(msgs, tools=tools, tokenize=False)
     assert len(mask) == len(text)
     assert trained_text(text, mask) == expected  # exact, per character
-    out = tokenize_with_char_mask(text, mask, tok)
-    assert out["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
-    decoded = trained_decoded(tok, out)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    if project_char_mask(OffsetArray.from_pairs(enc["offset_mapping"]), mask).straddling == 0:
-        assert decoded == expected  # exact, per token
-    else:  # straddling tokens are whitespace runs at a boundary: the rest is exact
-        assert "".join(decoded.split()) == "".join(expected.split())
+    m = mask_conversation(msgs, tok, tools=tools)
+    # the render tokenized in pieces cut where each trained turn begins, each piece alone (as at inference)
+    assert m.input_ids == tokens(tok, text, [t.start for t in r.turns])[0]
+    decoded = trained_decoded(tok, {"input_ids": m.input_ids, "labels": m.labels})
+    assert decoded == expected  # exact, per token: each trained span starts at a cut, ends at a special token
     assert not any(c.isupper() for c in decoded)
 
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from qlora_train.data import IGNORE_INDEX, DataConfig, build_preference_example, process_rows
-from qlora_train.masking import LossPolicy, encode_rendered, render_conversation
+from qlora_train.masking import DEFAULT_POLICY, LossPolicy, encode_rendered, render_conversation
 from tests.data.oracle import tokens
 
 Q = {"role": "user", "content": "Say hello."}
@@ -107,7 +107,7 @@ def conversations(draw):
     return msgs
 
 
-def check_turn_starts(tok, msgs, policy: LossPolicy = LossPolicy()) -> None:
+def check_turn_starts(tok, msgs, policy: LossPolicy = DEFAULT_POLICY) -> None:
     """For every trained turn a token starts exactly where its generated part begins, and it is trained (unless
     think_loss masks it); the ids are the render tokenized in pieces cut there (plain tokenizer calls)."""
     r = render_conversation(policy.mark(msgs), tok, policy=policy)
