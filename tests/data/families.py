@@ -348,10 +348,11 @@ _NEW_FAMILY_LIST = [
 
 # issue 34, shape 2: a plain-text header ending in a space (template and tokens ours)
 _SPACE_HEADER = Family(
-    "qa-space-header", "qa-space-header.jinja", ("<|done|>",), None, "<|done|>", supports_tools=False,
+    "qa-space-header", "qa-space-header.jinja", ("<|done|>",), None, "<|done|>", supports_tools=True,
     supports_system=True, reasoning="none", layout_class="header_from_generation_prompt",
-    notes="plain-text 'Q: ' / 'A: ' lines, a note first; the generation prompt 'A: ' ends with a space the "
-          "answer's first word would merge with (' Paris') if the render were tokenized whole; contents as given",
+    notes="plain-text 'Q: ' / 'A: ' lines, a note first, calls on 'Call: ' lines, results on 'Result: ' lines; the "
+          "generation prompt 'A: ' ends with a space the answer's first word would merge with (' Paris') if the "
+          "render were tokenized whole; contents as given",
     example_turns=_t("Paris.<|done|>", "Rome.<|done|>"), end_markers=("<|done|>",))
 
 FAMILIES: dict[str, Family] = {f.name: f for f in [*_FAMILY_LIST, *_NEW_FAMILY_LIST, _SPACE_HEADER]}

@@ -225,6 +225,8 @@ EXPECTED_TOOL_END = {
     "results-inside-assistant": "<|human|>What's the weather in Paris?<|bot|><|call_begin|>"
                                 '[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|call_end|>'
                                 "<|result|>sunny, 22C\nIt is sunny and 22C in Paris.",
+    "qa-space-header": "Q: What's the weather in Paris?\nA: \nCall: get_weather {\"city\": \"Paris\"}<|done|>\n"
+                       "Result: sunny, 22C\nA: It is sunny and 22C in Paris.<|done|>\n",
     "call-block-after-end": "user<|role_end|>\nWhat's the weather in Paris?<|msg_end|>\n\nassistant<|role_end|>\n"
                             '<|msg_end|>\n\ntool call<|role_end|>\n{"name": "get_weather", "arguments": {"city": '
                             '"Paris"}}<|msg_end|>\n\ntool output<|role_end|>\nsunny, 22C<|msg_end|>\n\n'
@@ -405,7 +407,7 @@ def test_chat_template_kwargs(tokenizers):
     ("llama2", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], {}),
     ("mistral-v1", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], {}),
     ("vicuna", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], {}),
-    ("qa-space-header", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], {}),
+    ("qa-space-header", [{"role": "user", "content": "a"}, {"role": "developer", "content": "b"}], {}),
     ("exaone4", [{"role": "knowledge", "content": "a"}, {"role": "user", "content": "b"}], {}),
     ("gpt-oss", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], {}),
     ("mistral-v3", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [
