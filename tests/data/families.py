@@ -353,7 +353,7 @@ _SPACE_HEADER = Family(
     notes="plain-text 'Q: ' / 'A: ' lines, a note first, calls on 'Call: ' lines, results on 'Result: ' lines; the "
           "generation prompt 'A: ' ends with a space the answer's first word would merge with (' Paris') if the "
           "render were tokenized whole; contents as given",
-    example_turns=_t("Paris.<|done|>", "Rome.<|done|>"), end_markers=("<|done|>",))
+    example_turns=_t("Paris.<|done|>", "Rome.<|done|>"), end_markers=("<|done|>",), plain_markers=("Call: ",))
 
 FAMILIES: dict[str, Family] = {f.name: f for f in [*_FAMILY_LIST, *_NEW_FAMILY_LIST, _SPACE_HEADER]}
 # the families of issue 24: the first Llama 3 template and the five shapes
