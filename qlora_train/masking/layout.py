@@ -56,7 +56,8 @@ LAYOUT_CLASSES = (
     "header_from_generation_prompt",  # ChatML, Llama 3, Gemma, harmony: the generation prompt writes the header
     "header_in_user_turn",  # Phi-3, DeepSeek V3: the user turn ends with the assistant's header
     "no_header",  # Mistral, Llama 2: the answer follows [/INST]
-    "header_after_every_render",  # Meta's first Llama 3 template: the header is appended after every render
+    "header_after_every_render",  # Meta's first Llama 3 template: the header is appended after every render (a
+    # trailer; a generation prompt may extend it with one more marker)
     "unknown",  # the probe found nothing that opens an answer: every row takes prefix renders
 )
 _USER, _USER2 = "qlora-train probe question", "qlora-train probe follow-up"
@@ -86,7 +87,8 @@ class TemplateLayout:
     turn_start: str = ""  # the piece that opens a user turn (``<|im_start|>``): never inside a generated part
     tool_arguments_as_string: bool = False  # the template writes arguments as given and needs a JSON string
     last_turn_unmarked: bool = False  # the last turn ends with the text (GLM-4: turns end where the next begins)
-    trailer: str = ""  # text the template appends after every render, generation prompt or not (Llama 3's first)
+    trailer: str = ""  # text every render ends with, generation prompt or not, that the generation prompt extends
+    # (Llama 3's first template's header): never trained, never inside an end marker
     layout_class: str = LAYOUT_CLASSES[0]
     unknown: tuple[str, ...] = ()  # facts no probe could find (rows the layout cannot verify take prefix renders)
     # parts model.template_layout sets to other than the probe found: rows they do not verify are refused
