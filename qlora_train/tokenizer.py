@@ -69,10 +69,40 @@ def load_tokenizer_with_new_tokens(cfg: ModelConfig):
         tok = get_chat_template(tok, cfg.chat_template, cfg.chat_template_kwargs, declared)
     except (OSError, *TEMPLATE_ERRORS) as exc:
         raise ConfigError([f"model.chat_template: {type(exc).__name__}: {exc}"]) from None
+    check_special_tokens(tok, name)
     template_layout(tok)  # probed once here; facts it cannot find stay unknown (rows then take prefix renders)
     # the markers become single tokens: the layout is probed afresh (its cache is keyed by the vocabulary)
     added = add_new_tokens(tok, new_token_texts(tok, cfg.new_tokens)) if cfg.new_tokens else NO_NEW_TOKENS
     return tok, added
+
+
+_UNDEFINED = re.compile(r"'(\w+)' is undefined")
+_PROBE_ROWS = ([{"role": "user", "content": "Hi."}], [{"role": "user", "content": "Hi."},
+                                                     {"role": "assistant", "content": "Hello."}])
+
+
+def check_special_tokens(tokenizer, name: str) -> None:
+    """A chat template that uses a special token the tokenizer does not define (``bos_token + ...`` on a
+    vocabulary without a BOS token) raises ``UndefinedError`` on every row: said once, here, with what to set,
+    as a ``ConfigError`` (exit 2). Any other error of the template is left to the probe and the rows."""
+    from jinja2.exceptions import UndefinedError
+
+    for messages in _PROBE_ROWS:
+        try:
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=len(messages) == 1)
+        except UndefinedError as exc:
+            found = _UNDEFINED.search(str(exc))
+            token = found.group(1) if found else ""
+            if token not in tokenizer.SPECIAL_TOKENS_ATTRIBUTES or getattr(tokenizer, token, None) is not None:
+                return
+            raise ConfigError([
+                f"model.chat_template: the chat template uses {token}, which the tokenizer {name} does not define "
+                f"({exc}): every row would be refused. Set it for the template with model.chat_template_kwargs: "
+                f'{{{token}: "..."}} (the text the model was trained with, or "" to write none), define it in the '
+                "tokenizer's tokenizer_config.json, or choose a template that does not need it (model.chat_template: "
+                "a shipped template's name or a .jinja file)"]) from None
+        except TEMPLATE_ERRORS:
+            return
 
 
 def marker_pieces(text: str) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from qlora_train.tokenizer import tokenizer_class
 # saves and reloads tokenizers of several classes: make test (CI) runs it, make test-fast does not
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[1]
 TEXT = "user: 2+2? <think>add</think> 4<|im_end|>\n naïve 東京 \t done"
 
 
@@ -172,3 +174,59 @@ def test_the_saved_tokenizer_keeps_the_new_tokens(foreign_auto, tmp_path):
     saved = AutoTokenizer.from_pretrained(tmp_path)
     assert len(saved) == len(tok) and [saved.convert_tokens_to_ids(t) for t in new.tokens] == list(new.ids)
     assert all(saved.added_tokens_decoder[i].special for i in new.ids)
+
+
+# --- a template that needs a special token the tokenizer does not define ---------------------------------------------
+
+BOS_TEMPLATE = ("{{ bos_token + '' }}{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + "
+                "'<|im_end|>\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_needing_a_bos_token_the_tokenizer_lacks_is_said_once_at_load(tmp_path, qwen_tokenizer_dir,
+                                                                                 capsys):
+    """Issue 34: on a vocabulary without a BOS token (Qwen's), a template that concatenates ``bos_token`` raised
+    ``UndefinedError`` on every row, each refused one by one; now loading the tokenizer says it once, with what to
+    set (exit 2), and setting it as a template kwarg renders."""
+    import yaml
+
+    from qlora_train.cli import main
+    from qlora_train.config import ModelConfig
+    from qlora_train.errors import ConfigError
+    from qlora_train.tokenizer import load_tokenizer
+
+    template = tmp_path / "needs-bos.jinja"
+    template.write_text(BOS_TEMPLATE)
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(ModelConfig(name_or_path=str(qwen_tokenizer_dir), chat_template=str(template)))
+    assert err.value.exit_code == 2
+    (problem,) = err.value.problems
+    assert problem.startswith("model.chat_template: the chat template uses bos_token, which the tokenizer ")
+    assert "('bos_token' is undefined)" in problem and 'model.chat_template_kwargs: {bos_token: "..."}' in problem
+
+    tok = load_tokenizer(ModelConfig(name_or_path=str(qwen_tokenizer_dir), chat_template=str(template),
+                                     chat_template_kwargs={"bos_token": ""}))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n")
+
+    tree = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())  # through the CLI: one message, exit 2
+    tree["model"].update(name_or_path=str(qwen_tokenizer_dir), chat_template=str(template))
+    tree["data"]["datasets"][0]["path"] = str(REPO / "configs/data/quickstart.jsonl")
+    tree["train"]["output_dir"] = str(tmp_path / "out")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(tree))
+    assert main(["--config", str(tmp_path / "c.yaml"), "--stats-only", "--stats-dir", str(tmp_path / "s")]) == 2
+    printed = capsys.readouterr()
+    assert (printed.out + printed.err).count("'bos_token' is undefined") == 1
+
+
+def test_a_template_that_writes_bos_only_where_defined_loads(tmp_path, qwen_tokenizer_dir):
+    """No false alarm: ``{{ bos_token }}`` alone renders nothing when undefined, and a template's own errors on
+    the probe rows (roles it refuses) are left to the probe and the rows."""
+    from qlora_train.config import ModelConfig
+    from qlora_train.tokenizer import load_tokenizer
+
+    for i, source in enumerate(("{{ bos_token }}" + BOS_TEMPLATE.split("}}", 1)[1],
+                                "{{ raise_exception('no assistant turns here') }}")):
+        template = tmp_path / f"t{i}.jinja"
+        template.write_text(source)
+        load_tokenizer(ModelConfig(name_or_path=str(qwen_tokenizer_dir), chat_template=str(template)))

@@ -56,7 +56,8 @@ LAYOUT_CLASSES = (
     "header_from_generation_prompt",  # ChatML, Llama 3, Gemma, harmony: the generation prompt writes the header
     "header_in_user_turn",  # Phi-3, DeepSeek V3: the user turn ends with the assistant's header
     "no_header",  # Mistral, Llama 2: the answer follows [/INST]
-    "header_after_every_render",  # Meta's first Llama 3 template: the header is appended after every render
+    "header_after_every_render",  # Meta's first Llama 3 template: the header is appended after every render (a
+    # trailer; a generation prompt may extend it with one more marker)
     "unknown",  # the probe found nothing that opens an answer: every row takes prefix renders
 )
 _USER, _USER2 = "qlora-train probe question", "qlora-train probe follow-up"
@@ -86,7 +87,8 @@ class TemplateLayout:
     turn_start: str = ""  # the piece that opens a user turn (``<|im_start|>``): never inside a generated part
     tool_arguments_as_string: bool = False  # the template writes arguments as given and needs a JSON string
     last_turn_unmarked: bool = False  # the last turn ends with the text (GLM-4: turns end where the next begins)
-    trailer: str = ""  # text the template appends after every render, generation prompt or not (Llama 3's first)
+    trailer: str = ""  # text every render ends with, generation prompt or not, that the generation prompt extends
+    # (Llama 3's first template's header): never trained, never inside an end marker
     layout_class: str = LAYOUT_CLASSES[0]
     unknown: tuple[str, ...] = ()  # facts no probe could find (rows the layout cannot verify take prefix renders)
     # parts model.template_layout sets to other than the probe found: rows they do not verify are refused
@@ -190,14 +192,24 @@ def _closing_marker(text: str, added: list[str]) -> str:
     return last if last in added else (_split_at_markers(last) or [last])[-1]
 
 
-def _snap(text: str, n: int, added: list[str]) -> int:
-    """The last piece boundary of ``text`` at or before ``n`` (a shared prefix may end inside a token)."""
+def _snap(text: str, n: int, added: list[str], *, at_markers: bool = False) -> int:
+    """The last piece boundary of ``text`` at or before ``n`` (a shared prefix may end inside a token); with
+    ``at_markers``, plain-text pieces are split at their bracketed markers first (``_marker_pieces``)."""
     at = 0
-    for p in pieces(text, added):
+    for p in (_marker_pieces if at_markers else pieces)(text, added):
         if at + len(p) > n:
             break
         at += len(p)
     return at
+
+
+def _marker_pieces(text: str, added: list[str]) -> list[str]:
+    """``pieces``, plain-text runs split at their bracketed markers as added tokens would split them: the units no
+    layout fact may cut through (``<|answerer|><think>`` -> ``['<|answerer|>', '<think>']`` either way)."""
+    out = []
+    for p in pieces(text, added):
+        out += [p] if p in added or not p.strip(WHITESPACE) else _split_at_markers(p)
+    return out
 
 
 def _end_markers(after_mid: str, after_last: str, added: list[str], next_open: str = "",
@@ -253,9 +265,12 @@ def _shared_end(after_mid: str, after_last: str, added: list[str], opening: str 
     return [m for m in dict.fromkeys((_first_piece(after_mid, added), _first_piece(after_last, added))) if m]
 
 
-def _prompt_end(prompted: str, full: str) -> int:
-    """Where the prompt of the probe turn ends in ``full``: the common prefix with the prompted render."""
-    return min(len(prompted), _common_prefix(prompted, full))
+def _prompt_end(prompted: str, full: str, added: list[str]) -> int:
+    """Where the prompt of the probe turn ends in ``full``: the common prefix with the prompted render, moved back
+    to a marker boundary of the prompt where the generation prompt writes text the turn does not (a prompt
+    ``<|A|><think>`` and a turn ``<|A|></think>..`` share ``<|A|><``: the prompt ends after ``<|A|>``)."""
+    n = _common_prefix(prompted, full)
+    return len(prompted) if n >= len(prompted) else _snap(prompted, n, added, at_markers=True)
 
 
 def _cut_open_think(text: str, start: int, end: int, think_open: str) -> int:
@@ -274,11 +289,11 @@ def _reasoning_probe(tokenizer, user, prompted: str, added: list[str], lead: str
         a = text.find(_ANSWER, r)
         if a < 0:
             continue
-        end = _prompt_end(prompted, text)
+        end = _prompt_end(prompted, text, added)
         think_open = text[end:r].strip(WHITESPACE) if end <= r else ""
         if not think_open:  # the generation prompt opened the block: what it writes after its role header
             opened = _opened_by_prompt(prompted[:r])
-            think_open = _last_piece(prompted[:r], added) if opened is None else opened
+            think_open = _closing_marker(prompted[:r], added) if opened is None else opened
         between = text[r + len(_REASONING):a].strip(WHITESPACE)
         answer_open = ""
         plain = lead.strip(WHITESPACE)  # an empty block in the plain turn (Qwen3), or its rest (Qwen3.5) goes first
@@ -366,7 +381,7 @@ def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: 
     answer's generated part starts, and what that part writes before the answer."""
     out = []
     u = prompted.rindex(_USER) + len(_USER)
-    end = _cut_open_think(prompted, u, _prompt_end(prompted, full), think_open)
+    end = _cut_open_think(prompted, u, _prompt_end(prompted, full, added), think_open)
     out.append((_markup_tail(prompted[u:end], added),
                 full[end:full.index(_ANSWER, end)] if _ANSWER in full[end:] else ""))
     result = {"role": "tool", "content": _TOOL_RESULT, "tool_call_id": _CALL_ID, "name": "qlora_probe"}
@@ -375,7 +390,7 @@ def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: 
     f = _try(tokenizer, convo + [{"role": "assistant", "content": _ANSWER}], tools=[_PROBE_TOOL]) if style else None
     if p is not None and f is not None and _TOOL_RESULT in p and _ANSWER in f:
         t = p.rindex(_TOOL_RESULT) + len(_TOOL_RESULT)
-        end = _cut_open_think(p, t, _prompt_end(p, f), think_open)
+        end = _cut_open_think(p, t, _prompt_end(p, f, added), think_open)
         if end >= t and f.find(_ANSWER, end) >= 0:
             out.append((_markup_tail(p[t:end], added), f[end:f.index(_ANSWER, end)]))
     return [(o, lead) for o, lead in dict.fromkeys(out) if o]
@@ -492,10 +507,12 @@ def _end_before_header(tokenizer, user: list[dict], header: str, lead: str) -> s
 
 
 def _trailer(plain: str, prompted: str, full: str, two: str, markers: list[str]) -> str:
-    """Text every render ends with, generation prompt or not (Meta's first Llama 3 template appends the assistant
-    header after every render): what follows an answer's end marker and also ends the render of a lone user
-    question, when the generation prompt adds nothing."""
-    if prompted != plain:
+    """Text every render ends with, generation prompt or not, that the generation prompt extends: the opener of
+    an assistant turn written after every render (Meta's first Llama 3 template appends its whole assistant
+    header, the generation prompt adds nothing; others add one more marker, ``<|T|><|BOT|>`` + ``<|R|>``). It is
+    what follows an answer's end marker and also ends the renders of a lone user question and of two exchanges,
+    where the prompted render is the plain one and the generation prompt's own text after it."""
+    if not prompted.startswith(plain):
         return ""
     rest = full[full.index(_ANSWER) + len(_ANSWER):].lstrip(WHITESPACE)
     m = next((m for m in markers if rest.startswith(m)), None)
@@ -520,7 +537,7 @@ def probe_layout(tokenizer) -> TemplateLayout:
         return _unknown_layout("the template refuses a conversation of one user question and one answer")
     if _ANSWER not in full or _USER not in prompted or _USER not in plain:
         return _unknown_layout("a user question and an assistant answer do not both appear in the render")
-    end = _prompt_end(prompted, full)
+    end = _prompt_end(prompted, full, added)
     answer_at = full.index(_ANSWER, end) if _ANSWER in full[end:] else full.index(_ANSWER)
     lead = full[end:answer_at]  # generated before the content of a turn without reasoning
     reasoning = _reasoning_probe(tokenizer, user, prompted, added, lead)
@@ -551,9 +568,12 @@ def probe_layout(tokenizer) -> TemplateLayout:
                 markers = [known] + [m for m in markers if not m.startswith(known)]
     else:
         user_open = _opening_marker(user_text, added)
-    trailer = _trailer(plain, prompted, full, two or "", markers)
-    if trailer:  # the header every render ends with opens every answer
-        header, found = trailer, [(trailer, lead)]
+    # an end marker found between two answers may run on into the trailer (the second's opener, less what the
+    # generation prompt adds): the trailer is looked for after the markers cut where a turn's opening piece starts
+    trailer = _trailer(plain, prompted, full, two or "", [_before(m, user_open) for m in markers])
+    if trailer:  # the text every render ends with opens every answer, the generation prompt's own text after it
+        header = trailer + header
+        found = [(header, lead)]
     elif header:  # the header opens every turn; an opener that does not end with it is a turn without one
         found = [(header, lead)] + [(o, lead2) for o, lead2 in found[1:] if not o.endswith(header)]
     # an opener that also opens a user turn (a role-less '<|end_header_id|>\n\n') would find answers anywhere
@@ -564,9 +584,10 @@ def probe_layout(tokenizer) -> TemplateLayout:
                                tuple(markers))
     openers = [o for o, _ in found]
     leads = [g for _, lead2 in found if (g := _generated_lead(lead2, think_open, think_close, answer_open))]
+    markers = _not_into_openers(markers, (trailer, *openers))
     call_end = _call_end(tokenizer, user, markers, added, user_open, style)
     if call_end:
-        markers.append(call_end)
+        markers = _not_into_openers([*markers, call_end], (trailer, *openers))
     if not markers:
         log.warning("chat template writes no end-of-turn marker after assistant turns: the model will not learn "
                     "to stop")
@@ -576,6 +597,17 @@ def probe_layout(tokenizer) -> TemplateLayout:
                           tool_arguments_as_string=bool(style and style.as_string),
                           last_turn_unmarked=bool(markers) and not after_last.strip(WHITESPACE), trailer=trailer,
                           layout_class=_layout_class(header, trailer, openers))
+
+
+def _not_into_openers(markers: list[str], openers: tuple[str, ...]) -> list[str]:
+    """The end markers, each cut before a turn opener or the trailer it runs into: a probed end marker never
+    contains one (what the model writes to stop ends before the next turn opens). Deduplicated, in order."""
+    cut = []
+    for m in markers:
+        for o in (o.strip(WHITESPACE) for o in openers):
+            m = _before(m, o) if o else m
+        cut.append(m)
+    return [m for m in dict.fromkeys(cut) if m]
 
 
 def _layout_class(header: str, trailer: str, openers: list[str]) -> str:

@@ -183,6 +183,12 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
                 raise _unverified(i, "rendered reasoning differs from the message's reasoning_content")
             pos = k + len(layout.think_close)
             body_start = _skip_ws(text, pos)
+    elif not layout.think_open and layout.think_close and expected and text.startswith(expected, j):
+        k = _skip_ws(text, j + len(expected))  # a block without an opener: the reasoning, then its close
+        if text.startswith(layout.think_close, k):  # (``reasoning\n[[ANSWER]]\n``; issue 24's class C)
+            dropped, reasoning = False, (j, j + len(expected))
+            pos = k + len(layout.think_close)
+            body_start = _skip_ws(text, pos)
     if layout.before_content:
         j = _skip_ws(text, pos)
         for lead in layout.before_content:

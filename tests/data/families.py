@@ -34,7 +34,9 @@ LAYOUT_CLASSES = ("header_from_generation_prompt", "header_in_user_turn", "no_he
 # their prompt ends like any other; the shape is what its old layout could not describe (per-turn prefix renders
 # and the fields added for them verify these rows)
 SHAPES = ("structured_elements", "open_think_prompt", "prompt_not_in_render", "results_inside_assistant",
-          "call_block_after_end")
+          "call_block_after_end",
+          # issue 34: shapes the probe misread (a trailer the generation prompt extends, reasoning tags it cut through)
+          "trailer_prompt_extends", "reasoning_tag_prompt")
 
 # system?, user, assistant, user, assistant: no reasoning, no tools, nothing a template trims
 EXAMPLE = [
@@ -355,9 +357,48 @@ _SPACE_HEADER = Family(
           "render were tokenized whole; contents as given",
     example_turns=_t("Paris.<|done|>", "Rome.<|done|>"), end_markers=("<|done|>",), plain_markers=("Call: ",))
 
-FAMILIES: dict[str, Family] = {f.name: f for f in [*_FAMILY_LIST, *_NEW_FAMILY_LIST, _SPACE_HEADER]}
+_TRAILER = ("<|seg|>", "<|setup|>", "<|person|>", "<|model|>", "<|output|>", "<|say|>", "<|/say|>", "<|act|>",
+            "<|/act|>", "<|fin|>")
+_TAGGED = ("<|rules|>", "<|asker|>", "<|toolout|>", "<|answerer|>", "<think>", "</think>", "<tool>", "</tool>",
+           "<|over|>")
+
+# issue 34: shapes the probe misread or the walk refused (a trailer the generation prompt extends, reasoning tags
+# cut through, class C reasoning without an opener dropped before the last user message); written by us
+_ISSUE34_FAMILY_LIST = [
+    Family(
+        "trailer-prompt-extends", "trailer-prompt-extends.jinja", _TRAILER, None, "<|fin|>", supports_tools=True,
+        supports_system=True, reasoning="none", layout_class="header_after_every_render",
+        shape="trailer_prompt_extends",
+        notes="every render ends with an assistant turn's opener <|seg|><|model|> (the trailer), generation prompt "
+              "or not; the generation prompt adds <|say|> after it; an answer is <|seg|><|model|><|say|>..<|/say|>"
+              "<|fin|>; a default system turn when none is given (so the user turn is not the render's start)",
+        example_turns=_t("Paris.<|/say|><|fin|>", "Rome.<|/say|><|fin|>"), end_markers=("<|/say|><|fin|>",)),
+    Family(
+        "reasoning-tag-prompt", "reasoning-tag-prompt.jinja", _TAGGED, None, "<|over|>", supports_tools=True,
+        supports_system=True, reasoning="rendered_last_only", layout_class="header_from_generation_prompt",
+        shape="reasoning_tag_prompt",
+        notes="generation prompt <|answerer|><think>; an answer after the last user message with reasoning is "
+              "<|answerer|><think>..</think>answer, every other one <|answerer|></think>answer (an empty block, "
+              "closed only: the probe's character-level common prefix '<|answerer|><' cuts through both tags)",
+        example_turns=_t("</think>Paris.<|over|>", "</think>Rome.<|over|>"), end_markers=("<|over|>",),
+        reasoning_key="reasoning_content"),
+    Family(
+        "preamble-prompt-tools", "preamble-prompt-tools.jinja", ("<|m|>", "<|/m|>"), None, "<|/m|>",
+        supports_tools=True, supports_system=True, reasoning="rendered_last_only",
+        layout_class="header_from_generation_prompt", shape="prompt_not_in_render",
+        notes="class C with tool calls, reasoning written only after the last user message: the generation "
+              "prompt appends 'Here is my plan:\\n', which no turn contains; reasoning has no opener and ends at "
+              "'\\n[[FINAL]]\\n'; calls follow the content as '\\n[[CALL]] {json}'; the last message has no end "
+              "marker",
+        example_turns=_t("Paris.<|/m|>", "Rome."), end_markers=("<|/m|>",), reasoning_key="reasoning_content",
+        plain_markers=("[[FINAL]]", "[[CALL]]")),
+]
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [*_FAMILY_LIST, *_NEW_FAMILY_LIST, *_ISSUE34_FAMILY_LIST,
+                                                   _SPACE_HEADER]}
 # the families of issue 24: the first Llama 3 template and the five shapes
 ISSUE24_NAMES = tuple(f.name for f in _NEW_FAMILY_LIST)
+ISSUE34_NAMES = tuple(f.name for f in _ISSUE34_FAMILY_LIST)
 
 
 def example_messages(name: str) -> list[dict]:

@@ -135,6 +135,15 @@ EXPECTED = {
     "call-block-after-end": "system<|role_end|>\nAnswer briefly.<|msg_end|>\n\nuser<|role_end|>\nWhat is the capital "
                             "of France?<|msg_end|>\n\nassistant<|role_end|>\nParis.<|msg_end|>\n\nuser<|role_end|>\n"
                             "And of Italy?<|msg_end|>\n\nassistant<|role_end|>\nRome.<|msg_end|>\n\n",
+    # issue 34 (templates written by us)
+    "trailer-prompt-extends": "<|seg|><|setup|>Answer briefly.<|fin|><|seg|><|person|>What is the capital of France?"
+                              "<|fin|><|seg|><|model|><|say|>Paris.<|/say|><|fin|><|seg|><|person|>And of Italy?"
+                              "<|fin|><|seg|><|model|><|say|>Rome.<|/say|><|fin|><|seg|><|model|>",
+    "reasoning-tag-prompt": "<|rules|>Answer briefly.<|over|>\n<|asker|>What is the capital of France?<|over|>\n"
+                            "<|answerer|></think>Paris.<|over|>\n<|asker|>And of Italy?<|over|>\n"
+                            "<|answerer|></think>Rome.<|over|>\n",
+    "preamble-prompt-tools": "<|m|>system\nAnswer briefly.<|/m|>\n<|m|>user\nWhat is the capital of France?<|/m|>\n"
+                             "<|m|>assistant\nParis.<|/m|>\n<|m|>user\nAnd of Italy?<|/m|>\n<|m|>assistant\nRome.",
 }
 
 # how the render of EXAMPLE without its last answer ends, with add_generation_prompt=True
@@ -168,6 +177,9 @@ EXPECTED_PROMPT_END = {
     "prompt-not-in-render": "<|msg|>user\nAnd of Italy?<|/msg|>\n<|msg|>assistant\nLet me work through this.\n",
     "results-inside-assistant": "<|stop|><|human|>And of Italy?<|bot|>",
     "call-block-after-end": "user<|role_end|>\nAnd of Italy?<|msg_end|>\n\nassistant<|role_end|>\n",
+    "trailer-prompt-extends": "<|seg|><|person|>And of Italy?<|fin|><|seg|><|model|><|say|>",
+    "reasoning-tag-prompt": "<|asker|>And of Italy?<|over|>\n<|answerer|><think>",
+    "preamble-prompt-tools": "<|m|>user\nAnd of Italy?<|/m|>\n<|m|>assistant\nHere is my plan:\n",
 }
 
 TOOLS = [{"type": "function", "function": {
@@ -231,6 +243,16 @@ EXPECTED_TOOL_END = {
                             '<|msg_end|>\n\ntool call<|role_end|>\n{"name": "get_weather", "arguments": {"city": '
                             '"Paris"}}<|msg_end|>\n\ntool output<|role_end|>\nsunny, 22C<|msg_end|>\n\n'
                             "assistant<|role_end|>\nIt is sunny and 22C in Paris.<|msg_end|>\n\n",
+    "trailer-prompt-extends": "<|seg|><|person|>What's the weather in Paris?<|fin|><|seg|><|model|><|say|><|act|>"
+                              '{"name": "get_weather", "arguments": {"city": "Paris"}}<|/act|><|/say|><|fin|>'
+                              "<|seg|><|output|>sunny, 22C<|fin|><|seg|><|model|><|say|>It is sunny and 22C in Paris."
+                              "<|/say|><|fin|><|seg|><|model|>",
+    "reasoning-tag-prompt": "<|asker|>What's the weather in Paris?<|over|>\n<|answerer|></think><tool>"
+                            '{"name": "get_weather", "args": {"city": "Paris"}}</tool><|over|>\n<|toolout|>sunny, 22C'
+                            "<|over|>\n<|answerer|></think>It is sunny and 22C in Paris.<|over|>\n",
+    "preamble-prompt-tools": "<|m|>user\nWhat's the weather in Paris?<|/m|>\n<|m|>assistant\n\n[[CALL]] "
+                             '{"name": "get_weather", "arguments": {"city": "Paris"}}<|/m|>\n<|m|>tool\nsunny, 22C'
+                             "<|/m|>\n<|m|>assistant\nIt is sunny and 22C in Paris.",
 }
 
 # families whose render of a prefix writes the system prompt elsewhere (the last user turn)
@@ -332,8 +354,8 @@ def test_example_trained_turns_follow_the_inference_prompt(tokenizers, name):
         prompt = render(tok, messages[:i], add_generation_prompt=True)
         start = len(os.path.commonprefix([prompt, full]))
         opened = next((k for k in range(len(turn), 0, -1) if prompt[:start].endswith(turn[:k])), 0)
-        if opened and turn.startswith(family.think_open):
-            start -= opened
+        if opened and (turn.startswith(family.think_open) or prompt.startswith(family.think_open, start - opened)):
+            start -= opened  # the turn starts at the block the prompt opens (its lone '</think>' shares '<')
         assert full[start:].startswith(turn), (i, full[start:start + 80])
     at = 0
     for turn in family.example_turns:

@@ -27,17 +27,44 @@ TWO_MARKERS = (
     "{{ m.reasoning_content }}<|/THINK|>{% endif %}<|RESP|>{{ m.content }}<|/RESP|>"
     "{% elif m.role == 'tool' %}<|TOOL|>{{ m.content | tojson }}{% else %}<|USER|>{{ m.content }}{% endif %}"
     "<|/T|>{% endfor %}{% if add_generation_prompt %}<|T|><|BOT|>{% endif %}")
+# issue 34, shape 1: every render, generation prompt or not, ends with an assistant turn's opener <|T|><|BOT|> (the
+# trailer), the generation prompt adds <|R|> after it; a default system turn first when none is given
+TRAILER_EXTENDED = (
+    "{% if messages[0].role != 'system' %}<|T|><|SYS|>Be kind.<|E|>{% endif %}"
+    "{% for m in messages %}<|T|>{% if m.role == 'assistant' %}<|BOT|><|R|>{{ m.content }}<|/R|>"
+    "{% elif m.role == 'system' %}<|SYS|>{{ m.content }}{% else %}<|USR|>{{ m.content }}{% endif %}<|E|>"
+    "{% endfor %}<|T|><|BOT|>{% if add_generation_prompt %}<|R|>{% endif %}")
+# issue 34, shape 4: the generation prompt opens reasoning, <|A|><think>; an answer after the last user message with
+# reasoning is <|A|><think>..</think>answer, every other one <|A|></think>answer (an empty block, closed only)
+TAG_PROMPT = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}{% if m.role == 'assistant' %}<|A|>"
+    "{% if loop.index0 > ns.last and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% else %}</think>{% endif %}{{ m.content }}<|/A|>{% else %}<|U|>{{ m.content }}<|/U|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|A|><think>{% endif %}")
+# issue 24's class C, reasoning dropped before the last user message: a preamble only the generation prompt writes,
+# reasoning without an opener that ends at a plain-text [[FINAL]], no end marker after the last message
+PREAMBLE = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|M|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and m.reasoning_content and loop.index0 > ns.last %}{{ m.reasoning_content }}"
+    "\n[[FINAL]]\n{% endif %}{{ m.content }}{% if not loop.last %}<|/M|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{% if messages %}<|/M|>\n{% endif %}<|M|>assistant\nHere is my plan:\n{% endif %}")
 SPECIALS = ["<|user|>", "<|assistant|>", "<|end|>", "[INST]", "[/INST]", "<s>", "</s>", "<|T|>", "<|/T|>",
-            "<|BOT|>", "<|THINK|>", "<|/THINK|>", "<|RESP|>", "<|/RESP|>", "<|TOOL|>", "<|USER|>"]
+            "<|BOT|>", "<|THINK|>", "<|/THINK|>", "<|RESP|>", "<|/RESP|>", "<|TOOL|>", "<|USER|>",
+            "<|SYS|>", "<|USR|>", "<|R|>", "<|/R|>", "<|E|>", "<|A|>", "<|/A|>", "<|U|>", "<|/U|>", "<|M|>", "<|/M|>"]
 
 
 @pytest.fixture(scope="module")
 def make_tok(qwen_tokenizer_dir):
+    """A template on the Qwen vocabulary with ``SPECIALS`` added as tokens (``markers=False``: left as plain text,
+    several tokens each)."""
     from transformers import AutoTokenizer
 
-    def make(template):
+    def make(template, markers: bool = True):
         tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
-        tok.add_special_tokens({"additional_special_tokens": SPECIALS, "bos_token": "<s>", "eos_token": "</s>"})
+        if markers:
+            tok.add_special_tokens({"additional_special_tokens": SPECIALS, "bos_token": "<s>", "eos_token": "</s>"})
         tok.chat_template = template
         return tok
     return make
@@ -142,3 +169,73 @@ def test_named_templates_dict_is_probed(make_tok):
     tok = make_tok({"default": NO_HEADER, "tool_use": IN_USER_TURN})
     assert probe_layout(tok).turn_openers == ("[/INST]",)
     assert trained(render_conversation(mark(CONVO[1:]), tok)) == " A1</s> A2</s>"
+
+
+@pytest.mark.parametrize("markers", [True, False], ids=["tokens", "plain"])
+def test_a_trailer_the_generation_prompt_extends(make_tok, markers):
+    """Issue 34, shape 1: the end marker was read as ``<|/R|><|E|><|T|><|BOT|>`` (the next turn's opener in it) and
+    the header as ``<|R|>``: single-turn rows trained the trailer, multi-turn rows were refused, every preference
+    pair trained it on both sides. The trailer is never trained and never part of an end marker."""
+    tok = make_tok(TRAILER_EXTENDED, markers)
+    layout = probe_layout(tok)
+    assert (layout.trailer, layout.assistant_header, layout.turn_openers, layout.end_markers) == (
+        "<|T|><|BOT|>", "<|T|><|BOT|><|R|>", ("<|T|><|BOT|><|R|>",), ("<|/R|><|E|>",))
+    assert layout.layout_class == "header_after_every_render"
+    r = render_conversation(mark(CONVO[1:]), tok)
+    assert r.text == ("<|T|><|SYS|>Be kind.<|E|><|T|><|USR|>Q1<|E|><|T|><|BOT|><|R|>A1<|/R|><|E|><|T|><|USR|>Q2<|E|>"
+                      "<|T|><|BOT|><|R|>A2<|/R|><|E|><|T|><|BOT|>")
+    assert (r.verified_by, trained(r)) == ("layout", "A1<|/R|><|E|>A2<|/R|><|E|>")
+    pair = {"prompt": CONVO[:2], "chosen": [{"role": "assistant", "content": "Yes."}],
+            "rejected": [{"role": "assistant", "content": "No."}]}
+    out = process_rows([pair], tok, DataConfig(objective="preference"))
+    assert out["drop_reason"] == [""], out["drop_detail"]
+    for side, answer in (("chosen", "Yes."), ("rejected", "No.")):
+        ids, labels = out[f"{side}_input_ids"][0], out[f"{side}_labels"][0]
+        text = f"<|T|><|SYS|>S<|E|><|T|><|USR|>Q1<|E|><|T|><|BOT|><|R|>{answer}<|/R|><|E|><|T|><|BOT|>"
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        assert ids == enc["input_ids"]
+        starts = [a for (a, _), lab in zip(enc["offset_mapping"], labels) if lab != -100]
+        # as tokens, exactly the answer and its end marker; as plain text the end marker's last '>' and the
+        # trailer's first '<' are one token, trained where it starts (the first-character rule): no token that
+        # starts in the trailer is trained on either side
+        assert text[starts[0]:].startswith(answer) and max(starts) < len(text) - len("<|T|><|BOT|>")
+        if markers:
+            assert tok.decode([i for i, lab in zip(ids, labels) if lab != -100]) == f"{answer}<|/R|><|E|>"
+
+
+@pytest.mark.parametrize("markers", [True, False], ids=["tokens", "plain"])
+def test_reasoning_tags_the_probe_does_not_cut_through(make_tok, markers):
+    """Issue 34, shape 4: the character-level common prefix of ``<|A|><think>`` and ``<|A|></think>..`` is
+    ``<|A|><``; the probe took it as the header and ``<`` as the reasoning close, and refused rows with reasoning
+    in an earlier and the last turn. The prompt ends at a marker boundary."""
+    tok = make_tok(TAG_PROMPT, markers)
+    layout = probe_layout(tok)
+    assert (layout.assistant_header, layout.turn_openers, layout.end_markers) == ("<|A|>", ("<|A|>",), ("<|/A|>",))
+    assert (layout.think_open, layout.think_close, layout.answer_open, layout.leads) == (
+        "<think>", "</think>", "", ("</think>",))
+    msgs = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]
+    r = render_conversation(mark(msgs), tok)
+    assert r.text == "<|U|>Q1<|/U|><|A|></think>A1<|/A|><|U|>Q2<|/U|><|A|><think>R2</think>A2<|/A|>"
+    # the generation prompt opens the block: what follows <|A|> is generated, the dropped one's close included
+    assert (r.verified_by, trained(r)) == ("layout", "</think>A1<|/A|><think>R2</think>A2<|/A|>")
+    assert [t.reasoning_dropped for t in r.turns] == [True, False]
+
+
+@pytest.mark.parametrize("markers", [True, False], ids=["tokens", "plain"])
+def test_reasoning_without_an_opener_after_a_preamble_is_read_by_the_walk(make_tok, markers):
+    """Issue 24's class C, reasoning dropped before the last user message: rows with reasoning in an earlier and the
+    last turn are not prefix-stable, so only the fast path can train them; it reads a block with no opener (the
+    reasoning, then ``[[FINAL]]``). They were refused (a fifth of the audit's rows)."""
+    tok = make_tok(PREAMBLE, markers)
+    layout = probe_layout(tok)
+    assert (layout.think_open, layout.think_close, layout.end_markers) == ("", "[[FINAL]]", ("<|/M|>",))
+    msgs = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]
+    r = render_conversation(mark(msgs), tok)
+    assert r.text == ("<|M|>user\nQ1<|/M|>\n<|M|>assistant\nA1<|/M|>\n<|M|>user\nQ2<|/M|>\n<|M|>assistant\n"
+                      "R2\n[[FINAL]]\nA2")
+    assert (r.verified_by, trained(r)) == ("layout", "A1<|/M|>R2\n[[FINAL]]\nA2")
+    assert [t.reasoning_dropped for t in r.turns] == [True, False]
+    r = render_conversation(mark(msgs), tok, policy=LossPolicy(think_loss="answer_only"))
+    assert trained(r) == "A1<|/M|>A2"

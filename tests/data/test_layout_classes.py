@@ -22,14 +22,14 @@ from hypothesis import strategies as st
 
 from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows, template_layout
 from tests.data.conversations import conversation
-from tests.data.families import FAMILIES, ISSUE24_NAMES, example_messages
-from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle
+from tests.data.families import FAMILIES, ISSUE24_NAMES, ISSUE34_NAMES, example_messages
+from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens
 from tests.vocabularies import SHIPPED_TEMPLATES
 
 # every family template probed on three vocabularies: make test (CI) runs it, make test-fast does not
 pytestmark = pytest.mark.slow
 
-NEW = sorted(ISSUE24_NAMES)
+NEW = sorted(ISSUE24_NAMES + ISSUE34_NAMES)  # and issue 34's shapes
 # the family's markers as tokens on Qwen's vocabulary; on Llama 3's as plain text and as tokens
 VOCABS = ("qwen+tok", "llama3 text", "llama3+tok")
 CONFIG = DataConfig(max_length=4096, reasoning_history="drop")  # each row trained as its full render writes it
@@ -173,7 +173,6 @@ def test_a_token_a_marker_shares_with_its_neighbour_belongs_to_where_it_starts(t
     with it, at every turn."""
     from qlora_train.masking.policy import LossPolicy
     from qlora_train.masking.render import render_conversation
-    from tests.data.oracle import tokens
 
     tok = tokenizers("command-r7b-tools", "llama3 text")
     r = render_conversation(LossPolicy().mark(example_messages("command-r7b-tools")), tok)
@@ -189,3 +188,66 @@ def test_a_token_a_marker_shares_with_its_neighbour_belongs_to_where_it_starts(t
             straddling.append((r.text[a:b], label != IGNORE_INDEX))
             assert (label != IGNORE_INDEX) == bool(r.char_mask[a]), (r.text[a:b], label)
     assert straddling == [("><", True)] * 2  # the end edge of both turns
+
+
+def _cuts_through_a_marker(fact: str) -> bool:
+    """Whether a layout fact starts or ends inside a bracketed marker (``<|A|><``, ``/think>``, ``<``): a '>' or
+    ']' closing nothing it opened, or a '<' or '[' it never closes."""
+    depth = {"<": 0, "[": 0}
+    for c in fact:
+        if c in "<[":
+            depth[c] += 1
+        elif c in ">]":
+            opener = "<" if c == ">" else "["
+            if depth[opener] == 0:
+                return True
+            depth[opener] -= 1
+    return any(depth.values())
+
+
+@pytest.mark.parametrize("vocab", ("llama3 text", "llama3+tok"))
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_layout_facts_never_cut_through_a_marker_nor_an_end_marker_into_an_opener(tokenizers, name, vocab):
+    """Issue 34: a probed end marker never contains a turn opener nor the trailer (the first shape read
+    ``<|/say|><|fin|><|seg|><|model|>``), and no layout fact starts or ends inside a marker the probe's own texts
+    show whole (the fourth read ``<|answerer|><`` and ``<``)."""
+    layout = template_layout(tokenizers(name, vocab))
+    for marker in layout.end_markers:
+        for opener in (layout.trailer, *layout.turn_openers):
+            assert not opener.strip() or opener.strip() not in marker, (marker, opener)
+    facts = [layout.assistant_header, *layout.turn_openers, *layout.end_markers, layout.think_open,
+             layout.think_close, layout.answer_open, *layout.leads, layout.turn_start, layout.trailer]
+    assert not [f for f in facts if _cuts_through_a_marker(f.strip())], facts
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_the_trailer_is_never_trained_in_a_pair(tokenizers, vocab):
+    """Issue 34, shape 1: every preference pair trained the trailer on both sides (the end marker ran into it).
+    Random pairs of conversations: each side as the oracle says (only the response's turns), no token that starts
+    in the trailer trained."""
+    fam, tok = FAMILIES["trailer-prompt-extends"], tokenizers("trailer-prompt-extends", vocab)
+    trailer = "<|seg|><|model|>"
+    kept = 0
+    for seed in range(12):
+        msgs, tools = conversation(random.Random(seed), system=True, arguments_as_string=False)
+        last_user = max(k for k, m in enumerate(msgs) if m["role"] == "user")
+        prompt, chosen = msgs[:last_user + 1], msgs[last_user + 1:]
+        rejected = [{"role": "assistant", "content": "no idea, sorry."}]
+        out = process_rows([{"prompt": prompt, "chosen": chosen, "rejected": rejected,
+                             **({"tools": tools} if tools else {})}], tok, DataConfig(objective="preference"))
+        assert out["drop_reason"] == [""], out["drop_detail"]
+        kept += 1
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            ids, labels = out[f"{side}_input_ids"][0], out[f"{side}_labels"][0]
+            verdict = prefix_oracle(tok, prompt + response, tools=tools, end_markers=fam.end_markers,
+                                    trained=range(len(prompt), len(prompt) + len(response)))
+            assert verdict.kind == DECIDED, verdict.reason
+            check = check_kept_row(tok, verdict, prompt + response, ids, [lab != IGNORE_INDEX for lab in labels],
+                                   trained_messages=range(len(prompt), len(prompt) + len(response)))
+            assert (check.text_differs, check.wrong, check.missed) == (0, 0, 0), check
+            text = verdict.text
+            enc_ids, offsets = tokens(tok, text, verdict.cuts)
+            assert enc_ids == ids and text.endswith(trailer)
+            assert max(a for (a, _), lab in zip(offsets, labels) if lab != IGNORE_INDEX) < (
+                len(text) - len(trailer))
+    assert kept == 12
