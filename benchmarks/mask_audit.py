@@ -70,6 +70,7 @@ class Audit:
     refused: int = 0
     refused_decided: int = 0
     refused_expected: int = 0
+    refused_marker: int = 0  # refused as marker_in_row_text: a hostile row's role, name or schema holds a marker
     wrong: int = 0
     missed: int = 0
     bad_rows: int = 0
@@ -115,15 +116,28 @@ def _facts(template: str, vocab: str) -> dict:
                 "arguments_as_string": t["tool_arguments_as_string"]}
     fam = FAMILIES[template]
     return {"end_markers": fam.end_markers, "think_open": fam.think_open, "system": fam.supports_system,
-            "arguments_as_string": fam.tool_arguments_as_string}
+            "arguments_as_string": fam.tool_arguments_as_string,
+            "markers": tuple(dict.fromkeys((*fam.special_tokens, *fam.end_markers, *fam.plain_markers)))}
 
 
-def _start(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> tuple:
-    """An empty ``Audit``, the tokenizer, the template's facts and the ``n`` seeded conversations."""
+def _markers(tok, facts: dict) -> tuple[str, ...]:
+    """The template's own markers for hostile rows: the family's facts, or (a shipped template) the tokenizer's
+    added tokens its template writes, and its end markers."""
+    if facts.get("markers"):
+        return facts["markers"]
+    template = tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)
+    added = sorted(t for t in tok.get_added_vocab() if t.strip() and t in template)
+    return tuple(dict.fromkeys((*added, *facts["end_markers"])))
+
+
+def _start(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float) -> tuple:
+    """An empty ``Audit``, the tokenizer, the template's facts and the ``n`` seeded conversations (a share
+    ``hostile`` of them with the template's markers in their fields)."""
     from tests.data.conversations import conversation
 
     tok, facts = _tokenizer(template, vocab, qwen_dir), _facts(template, vocab)
-    convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"],
+    markers = _markers(tok, facts) if hostile else ()
+    convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"], markers=markers, hostile=hostile,
                           arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
     return Audit(template, vocab, rows=n), tok, facts, convs
 
@@ -153,7 +167,21 @@ def as_pair(i: int, msgs: list[dict]) -> tuple[list[dict], list[dict], list[dict
     return prompt, chosen, rejected
 
 
-def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
+def _count_refused(result: Audit, reason: str, detail: str, kind: str) -> None:
+    """A refused row: its reason counted, and whether the oracle decides it (should have been trained) or refuses
+    it too; a row refused for markers in its row text is neither (a hostile row's expected refusal)."""
+    from tests.data.oracle import DECIDED, REFUSE
+
+    result.refused += 1
+    result.reasons[short_reason(reason, detail)] += 1
+    if reason == "marker_in_row_text":
+        result.refused_marker += 1
+        return
+    result.refused_decided += kind == DECIDED
+    result.refused_expected += kind == REFUSE
+
+
+def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0) -> Audit:
     """``audit`` for preference pairs (``--pairs``): each conversation made a pair (``as_pair``) and built by
     ``process_rows`` with ``data.objective: preference``; the oracle judges each side (prompt + response) and only
     the response's turns are its trained spans. A pair is decided when the oracle decides both sides; counts are
@@ -162,7 +190,7 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> 
     from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()
-    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir)
+    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir, hostile)
     pairs_ = [as_pair(i, msgs) for i, (msgs, _) in enumerate(convs)]
     rows = [{"prompt": p, "chosen": c, "rejected": r, **({"tools": t} if t else {})}
             for (p, c, r), (_, t) in zip(pairs_, convs)]
@@ -179,12 +207,12 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> 
         if kind == REFUSE:
             why = next(v.reason for v in verdicts.values() if v.kind == REFUSE)
             result.oracle_refusals[short_reason("refuse", why)] += 1
-        if out is None or out["drop_reason"][i]:
-            if out is not None:
-                result.refused += 1
-                result.reasons[short_reason(out["drop_reason"][i], out["drop_detail"][i])] += 1
+        if out is None:
             result.refused_decided += kind == DECIDED
             result.refused_expected += kind == REFUSE
+            continue
+        if out["drop_reason"][i]:
+            _count_refused(result, out["drop_reason"][i], out["drop_detail"][i], kind)
             continue
         result.kept += 1
         bad = False
@@ -204,12 +232,12 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> 
     return result
 
 
-def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
+def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0) -> Audit:
     from qlora_train.data import IGNORE_INDEX, DataConfig
     from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()
-    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir)
+    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir, hostile)
     rows = [{"messages": m, **({"tools": t} if t else {})} for m, t in convs]
     out = _process(result, rows, tok, DataConfig(max_length=4096, reasoning_history="drop"))
     for i, (msgs, tools) in enumerate(convs):
@@ -218,12 +246,12 @@ def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
         result.decided += verdict.kind == DECIDED
         if verdict.kind == REFUSE:
             result.oracle_refusals[short_reason("refuse", verdict.reason)] += 1
-        if out is None or out["drop_reason"][i]:
-            if out is not None:
-                result.refused += 1
-                result.reasons[short_reason(out["drop_reason"][i], out["drop_detail"][i])] += 1
+        if out is None:
             result.refused_decided += verdict.kind == DECIDED
             result.refused_expected += verdict.kind == REFUSE
+            continue
+        if out["drop_reason"][i]:
+            _count_refused(result, out["drop_reason"][i], out["drop_detail"][i], verdict.kind)
             continue
         result.kept += 1
         trained = [lab != IGNORE_INDEX for lab in out["labels"][i]]
@@ -240,10 +268,10 @@ def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
 
 
 # ------------------------------------------------------------------ the report
-COLUMNS = ("template", "vocab", "rows", "decided", "kept", "refused", "=decided", "=refuse", "wrong", "missed",
-           "bad rows", "!refuse", "undecided", "weak", "sec")
-COUNTS = ("rows", "decided", "kept", "refused", "refused_decided", "refused_expected", "wrong", "missed", "bad_rows",
-          "kept_must_refuse", "undecided", "weak", "text_differs")
+COLUMNS = ("template", "vocab", "rows", "decided", "kept", "refused", "=decided", "=refuse", "=marker", "wrong",
+           "missed", "bad rows", "!refuse", "undecided", "weak", "sec")
+COUNTS = ("rows", "decided", "kept", "refused", "refused_decided", "refused_expected", "refused_marker", "wrong",
+          "missed", "bad_rows", "kept_must_refuse", "undecided", "weak", "text_differs")
 
 
 def row_cells(a: Audit) -> list[str]:
@@ -281,7 +309,7 @@ def summary(audits: list[Audit]) -> str:
     share = f"{100 * t['refused_decided'] / t['decided']:.1f}%" if t["decided"] else "-"
     return (f"TOTAL {len(audits)} template x vocabulary pairs: {t['rows']} rows, {t['kept']} kept, {t['refused']} "
             f"refused ({t['refused_decided']} of the {t['decided']} the oracle decides = {share}, "
-            f"{t['refused_expected']} it refuses too), "
+            f"{t['refused_expected']} it refuses too, {t['refused_marker']} for markers in row text), "
             f"{t['wrong']} wrong tokens, {t['missed']} missed tokens in {t['bad_rows']} rows "
             f"({t['kept_must_refuse']} kept that must be refused), {t['undecided']} undecided "
             f"({t['weak']} weak-property tokens), {t['text_differs']} texts differing")
@@ -309,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "deepseek_v3 for the shipped ones)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    parser.add_argument("--hostile", type=float, default=0.3, help="share of rows with the template's markers in "
+                        "their fields (tests/data/conversations.py hostile_edits); 0: the ordinary rows only")
     parser.add_argument("--pairs", action="store_true", help="preference pairs: each conversation's last exchange "
                                                              "as chosen against another answer (audit_pairs)")
     args = parser.parse_args(argv)
@@ -329,10 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         build_qwen_tokenizer("qwen3").save_pretrained(qwen_dir)
         with ProcessPoolExecutor(args.jobs, initializer=_quiet) as pool:
             run = audit_pairs if args.pairs else audit
-            futures = [pool.submit(run, t, v, args.n, args.seed, qwen_dir) for t, v in todo]
+            futures = [pool.submit(run, t, v, args.n, args.seed, qwen_dir, args.hostile) for t, v in todo]
             audits = [f.result() for f in futures]
     what = "preference pairs (rows are pairs, tokens both sides)" if args.pairs else "conversations"
-    print(f"mask audit: {args.n} {what} per template x vocabulary, seed {args.seed}, engine at "
+    print(f"mask audit: {args.n} {what} per template x vocabulary, seed {args.seed}, hostile {args.hostile}, engine at "
           f"{_engine_version()}\n")
     print_table(audits)
     print()

@@ -38,6 +38,8 @@ Step by step, for each assistant message *i*:
 2. the generated part is the rest of the render through turn *i*, cut after its
    last end marker (what follows is a separator, or text the template appends
    after every render such as the first Llama 3 template's assistant header);
+   an end marker inside the turn's own content is the answer's text, not its end
+   (assistant text holding markers is trained as written);
 3. it must stand at ``start`` in the full render (prefix stability); where it
    has no end marker of its own, an end marker the full render writes right
    after it is the turn's (GLM's next header; an end marker written only where a
@@ -108,6 +110,13 @@ def _missing_part(message: dict, span: str) -> str | None:
     return None
 
 
+def _content_end(message: dict, generated: str) -> int:
+    """Where the message's content (stripped) ends in its generated part (0 when it is not written there)."""
+    content = (message.get("content") or "").strip()
+    k = generated.rfind(content) if content else -1
+    return k + len(content) if k >= 0 else 0
+
+
 def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, end_markers: Sequence[str],
                   think_open: str = "<think>", trained: range | None = None) -> Verdict:
     """The trained spans of every assistant message of ``messages`` per the rule (see the module doc); with
@@ -137,7 +146,9 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
         if 0 <= opened < start:
             start = opened  # a reasoning block the generation prompt opens is trained
         generated = turn[start:]
-        last_end = max((generated.rfind(e) + len(e) for e in end_markers if e in generated), default=-1)
+        after = _content_end(message, generated)  # an end marker inside the content is the answer's own text
+        last_end = max((generated.rfind(e) + len(e) for e in end_markers if generated.find(e, after) >= 0),
+                       default=-1)
         if last_end >= 0:
             candidates = [generated[:last_end]]
         else:  # no end marker of its own: one the full render writes right after it (or after its whitespace)
