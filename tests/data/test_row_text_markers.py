@@ -157,11 +157,18 @@ def test_assistant_text_holding_markers_is_trained_as_written_user_text_never(qw
 @pytest.fixture(scope="module")
 def vocabularies(qwen3_tok, llama3_vocab_tok):
     """name -> (tokenizer, end markers, the template's markers the rows get)."""
-    def own_markers(tok, ends):
-        return tuple(sorted({t for t in tok.get_added_vocab() if t.strip() and t in tok.chat_template} | set(ends)))
-    return {"qwen3": (qwen3_tok, ("<|im_end|>",), own_markers(qwen3_tok, ("<|im_end|>",))),
-            "llama3": (llama3_vocab_tok, SHIPPED_TEMPLATES["llama3"]["end_markers"],
-                       own_markers(llama3_vocab_tok, SHIPPED_TEMPLATES["llama3"]["end_markers"]))}
+    def facts(tok, ends):
+        markers = tuple(sorted({t for t in tok.get_added_vocab() if t.strip() and t in tok.chat_template} | {*ends}))
+        return tok, ends, markers, (_header(tok), ends[0])
+    return {"qwen3": facts(qwen3_tok, ("<|im_end|>",)),
+            "llama3": facts(llama3_vocab_tok, SHIPPED_TEMPLATES["llama3"]["end_markers"])}
+
+
+def _header(tok) -> str:
+    """What the generation prompt appends to a user question: the assistant header an injected role writes."""
+    user = [{"role": "user", "content": "hi"}]
+    plain = tok.apply_chat_template(user, tokenize=False)
+    return tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)[len(plain):]
 
 
 PROPS = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
@@ -177,10 +184,10 @@ def test_property_no_user_system_or_tool_character_is_ever_trained(vocabularies,
     """Against the prefix-render oracle: a kept row trains no token the rule does not (none of the user's, the
     system's or a tool's), and where the oracle cannot decide, none inside a located user/system/tool content;
     a row whose row text holds a marker is refused for it."""
-    tok, ends, markers = vocabularies[vocab]
+    tok, ends, markers, turn = vocabularies[vocab]
     rng = random.Random(seed)
     msgs, tools = conversation(rng, system=True, arguments_as_string=False)
-    msgs, tools = hostile_edits(rng, msgs, tools, markers, kinds=tuple(kinds))
+    msgs, tools = hostile_edits(rng, msgs, tools, markers, kinds=tuple(kinds), turn=turn)
     out = process_rows([{"messages": msgs, **({"tools": tools} if tools else {})}], tok, CONFIG)
     row = {k: v[0] for k, v in out.items()}
     if any(m in text for _, text in row_text(msgs, tools) for m in markers):
