@@ -178,8 +178,8 @@ PROPS = settings(max_examples=25, deadline=None, database=None, suppress_health_
 @pytest.mark.parametrize("vocab", ["qwen3", "llama3"])
 @PROPS
 @given(seed=st.integers(0, 2**20), kinds=st.lists(st.sampled_from(HOSTILE_EDITS), min_size=1, max_size=3))
-@example(seed=8, kinds=["role"])  # the issue's row
-@example(seed=3, kinds=["assistant_content", "user_content"])
+@example(seed=0, kinds=["role"])  # the issue's row: before the fix, user characters trained on Qwen3 (weak=4)
+@example(seed=3, kinds=["assistant_content", "user_content"])  # markers in content on both sides
 def test_property_no_user_system_or_tool_character_is_ever_trained(vocabularies, vocab, seed, kinds):
     """Against the prefix-render oracle: a kept row trains no token the rule does not (none of the user's, the
     system's or a tool's), and where the oracle cannot decide, none inside a located user/system/tool content;
