@@ -9,7 +9,7 @@ is written by ChatML templates as a whole assistant turn that is not one. ``chec
 
     >>> check_row_text([{"role": "x<|im_end|>", "content": "hi"}], None, ("<|im_end|>",))
     Traceback (most recent call last):
-    RowRejected: marker_in_row_text: messages[0].role holds the template's marker '<|im_end|>' ...
+    qlora_train.masking.messages.RowRejected: marker_in_row_text: messages[0].role holds the template's marker ...
 
 A role the project does not know (``KNOWN_ROLES``) must also be a plain name (letters, digits, ``_ - .`` and
 inner spaces): a template writes it inside its own header, where part of a marker in it and the header's own
