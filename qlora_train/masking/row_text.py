@@ -24,8 +24,11 @@ text is trained as written when its turn verifies.
 
 from __future__ import annotations
 
+import json
 import re
+import weakref
 from collections.abc import Iterator
+from functools import lru_cache
 
 from qlora_train.masking.layout import _MARKER_SHAPE, TemplateLayout, probe_key
 from qlora_train.masking.messages import KNOWN_ROLES, WHITESPACE, DropReason, Message, RowRejected
@@ -44,20 +47,20 @@ def layout_markers(layout: TemplateLayout) -> tuple[str, ...]:
     return tuple(dict.fromkeys(m for m in out if m))
 
 
-_MARKERS: dict[tuple[tuple[str, str], TemplateLayout], tuple[str, ...]] = {}
+_MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (the layout, its markers)
 
 
 def row_text_markers(tokenizer, layout: TemplateLayout) -> tuple[str, ...]:
-    """What must not stand inside row text outside content (see the module doc), longest first; cached per
-    template, vocabulary and layout."""
-    key = (probe_key(tokenizer), layout)
-    if key not in _MARKERS:
+    """What must not stand inside row text outside content (see the module doc), longest first; made once per
+    tokenizer and layout (``template_layout`` gives a new layout object when the template or vocabulary changes)."""
+    memo = _MARKERS.get(tokenizer)
+    if memo is None or memo[0] is not layout:
         template = probe_key(tokenizer)[0]
         added = [t for t in tokenizer.get_added_vocab() if t.strip(WHITESPACE) and t in template]
         ends = [t for t in (tokenizer.bos_token, tokenizer.eos_token) if isinstance(t, str) and t.strip(WHITESPACE)]
         markers = dict.fromkeys([*layout_markers(layout), *added, *ends])
-        _MARKERS[key] = tuple(sorted(markers, key=len, reverse=True))
-    return _MARKERS[key]
+        memo = _MARKERS[tokenizer] = (layout, tuple(sorted(markers, key=len, reverse=True)))
+    return memo[1]
 
 
 def _strings(value, where: str) -> Iterator[tuple[str, str]]:
@@ -76,7 +79,7 @@ def _strings(value, where: str) -> Iterator[tuple[str, str]]:
 
 def row_text(messages: list[Message], tools: list[dict] | None) -> Iterator[tuple[str, str]]:
     """``(where, text)`` for each piece of row text outside content: role names, message names and tool call
-    ids, each call's name and argument keys, and every string of the tool schemas."""
+    ids, each call's name and argument keys, and every string of the tool schemas (``with_tools``)."""
     for i, m in enumerate(messages):
         yield f"messages[{i}].role", m["role"]
         for key in ("name", "tool_call_id"):
@@ -96,14 +99,51 @@ def row_text(messages: list[Message], tools: list[dict] | None) -> Iterator[tupl
         yield from _strings(tools, "tools")
 
 
+def _held(markers: tuple[str, ...], messages: list[Message], tools: list[dict] | None) -> list[str]:
+    """The markers some row text may hold: one scan per marker over the messages' row text joined, and over the
+    tool schemas as JSON (each marker as JSON writes it: ``\\n`` for a newline, ``\\uff5c`` for DeepSeek's
+    full-width bar). The caller finds where."""
+    texts = []
+    for m in messages:
+        texts.append(m["role"])
+        name, call_id = m.get("name"), m.get("tool_call_id")
+        if isinstance(name, str):
+            texts.append(name)
+        if isinstance(call_id, str):
+            texts.append(call_id)
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            texts += [t for t in (call.get("id"), fn.get("name")) if isinstance(t, str)]
+            if isinstance(fn.get("arguments"), dict):
+                texts += [k for k in fn["arguments"] if isinstance(k, str)]
+    joined = "\x00".join(texts)
+    schemas = _schemas_json(tools) if tools else ""
+    return [k for k, as_json in _json_forms(markers) if k in joined or (schemas and as_json in schemas)]
+
+
+_SCHEMAS: list = [None, ""]  # the last tool schemas seen (a copy) and their JSON: the rows of a dataset share them
+
+
+def _schemas_json(tools: list[dict]) -> str:
+    if tools != _SCHEMAS[0]:  # compared by value
+        text = json.dumps(tools)
+        _SCHEMAS[:] = [json.loads(text), text]
+    return _SCHEMAS[1]
+
+
+@lru_cache(maxsize=64)
+def _json_forms(markers: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    return tuple((k, json.dumps(k)[1:-1]) for k in markers)
+
+
 def check_row_text(messages: list[Message], tools: list[dict] | None, markers: tuple[str, ...]) -> None:
     """Refuse (``marker_in_row_text``) a row whose text outside content holds one of ``markers``, or whose
     unknown role is not a plain name (see the module doc)."""
-    pieces = list(row_text(messages, tools))
-    joined = "\x00".join(text for _, text in pieces)  # one scan per marker; where, only when one is found
-    found = [k for k in markers if k in joined]
-    if found:
-        where, text, marker = next((w, t, k) for w, t in pieces for k in found if k in t)
+    found = _held(markers, messages, tools)
+    pieces = list(row_text(messages, tools)) if found else []  # where, only when one is found
+    hit = next(((w, t, k) for w, t in pieces for k in found if k in t), None)
+    if hit is not None:
+        where, text, marker = hit
         raise RowRejected(DropReason.MARKER_IN_ROW_TEXT, f"{where} holds the template's marker {marker!r} "
                           f"({text[:60]!r}): row text outside content must not hold markers, it would move the "
                           "turns the mask is found by")
