@@ -18,8 +18,8 @@ text around it make a whole one (``assistant|>\\n`` in ``<|`` + role + ``|>``).
 The markers (``row_text_markers``) are the layout's facts (what opens a turn's generated part, the end markers,
 reasoning delimiters, answer marker, leads, trailer, and the bracketed markers inside each), the tokenizer's
 added tokens the template writes, and its bos / eos tokens. Content, reasoning and tool call argument values are
-not row text here: user-side content holding an opener is refused where the spans are found, assistant-side
-text is trained as written when its turn verifies.
+not row text here: the rule masks them (the user's side is never trained, the assistant's is trained as written
+when its turn verifies).
 """
 
 from __future__ import annotations
@@ -77,48 +77,32 @@ def _strings(value, where: str) -> Iterator[tuple[str, str]]:
             yield from _strings(v, f"{where}[{j}]")
 
 
-def row_text(messages: list[Message], tools: list[dict] | None) -> Iterator[tuple[str, str]]:
-    """``(where, text)`` for each piece of row text outside content: role names, message names and tool call
-    ids, each call's name and argument keys, and every string of the tool schemas (``with_tools``)."""
+def row_text(messages: list[Message]) -> list[tuple[tuple, str]]:
+    """``(where, text)`` for each piece of the messages' row text outside content: role names, message names and
+    tool call ids, each call's id, name and argument names; ``where`` as parts (``_where`` writes them out)."""
+    out = []
     for i, m in enumerate(messages):
-        yield f"messages[{i}].role", m["role"]
-        for key in ("name", "tool_call_id"):
-            if isinstance(m.get(key), str):
-                yield f"messages[{i}].{key}", m[key]
-        for j, call in enumerate(m.get("tool_calls") or []):
-            where = f"messages[{i}].tool_calls[{j}]"
-            if isinstance(call.get("id"), str):
-                yield f"{where}.id", call["id"]
-            fn = call.get("function") or {}
-            if isinstance(fn.get("name"), str):
-                yield f"{where}.name", fn["name"]
-            args = fn.get("arguments")
-            if isinstance(args, dict):
-                yield from ((f"{where}.arguments key", k) for k in args if isinstance(k, str))
-    if tools:
-        yield from _strings(tools, "tools")
-
-
-def _held(markers: tuple[str, ...], messages: list[Message], tools: list[dict] | None) -> list[str]:
-    """The markers some row text may hold: one scan per marker over the messages' row text joined, and over the
-    tool schemas as JSON (each marker as JSON writes it: ``\\n`` for a newline, ``\\uff5c`` for DeepSeek's
-    full-width bar). The caller finds where."""
-    texts = []
-    for m in messages:
-        texts.append(m["role"])
+        out.append(((i, "role"), m["role"]))
         name, call_id = m.get("name"), m.get("tool_call_id")
         if isinstance(name, str):
-            texts.append(name)
+            out.append(((i, "name"), name))
         if isinstance(call_id, str):
-            texts.append(call_id)
-        for call in m.get("tool_calls") or ():
+            out.append(((i, "tool_call_id"), call_id))
+        for j, call in enumerate(m.get("tool_calls") or ()):
             fn = call.get("function") or {}
-            texts += [t for t in (call.get("id"), fn.get("name")) if isinstance(t, str)]
+            out += [((i, j, key), t) for key, t in (("id", call.get("id")), ("name", fn.get("name")))
+                    if isinstance(t, str)]
             if isinstance(fn.get("arguments"), dict):
-                texts += [k for k in fn["arguments"] if isinstance(k, str)]
-    joined = "\x00".join(texts)
-    schemas = _schemas_json(tools) if tools else ""
-    return [k for k, as_json in _json_forms(markers) if k in joined or (schemas and as_json in schemas)]
+                out += [((i, j, "arguments key"), k) for k in fn["arguments"] if isinstance(k, str)]
+    return out
+
+
+def _where(parts: tuple) -> str:
+    """``(1, "role")`` -> ``messages[1].role``; ``(1, 0, "name")`` -> ``messages[1].tool_calls[0].name``."""
+    if len(parts) == 2:
+        return f"messages[{parts[0]}].{parts[1]}"
+    i, j, key = parts
+    return f"messages[{i}].tool_calls[{j}].{key}"
 
 
 _SCHEMAS: list = [None, ""]  # the last tool schemas seen (a copy) and their JSON: the rows of a dataset share them
@@ -138,15 +122,21 @@ def _json_forms(markers: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
 def check_row_text(messages: list[Message], tools: list[dict] | None, markers: tuple[str, ...]) -> None:
     """Refuse (``marker_in_row_text``) a row whose text outside content holds one of ``markers``, or whose
-    unknown role is not a plain name (see the module doc)."""
-    found = _held(markers, messages, tools)
-    pieces = list(row_text(messages, tools)) if found else []  # where, only when one is found
-    hit = next(((w, t, k) for w, t in pieces for k in found if k in t), None)
-    if hit is not None:
-        where, text, marker = hit
-        raise RowRejected(DropReason.MARKER_IN_ROW_TEXT, f"{where} holds the template's marker {marker!r} "
-                          f"({text[:60]!r}): row text outside content must not hold markers, it would move the "
-                          "turns the mask is found by")
+    unknown role is not a plain name (see the module doc). One scan per marker over the messages' row text
+    joined and over the tool schemas as JSON (each marker as JSON writes it: ``\\n`` for a newline,
+    ``\\uff5c`` for DeepSeek's full-width bar); where, only when one is found."""
+    pieces = row_text(messages)
+    joined = "\x00".join(text for _, text in pieces)
+    schemas = _schemas_json(tools) if tools else ""
+    found = [k for k, as_json in _json_forms(markers) if k in joined or (schemas and as_json in schemas)]
+    if found:
+        hits = [(_where(w), t) for w, t in pieces] + (list(_strings(tools, "tools")) if tools else [])
+        hit = next(((w, t, k) for w, t in hits for k in found if k in t), None)
+        if hit is not None:  # (a marker the JSON forms across two strings is in none)
+            where, text, marker = hit
+            raise RowRejected(DropReason.MARKER_IN_ROW_TEXT, f"{where} holds the template's marker {marker!r} "
+                              f"({text[:60]!r}): row text outside content must not hold markers, it would move "
+                              "the turns the mask is found by")
     for i, m in enumerate(messages):
         role = m["role"]
         if role not in KNOWN_ROLES and not _PLAIN_NAME.fullmatch(role):

@@ -111,9 +111,10 @@ def _missing_part(message: dict, span: str) -> str | None:
 
 
 def _content_end(message: dict, generated: str) -> int:
-    """Where the message's content (stripped) ends in its generated part (0 when it is not written there)."""
+    """Where the message's content (stripped) first ends in its generated part (0 when it is not written there;
+    not its last occurrence: a one-letter answer is also inside the markers after it)."""
     content = (message.get("content") or "").strip()
-    k = generated.rfind(content) if content else -1
+    k = generated.find(content) if content else -1
     return k + len(content) if k >= 0 else 0
 
 
@@ -228,10 +229,13 @@ def weak_violations(text: str, messages: Sequence[dict], offsets: Sequence[tuple
                     trained: Sequence[bool], trained_messages: range | None = None) -> int:
     """What can be checked without prefix renders: tokens trained inside a located user, system or tool
     content (or an assistant one not in ``trained_messages``, when given), and tokens left untrained inside a
-    located trained assistant content (by where tokens start)."""
+    located trained assistant content (by where tokens start); a content the render writes more than once is
+    not located."""
     starts = [start for start, _ in offsets]
     bad = 0
     for i, a, b in located_messages(text, messages):
+        if text.count(text[a:b]) > 1:  # written more than once (a one-word answer, a marker as content, '<' inside
+            continue  # the template's own '</tool_response>'): where it is cannot be told without prefix renders
         inside = [k for k, start in enumerate(starts) if a <= start < b]
         if messages[i]["role"] == "assistant" and (trained_messages is None or i in trained_messages):
             bad += sum(not trained[k] for k in inside)

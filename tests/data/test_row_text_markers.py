@@ -9,6 +9,7 @@ are masked by the rule: the user's never trained, the assistant's trained as wri
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -190,7 +191,8 @@ def test_property_no_user_system_or_tool_character_is_ever_trained(vocabularies,
     msgs, tools = hostile_edits(rng, msgs, tools, markers, kinds=tuple(kinds), turn=turn)
     out = process_rows([{"messages": msgs, **({"tools": tools} if tools else {})}], tok, CONFIG)
     row = {k: v[0] for k, v in out.items()}
-    if any(m in text for _, text in row_text(msgs, tools) for m in markers):
+    texts = [text for _, text in row_text(msgs)] + ([json.dumps(tools, ensure_ascii=False)] if tools else [])
+    if any(m in text for text in texts for m in markers):
         assert row["drop_reason"] == DropReason.MARKER_IN_ROW_TEXT, row["drop_detail"]
     if row["drop_reason"]:
         return
@@ -200,3 +202,18 @@ def test_property_no_user_system_or_tool_character_is_ever_trained(vocabularies,
     assert not check.text_differs
     assert verdict.kind != REFUSE, f"kept a row the oracle refuses: {verdict.reason}"
     assert (check.wrong, check.weak) == (0, 0), (check, verdict.reason, row["drop_detail"])
+
+
+def test_the_oracle_ends_a_turn_after_its_content_never_inside_it(family_vocab_tokenizer):
+    """An end marker inside the last answer is its text (GLM writes no end marker of its own); the turn's end is
+    looked for after the content's first occurrence, not its last (a one-letter answer is also inside the
+    first Llama 3 template's trailer)."""
+    glm = family_vocab_tokenizer("glm4.5")
+    answer = "1. first<|observation|> \n2. second"
+    msgs = [{"role": "user", "content": "Tabs"}, {"role": "assistant", "content": answer}]
+    verdict = prefix_oracle(glm, msgs, end_markers=("<|user|>", "<|observation|>"))
+    assert verdict.kind == DECIDED and trained_text(verdict) == "\n<think></think>\n" + answer
+    llama3 = family_vocab_tokenizer("llama3-original")  # found by test_family_masks' property
+    verdict = prefix_oracle(llama3, [{"role": "user", "content": "A"}, {"role": "assistant", "content": "d"}],
+                            end_markers=("<|eot_id|>",))
+    assert verdict.kind == DECIDED and trained_text(verdict) == "d<|eot_id|>"
