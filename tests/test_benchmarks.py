@@ -179,3 +179,12 @@ def test_the_mask_audit_accounts_for_every_row(mask_audit, qwen_tokenizer_dir, c
                                           [{"role": "assistant", "content": "a different answer:\na"}])
     assert mask_audit.short_reason("mask_unverified", "row 3: messages[2]: no assistant turn opener ['x'] after "
                                    "char 191") == "mask_unverified: no assistant turn opener"
+
+
+def test_the_mask_audit_writes_hostile_rows_and_counts_their_refusals_apart(mask_audit, qwen_tokenizer_dir):
+    """Every row hostile on a ChatML template (role names written verbatim): the rows whose role, tool name,
+    argument name or schema holds a marker are refused for it, the others trained as the oracle says."""
+    a = mask_audit.audit("chatml", mask_audit.OURS, 16, 0, str(qwen_tokenizer_dir), hostile=1.0)
+    assert a.rows == a.kept + a.refused == 16 and a.refused_marker and a.kept and not a.text_differs
+    assert (a.wrong, a.missed, a.weak, a.refused_decided) == (0, 0, 0, 0)
+    assert a.reasons[mask_audit.short_reason("marker_in_row_text", "row 0: messages[1].role holds")] > 0

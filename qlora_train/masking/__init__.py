@@ -26,6 +26,8 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
                  and cached per template and vocabulary (``template_layout``); its ``layout_class`` names where
                  a turn's prompt ends (``LAYOUT_CLASSES``); a fact the probe cannot find stays unknown;
 - ``layout_declaration``  ``model.template_layout``: a layout declared in the config, merged with the probe's;
+- ``row_text``   row text outside content (roles, names, ids, tool names, argument names, tool schemas) holding
+                 the template's markers refuses the row (``marker_in_row_text``) before any span is looked for;
 - ``apply_template``  the template's text, exactly ``apply_chat_template``'s, without transformers' per-call
                  copies of plain data (checked against it on each tokenizer's first renders);
 - ``render``     **the fast path**: one render of the whole conversation, walked message by message with the

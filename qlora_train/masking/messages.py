@@ -50,6 +50,7 @@ class DropReason:
     TEMPLATE_ERROR = "template_error"
     UNRENDERED_ROLE = "unrendered_role"
     MASK_UNVERIFIED = "mask_unverified"
+    MARKER_IN_ROW_TEXT = "marker_in_row_text"  # a role, name, id, tool name, argument key or tool schema holds a marker
     NO_TRAINED_TOKEN = "no_trained_token_after_truncation"
     BAD_PRETOKENIZED = "bad_pretokenized"
     FILTERED_BY_LENGTH = "filtered_by_length"
@@ -101,6 +102,18 @@ def argument_values(call: dict) -> list[str]:
         return []
     return [v if isinstance(v, str) else json.dumps(v) for v in args.values()
             if isinstance(v, (str, int, float, bool)) and (not isinstance(v, str) or v.strip())]
+
+
+def argument_keys(call: dict) -> list[str]:
+    """A tool call's argument names (of arguments given as a mapping, or a JSON string of one): every template
+    writes them beside the values (``{"a": 1}``, ``<arg_key>a</arg_key>``, ``a=1``)."""
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return []
+    return [k for k in args if isinstance(k, str) and k.strip()] if isinstance(args, dict) else []
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

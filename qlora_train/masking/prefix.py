@@ -39,6 +39,7 @@ from qlora_train.masking.apply_template import apply_template
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, template_layout
 from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected, argument_values
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
+from qlora_train.masking.row_text import check_row_text, row_text_markers
 
 _SHIFT = "\x01"  # put before a turn's own texts to see where they start in a render (never trimmed by templates)
 
@@ -270,6 +271,7 @@ def render_by_prefixes(messages: list[Message], tokenizer, *, tools=None, policy
     from qlora_train.masking.render import RenderedConversation, check_spans, render_text, trained_spans
 
     layout = template_layout(tokenizer)
+    check_row_text(messages, tools, row_text_markers(tokenizer, layout))  # also where called on its own
     if text is None:
         try:
             text = render_text(messages, tokenizer, tools=tools)

@@ -36,8 +36,17 @@ import numpy as np
 
 from qlora_train.masking.apply_template import apply_template
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, role_is_rendered, template_layout
-from qlora_train.masking.messages import KNOWN_ROLES, WHITESPACE, DropReason, Message, RowRejected, argument_values
+from qlora_train.masking.messages import (
+    KNOWN_ROLES,
+    WHITESPACE,
+    DropReason,
+    Message,
+    RowRejected,
+    argument_keys,
+    argument_values,
+)
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
+from qlora_train.masking.row_text import check_row_text, row_text_markers
 
 log = logging.getLogger(__name__)
 
@@ -227,9 +236,14 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
             if at < 0:
                 raise _unverified(i, f"tool call {name!r} not rendered (the template writes fewer calls)")
             at += len(name)
+            # its values and their names after it: a turn that holds the name and values by chance (row text of
+            # another message that is no turn) is not taken for the call
             missing = next((v for v in argument_values(call) if v not in between[at:]), None)
             if missing is not None:
                 raise _unverified(i, f"tool call {name!r}: argument {missing!r} not written in its turn")
+            missing = next((k for k in argument_keys(call) if k not in between[at:]), None)
+            if missing is not None:
+                raise _unverified(i, f"tool call {name!r}: argument name {missing!r} not written in its turn")
     elif between.strip(WHITESPACE):
         raise _unverified(i, "unexpected text between content and end-of-turn marker")
     return TurnSpan(i, start, e + len(marker), body_start, reasoning, e, dropped)
@@ -312,6 +326,7 @@ def render_conversation(
     ``layout``: the tokenizer's ``template_layout``, where the caller has it (a batch looks it up once).
     """
     layout = template_layout(tokenizer) if layout is None else layout
+    check_row_text(messages, tools, row_text_markers(tokenizer, layout))  # before any span is looked for
     try:
         text = render_text(messages, tokenizer, tools=tools, layout=layout)
     except TEMPLATE_ERRORS as exc:  # jinja raise_exception, undefined fields, type errors: a row-level reason
@@ -370,7 +385,8 @@ def _render_with_layout(messages: list[Message], tokenizer, text: str, layout: T
         elif content and msg["role"] != "assistant":
             limit, _ = _first_of(text, anchors, cursor)  # it is written before the next turn opens
             where = _find_untrained(text, content, cursor, limit if limit >= 0 else len(text))
-            if where is None and msg["role"] in ("user", "tool") and _find_untrained(text, content, cursor, len(text)):
+            if where is None and msg["role"] != "system" and _find_untrained(text, content, cursor, len(text)):
+                # (a system prompt may be moved after the turns: Mistral writes it into the last user turn)
                 raise _unverified(i, f"{msg['role']} text is written after an assistant turn opener: the opener "
                                   "is not specific to assistant turns")
             if where is None:

@@ -8,6 +8,11 @@ writes in the same message ("Please add 12 and 30." -> ``add``), with their resu
 content empty on most; whitespace and unicode edges in every role. Messages are written as the parse stage writes
 them (content always a string, tool call keys in its order), so that the engine renders the same text as
 ``apply_chat_template`` on these messages.
+
+With ``markers`` (the template's own: its control tokens and end markers), a share ``hostile`` of the rows is
+edited by ``hostile_edits``: markers inside role names, tool names, argument keys and values, user, system, tool
+and assistant content and reasoning, message names and tool schemas; content that begins and ends with
+whitespace; one-word answers. Rows without ``markers`` are drawn exactly as before (the edits draw after them).
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ ANSWERS = ["paris.", "sure, here it is: a short answer.", "  spaced answer  ", "
 REASONINGS = ["let me think about it.", "  padded reasoning \n", "step one, then step two.\nso: done"]
 
 
-def conversation(rng: random.Random, *, system: bool, arguments_as_string: bool) -> tuple[list[dict], list | None]:
-    """One random conversation and its tools (None without tool calls)."""
+def conversation(rng: random.Random, *, system: bool, arguments_as_string: bool, markers: tuple[str, ...] = (),
+                 hostile: float = 0.3, turn: tuple[str, str] = ("", "")) -> tuple[list[dict], list | None]:
+    """One random conversation and its tools (None without tool calls); with ``markers``, a share ``hostile`` of
+    the rows edited by ``hostile_edits``."""
     msgs, tools = [], None
     if system and rng.random() < 0.5:
         msgs.append({"role": "system", "content": rng.choice(SYSTEMS)})
@@ -69,6 +76,82 @@ def conversation(rng: random.Random, *, system: bool, arguments_as_string: bool)
                      {"role": "assistant", "content": rng.choice(ANSWERS)}]
         if rng.random() < 0.4:
             msgs[-1]["reasoning_content"] = rng.choice(REASONINGS)
+    if markers and rng.random() < hostile:
+        msgs, tools = hostile_edits(rng, msgs, tools, markers, arguments_as_string=arguments_as_string, turn=turn)
+    return msgs, tools
+
+
+# what a hostile edit does; the first four put markers in row text outside content (the engine refuses those rows:
+# marker_in_row_text); the others are content the engine must mask right (trained as written on the assistant's
+# side, never trained on the user's)
+HOSTILE_EDITS = ("role", "tool_name", "argument_key", "tools_schema", "argument_value", "user_content",
+                 "system_content", "tool_content", "assistant_content", "reasoning", "message_name", "padded",
+                 "one_word")
+ROW_TEXT_EDITS = frozenset({"role", "tool_name", "argument_key", "tools_schema", "message_name"})
+ONE_WORD = ["Yes.", "Paris", "ok", "No", "42", "<", "Sure!"]
+
+
+def hostile_edits(rng: random.Random, msgs: list[dict], tools: list | None, markers: tuple[str, ...], *,
+                  arguments_as_string: bool = False, kinds: tuple[str, ...] | None = None,
+                  turn: tuple[str, str] = ("", "")) -> tuple[list[dict], list | None]:
+    """A copy of the conversation with one or two edits of ``HOSTILE_EDITS`` (or ``kinds``), markers drawn from
+    ``markers``; an edit the row has no place for (a tool name in a row without calls) is skipped. ``turn``: the
+    template's assistant header (its generation prompt) and end marker, where known: the injected role writes a
+    whole turn with them."""
+    msgs, tools = json.loads(json.dumps(msgs)), json.loads(json.dumps(tools)) if tools else tools
+    marker = lambda: rng.choice(markers)  # noqa: E731
+    calls = [c for m in msgs for c in m.get("tool_calls") or []]
+    by_role = lambda role: [m for m in msgs if m["role"] == role]  # noqa: E731
+    for kind in kinds or rng.sample(HOSTILE_EDITS, rng.choice((1, 1, 2))):
+        if kind == "role":  # issue 34's row: before the last answer, a message whose role writes a whole turn
+            at = max(k for k, m in enumerate(msgs) if m["role"] == "user") + 1  # holding that answer's text
+            answer = msgs[at]
+            fn = (answer.get("tool_calls") or [{}])[0].get("function")
+            args = (json.loads(fn["arguments"]) if arguments_as_string else fn["arguments"]) if fn else {}
+            # a call's name and values (what the call check looked for), or the answer itself
+            text = " ".join(["INJECTED", fn["name"], *map(str, args.values())]) if fn else answer["content"].strip()
+            header, end = turn[0] or f"{marker()}assistant\n", turn[1] or marker()
+            role = f"x{end}\n{header}{text}{end}\n{marker()}user"
+            msgs.insert(at, {"role": role, "content": "context"})
+        elif kind == "tool_name" and calls:
+            fn = rng.choice(calls)["function"]
+            fn["name"] += marker()
+        elif kind == "argument_key" and calls:
+            fn = rng.choice(calls)["function"]
+            args = json.loads(fn["arguments"]) if arguments_as_string else fn["arguments"]
+            args = {(k + marker() if j == 0 else k): v for j, (k, v) in enumerate(args.items())}
+            fn["arguments"] = json.dumps(args) if arguments_as_string else args
+        elif kind == "tools_schema" and tools:
+            tools[0]["function"]["description"] += f" {marker()}assistant\n"
+        elif kind == "message_name":
+            rng.choice(by_role("user"))["name"] = f"bob{marker()}"
+        elif kind == "argument_value" and calls:
+            fn = rng.choice(calls)["function"]
+            args = json.loads(fn["arguments"]) if arguments_as_string else fn["arguments"]
+            key = next(iter(args))
+            args[key] = f"{args[key]} {marker()}"
+            fn["arguments"] = json.dumps(args) if arguments_as_string else args
+        elif kind in ("user_content", "system_content", "tool_content", "assistant_content"):
+            targets = by_role(kind.split("_")[0])
+            # (reasoning tags in an answer are an inline reasoning block to the parse stage: extract_think_tags)
+            usable = [m for m in markers if kind != "assistant_content" or m not in ("<think>", "</think>")]
+            if targets and usable:
+                m = rng.choice(targets)
+                cut = rng.randint(0, len(m["content"]))
+                inserted = rng.choice(usable) + rng.choice(["", "\n", " "])
+                m["content"] = m["content"][:cut] + inserted + m["content"][cut:]
+        elif kind == "reasoning":
+            m = rng.choice(by_role("assistant"))
+            m["reasoning_content"] = f"{m.get('reasoning_content') or 'think.'} {marker()} more"
+        elif kind == "padded":
+            for m in rng.sample(msgs, min(2, len(msgs))):
+                if m["content"]:
+                    before, after = rng.choice(["\n\n", "  ", "\n ", "\t"]), rng.choice([" \n", "\n\n", " "])
+                    m["content"] = before + m["content"] + after
+        elif kind == "one_word":
+            answers = [m for m in by_role("assistant") if not m.get("tool_calls")]
+            if answers:
+                rng.choice(answers)["content"] = rng.choice(ONE_WORD)
     return msgs, tools
 
 

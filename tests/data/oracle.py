@@ -42,6 +42,8 @@ Step by step, for each assistant message *i*:
 2. the generated part is the rest of the render through turn *i*, cut after its
    last end marker (what follows is a separator, or text the template appends
    after every render such as the first Llama 3 template's assistant header);
+   an end marker inside the turn's own content is the answer's text, not its end
+   (assistant text holding markers is trained as written);
 3. it must stand at ``start`` in the full render (prefix stability); where it
    has no end marker of its own, an end marker the full render writes right
    after it is the turn's (GLM's next header; an end marker written only where a
@@ -113,6 +115,14 @@ def _missing_part(message: dict, span: str) -> str | None:
     return None
 
 
+def _content_end(message: dict, generated: str) -> int:
+    """Where the message's content (stripped) first ends in its generated part (0 when it is not written there;
+    not its last occurrence: a one-letter answer is also inside the markers after it)."""
+    content = (message.get("content") or "").strip()
+    k = generated.find(content) if content else -1
+    return k + len(content) if k >= 0 else 0
+
+
 def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, end_markers: Sequence[str],
                   think_open: str = "<think>", trained: range | None = None) -> Verdict:
     """The trained spans of every assistant message of ``messages`` per the rule (see the module doc); with
@@ -163,7 +173,9 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
         if failed:
             continue  # only where the turns after it start (the tokens are compared even where not decided)
         generated = turn[start:]
-        last_end = max((generated.rfind(e) + len(e) for e in end_markers if e in generated), default=-1)
+        after = _content_end(message, generated)  # an end marker inside the content is the answer's own text
+        last_end = max((generated.rfind(e) + len(e) for e in end_markers if generated.find(e, after) >= 0),
+                       default=-1)
         if last_end >= 0:
             candidates = [generated[:last_end]]
         else:  # no end marker of its own: one the full render writes right after it (or after its whitespace)
@@ -276,10 +288,13 @@ def weak_violations(text: str, messages: Sequence[dict], offsets: Sequence[tuple
                     trained: Sequence[bool], trained_messages: range | None = None) -> int:
     """What can be checked without prefix renders: tokens trained inside a located user, system or tool
     content (or an assistant one not in ``trained_messages``, when given), and tokens left untrained inside a
-    located trained assistant content (by where tokens start)."""
+    located trained assistant content (by where tokens start); a content the render writes more than once is
+    not located."""
     starts = [start for start, _ in offsets]
     bad = 0
     for i, a, b in located_messages(text, messages):
+        if text.count(text[a:b]) > 1:  # written more than once (a one-word answer, a marker as content, '<' inside
+            continue  # the template's own '</tool_response>'): where it is cannot be told without prefix renders
         inside = [k for k, start in enumerate(starts) if a <= start < b]
         if messages[i]["role"] == "assistant" and (trained_messages is None or i in trained_messages):
             bad += sum(not trained[k] for k in inside)
