@@ -12,7 +12,7 @@
 A side is exactly what SFT trains for the conversation ``prompt + response`` with only the response's
 assistant turns marked trained (``mark_side``): the same parse (``parse.canonical_messages``), the same one
 render and verified walk (``render.render_conversation``, the general path behind it), the same tokenization and
-labels (``tokenize.encode_batch``, ``make_labels``). Nothing here finds a turn: the boundary between prompt and
+labels (``tokenize.encode_rendered``, ``make_labels``). Nothing here finds a turn: the boundary between prompt and
 response is where ``render_conversation`` says the response's first turn starts its generated part
 (``TurnSpan.start``: after the header, ``[/INST]`` or whatever the template's prompt side writes).
 
@@ -53,7 +53,7 @@ from qlora_train.masking import (
     RenderedConversation,
     RowRejected,
     check_unicode,
-    encode_batch,
+    encode_rendered,
     make_labels,
     project_char_mask,
     render_conversation,
@@ -321,7 +321,7 @@ def build_preference_example(
     rendered = {side: _render_side(side, mark_side(prompt, response, side_policy), tokenizer, tools, side_policy)
                 for side, response in zip(SIDES, (chosen, rejected))}
     boundary = {side: next(t.start for t in r.turns if t.index == len(prompt)) for side, r in rendered.items()}
-    encoded = dict(zip(SIDES, encode_batch([rendered[side].text for side in SIDES], tokenizer)))
+    encoded = dict(zip(SIDES, encode_rendered([rendered[side] for side in SIDES], tokenizer)))
     if encoded["chosen"][0] == encoded["rejected"][0]:
         raise RowRejected(DropReason.PAIR_IDENTICAL, "chosen and rejected render to the same tokens")
     prompt_length, merges = shared_prompt_length(rendered, boundary, encoded)

@@ -33,7 +33,7 @@ from qlora_train.masking import (
     Message,
     Offsets,
     RenderedConversation,
-    encode_batch,
+    encode_rendered,
     render_conversation,
 )
 
@@ -68,7 +68,7 @@ class TruncationResult:
 
 def measure(messages, tokenizer, *, tools=None, policy: LossPolicy = DEFAULT_POLICY) -> Measured:
     rendered = render_conversation(messages, tokenizer, tools=tools, policy=policy)
-    (ids, offsets), = encode_batch([rendered.text], tokenizer)
+    (ids, offsets), = encode_rendered([rendered], tokenizer)
     return Measured(rendered, ids, offsets)
 
 

@@ -31,8 +31,10 @@ is (``tokenize.project_char_mask``); ``tokenize.make_labels`` is the one place l
                  span) -> ``RenderedConversation`` (text, char mask, ``TurnSpan`` per trained turn);
 - ``prefix``     **the general path**, for rows the layout cannot verify: the rule itself, by per-turn prefix
                  renders, verified the same way (``verified_by="prefix_renders"``);
-- ``tokenize``   one batched tokenizer call with offsets (``encode_batch``), the char mask projected onto
-                 tokens, labels.
+- ``tokenize``   one batched tokenizer call with offsets (``encode_rendered``: the one encode step of a
+                 render), the char mask projected onto tokens, labels;
+- ``check``      the fast path checked against the rule on a conversation, token by token (``check_with_rule``:
+                 agree, undecided where the template is not prefix-stable, disagree).
 
 **A refusal** is chosen, never a guess: a row neither path verifies is ``mask_unverified`` (the general path's
 reason, then the layout's), a template that raises is ``template_error``; a part the template does not write
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qlora_train.masking.check import AGREE, DISAGREE, UNDECIDED, Masked, RuleCheck, check_with_rule
 from qlora_train.masking.count import count_tokens
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, template_layout, tool_block
 from qlora_train.masking.layout_declaration import check_declaration, layout_dict, layout_yaml, resolve_layout
@@ -72,6 +75,7 @@ from qlora_train.masking.tokenize import (
     OffsetArray,
     Offsets,
     encode_batch,
+    encode_rendered,
     make_labels,
     project_char_mask,
 )
@@ -80,8 +84,10 @@ __all__ = [
     # a conversation in, its mask out (mask_conversation; the batch form: render_conversation, encode_batch,
     # project_char_mask, make_labels)
     "DEFAULT_POLICY", "IGNORE_INDEX", "LossPolicy", "MaskedConversation", "Message", "RenderedConversation",
-    "RowRejected", "TurnSpan", "encode_batch", "make_labels", "mask_conversation", "project_char_mask",
-    "render_conversation",
+    "RowRejected", "TurnSpan", "encode_batch", "encode_rendered", "make_labels", "mask_conversation",
+    "project_char_mask", "render_conversation",
+    # the fast path checked against the rule (data.rule_check)
+    "AGREE", "DISAGREE", "UNDECIDED", "Masked", "RuleCheck", "check_with_rule",
     # the template's layout: probed, declared (model.template_layout), printed
     "TEMPLATE_ERRORS", "TemplateLayout", "check_declaration", "layout_dict", "layout_yaml", "probe_layout",
     "resolve_layout", "template_layout", "tool_block",
@@ -110,9 +116,9 @@ def mask_conversation(messages: list[Message], tokenizer, *, tools: list[dict] |
                       policy: LossPolicy = DEFAULT_POLICY) -> MaskedConversation:
     """Canonical messages (string content; a message's own ``train`` flag, where set, is kept) -> their
     ``MaskedConversation``, or ``RowRejected``. The batch form, as the dataset pipeline runs it:
-    ``render_conversation`` per conversation, one ``encode_batch`` for the texts, ``make_labels`` of each with
-    ``project_char_mask``."""
+    ``render_conversation`` per conversation, one ``encode_rendered`` for the renders, ``make_labels`` of each
+    with ``project_char_mask``."""
     rendered = render_conversation(policy.mark(messages), tokenizer, tools=tools, policy=policy)
-    (ids, offsets), = encode_batch([rendered.text], tokenizer)
+    (ids, offsets), = encode_rendered([rendered], tokenizer)
     example = make_labels(ids, project_char_mask(offsets, rendered.char_mask))
     return MaskedConversation(rendered, example["input_ids"], example["labels"])

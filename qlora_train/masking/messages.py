@@ -50,6 +50,7 @@ class DropReason:
     TEMPLATE_ERROR = "template_error"
     UNRENDERED_ROLE = "unrendered_role"
     MASK_UNVERIFIED = "mask_unverified"
+    MASK_DISAGREES = "mask_disagrees"  # data.rule_check: the layout's mask differs from the rule's on this row
     NO_TRAINED_TOKEN = "no_trained_token_after_truncation"
     BAD_PRETOKENIZED = "bad_pretokenized"
     FILTERED_BY_LENGTH = "filtered_by_length"

@@ -89,9 +89,11 @@ def generated_part(renders: PrefixRenderer, i: int, layout: TemplateLayout) -> t
         alt = renders.render(i, False, _shifted(renders.messages[i]))  # into the turn's own first characters
         start = min(start, _common_prefix(q, alt))
     opened = prompt.rfind(layout.think_open) if layout.think_open else -1
-    if 0 <= opened <= start and not prompt[opened + len(layout.think_open):].strip(WHITESPACE):
-        start = opened  # the generation prompt ends by opening a reasoning block: the block is trained (also when
-        # the shared part ends inside the opener: '<think>' and the turn's '<｜tool▁calls▁begin｜>' share '<')
+    after = prompt[opened + len(layout.think_open):].strip(WHITESPACE) if opened >= 0 else None
+    if 0 <= opened <= start and after in ("", layout.think_close):
+        start = opened  # the generation prompt ends by opening a reasoning block (or by writing an empty one:
+        # EXAONE's '<think>\n\n</think>\n\n'): the block is trained (also when the shared part ends inside the
+        # opener: '<think>' and the turn's '<｜tool▁calls▁begin｜>' share '<')
     end = len(q)
     if layout.trailer and q.endswith(layout.trailer) and end - len(layout.trailer) >= start:
         end -= len(layout.trailer)

@@ -30,7 +30,7 @@ import unicodedata
 import weakref
 from collections.abc import Sequence
 from itertools import chain
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer, pre_tokenizers
@@ -414,6 +414,13 @@ def encode_batch(texts: list[str], tokenizer) -> list[tuple[list[int], Offsets]]
                 continue
         out.append(_with_offsets(text, backend.encode(text, add_special_tokens=False), forms))
     return out
+
+
+def encode_rendered(renders: Sequence[Any], tokenizer) -> list[tuple[list[int], Offsets]]:
+    """Renders -> per render ``(input_ids, offsets)``: the one step that tokenizes what the engine rendered, for
+    the fast path, the rule (``check``), pairs and truncation alike. A render is a ``RenderedConversation`` (its
+    ``text``) or a template-free text (a ``str``); one batched call (``encode_batch``)."""
+    return encode_batch([r if isinstance(r, str) else r.text for r in renders], tokenizer)
 
 
 def _with_offsets(text: str, enc, forms: tuple[str, ...] | None) -> tuple[list[int], Offsets]:
