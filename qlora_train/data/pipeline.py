@@ -228,6 +228,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     outs = [empty_output() for _ in rows]
     policy = LossPolicy.of(cfg)
     layout = template_layout(tokenizer)  # probed once, before the rows (facts it cannot find stay unknown)
+    first = rule_check.first_rows(layout)  # data.rule_check: sample checks the first rows of a source
 
     def refuse(i: int, rej: RowRejected) -> None:
         outs[i].update(drop_reason=rej.reason, drop_detail=f"{where[i]}: {rej.detail}", error_traceback=rej.traceback)
@@ -236,7 +237,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
         for i, row in enumerate(rows):
             try:
                 _pair_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i], layout=layout,
-                          checked=rule_check.selected(cfg.rule_check, positions[i], row))
+                          checked=rule_check.selected(cfg.rule_check, positions[i], row, first))
             except RowRejected as rej:
                 refuse(i, rej)
         return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
@@ -268,7 +269,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                                    layout=layout)
                 check_unicode(rendered.text, rendered.message_ends)
                 staged = _stage_chat_row(i, canon, rendered, tokenizer, policy, dropped_reasoning)
-                if rule_check.selected(cfg.rule_check, positions[i], row):
+                if rule_check.selected(cfg.rule_check, positions[i], row, first):
                     check = guarded(rule_check.check_examples, [(st.messages, st.tools, st.rendered) for st in staged],
                                     tokenizer, policy=policy, layout=layout)
                     rule_check.count(canon.report, check)

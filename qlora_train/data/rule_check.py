@@ -1,7 +1,7 @@
 """``data.rule_check``: the fast path checked against the rule on the user's own rows, at run time.
 
-Which rows (``selected``): with ``sample`` (the default) the first ``FIRST_ROWS`` rows of each source and 1 in
-``ONE_IN`` of the rest, picked by a CRC-32 of the row's canonical JSON, so the same rows are checked on every run
+Which rows (``selected``): with ``sample`` (the default) the first ``FIRST_ROWS`` rows of each source (64 with a
+declared layout: ``first_rows``) and 1 in ``ONE_IN`` of the rest, picked by a CRC-32 of the row's canonical JSON, so the same rows are checked on every run
 and machine whatever ``data.batch_size``, ``data.num_proc`` or the rows' order; ``all`` checks every row, ``off``
 none. A selected chat row's examples (with ``reasoning_history: expand``, its extra ones too) or a pair's two
 sides are masked again by the rule (``masking.check_with_rule``), token by token:
@@ -41,21 +41,30 @@ from qlora_train.masking import (
 log = logging.getLogger(__name__)
 
 FIRST_ROWS = 8  # ``sample``: the first rows of each source are always checked
+FIRST_ROWS_DECLARED = 64  # ... where model.template_layout declares parts the probe did not find (first_rows)
 ONE_IN = 64  # ``sample``: and 1 in 64 of the rest
 STOP_AFTER = 3  # disagreements a run tolerates whatever their share
 STOP_SHARE = 0.01  # ... and above it, of the rows checked, the run stops
 COUNTS = ("rule_checked_rows", "rule_unchecked_rows", "rule_disagreements")  # ParseReport / DatasetReport fields
 
 
-def selected(mode: str, position: int, row) -> bool:
-    """Whether ``data.rule_check`` (``mode``) checks the row at ``position`` of its source.
+def selected(mode: str, position: int, row, first: int = FIRST_ROWS) -> bool:
+    """Whether ``data.rule_check`` (``mode``) checks the row at ``position`` of its source (``sample``: the
+    ``first`` rows, and 1 in ``ONE_IN`` of the others by ``row_hash``).
 
     >>> selected("sample", 3, {"messages": []}), selected("off", 0, {}), selected("all", 10**6, {})
     (True, False, True)
     """
     if mode != "sample":
         return mode == "all"
-    return position < FIRST_ROWS or row_hash(row) % ONE_IN == 0
+    return position < first or row_hash(row) % ONE_IN == 0
+
+
+def first_rows(layout: TemplateLayout) -> int:
+    """How many first rows of a source ``sample`` checks: ``FIRST_ROWS_DECLARED`` where ``model.template_layout``
+    declares a part other than the probe found (the user's own reading of the template, that no probe
+    confirmed: a wrong one is to stop the run early), else ``FIRST_ROWS``."""
+    return FIRST_ROWS_DECLARED if layout.declared else FIRST_ROWS
 
 
 def row_hash(row) -> int:
