@@ -234,9 +234,10 @@ class DataConfig(_Section):
     )
     rule_check: RuleCheckMode = Field(
         "sample", description="Rows whose mask the layout made (the fast path) also masked by the rule (per-turn "
-        "prefix renders) and compared token by token: `sample`, the first 8 rows of each source and 1 in 64 of "
-        "the rest (by a hash of the row); `all`; `off`. A row where they differ is refused (`mask_disagrees`); "
-        "more than 3 such rows, over 1% of those checked, stop the run (docs/masking.md#the-rule-checked-at-run-time).",
+        "prefix renders) and compared token by token: `sample`, the first 8 rows of each source (64 where "
+        "`model.template_layout` declares a part) and 1 in 64 of the rest, by a hash of the row; `all`; `off`. A row "
+        "where they differ is refused (`mask_disagrees`); more than 3 such rows, over 1% of those checked, stop the "
+        "run (docs/masking.md#the-rule-checked-at-run-time).",
     )
 
     def for_source(self, src: DatasetSource) -> DataConfig:

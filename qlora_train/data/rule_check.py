@@ -1,10 +1,11 @@
 """``data.rule_check``: the fast path checked against the rule on the user's own rows, at run time.
 
 Which rows (``selected``): with ``sample`` (the default) the first ``FIRST_ROWS`` rows of each source (64 with a
-declared layout: ``first_rows``) and 1 in ``ONE_IN`` of the rest, picked by a CRC-32 of the row's canonical JSON, so the same rows are checked on every run
-and machine whatever ``data.batch_size``, ``data.num_proc`` or the rows' order; ``all`` checks every row, ``off``
-none. A selected chat row's examples (with ``reasoning_history: expand``, its extra ones too) or a pair's two
-sides are masked again by the rule (``masking.check_with_rule``), token by token:
+declared layout: ``first_rows``) and 1 in ``ONE_IN`` of the rest, picked by a CRC-32 of the row's canonical JSON,
+so the same rows are checked on every run and machine whatever ``data.batch_size``, ``data.num_proc`` or the
+rows' order; ``all`` checks every row, ``off`` none. A selected chat row's examples (with ``reasoning_history:
+expand``, its extra ones too) or a pair's two sides are masked again by the rule (``masking.check_with_rule``),
+token by token:
 
 - all agree -> ``rule_checked_rows`` (a row the layout could not verify was verified by the rule: it agrees);
 - the rule cannot decide (the template is not prefix-stable on it) -> ``rule_unchecked_rows``, the row kept;
@@ -150,9 +151,9 @@ class MaskDisagreementError(QloraError):
 
 
 def template_name(tokenizer) -> str:
-    """What names the chat template in a message: the tokenizer it came with (``model.chat_template`` may have
-    replaced it: it names the template in the config)."""
-    return f"the chat template of {tokenizer.name_or_path or 'the tokenizer'} (model.chat_template if set)"
+    """What names the chat template in a message: ``model.chat_template`` where the config sets one, else the
+    template of the tokenizer it came with."""
+    return f"the chat template (model.chat_template, else the one of {tokenizer.name_or_path or 'the tokenizer'})"
 
 
 def stop_on_disagreements(checked: int, disagreements: int, first: str, tokenizer) -> None:
@@ -162,7 +163,7 @@ def stop_on_disagreements(checked: int, disagreements: int, first: str, tokenize
         return
     compared = checked + disagreements
     what = (f"{disagreements} of {compared} rows checked against the rule (data.rule_check) are masked differently "
-            f"by {template_name(tokenizer)}'s layout and refused as mask_disagrees; the first: {first}")
+            f"by the layout of {template_name(tokenizer)} and refused as mask_disagrees; the first: {first}")
     if disagreements > STOP_AFTER and disagreements > STOP_SHARE * compared:
         raise MaskDisagreementError(
             f"{what}\nstopped: the layout does not fit this data (more than {STOP_AFTER} rows and {STOP_SHARE:.0%} "

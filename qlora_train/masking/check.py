@@ -13,13 +13,19 @@ decide, they must give the same ``input_ids`` and ``labels``: each render goes t
 Outcomes:
 
 - ``agree``: the same ids and labels (a row the layout could not verify was verified by the rule itself: agrees);
-- ``undecided``: the template is not prefix-stable on the row (the whole conversation writes a turn differently
-  from its own prefix render: Qwen3 drops an earlier turn's reasoning block). The rule cannot mask the whole
-  render, but each trained turn's answer (the part after its reasoning block, through its end marker) is still
-  compared with what the render through that turn alone writes for it (``_answer_texts``): a fast path that trains
-  past the turn's end (an end marker running into the next turn's opener) disagrees there;
-- ``disagree``: ids or labels differ, an answer differs, or the rule refuses a row the fast path kept. ``detail``
-  names the first differing token (or character) and both trained texts, shortened.
+- ``undecided``: the rule cannot decide the row: the template is not prefix-stable on it (the whole conversation
+  writes a turn differently from its own prefix render: Qwen3 drops an earlier turn's reasoning block), the render
+  through a turn writes the turns before it differently from the generation prompt's render (Mistral moves the
+  system prompt), or a prefix does not render. Each trained turn's answer (its generated text after any reasoning
+  block, through its end marker) is still compared with what the render through that turn alone writes for it
+  (``_answers_check``): a fast path that trains past the turn's end (an end marker running into the next turn's
+  opener) disagrees there;
+- ``disagree``: ids or labels differ, an answer differs, or the rule refuses for another reason a row the fast
+  path kept. ``detail`` names the first differing token (or character) and both trained texts, shortened.
+
+The rule reads the layout's trailer, end markers and reasoning opener only inside the render through a turn and
+right after it (``prefix.generated_part``); where answers are compared, the end markers that may differ between a
+last and an earlier turn are the probe's, never a declared one (``probed_end_markers``).
 """
 
 from __future__ import annotations

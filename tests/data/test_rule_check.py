@@ -207,7 +207,8 @@ def test_a_few_disagreements_refuse_rows_more_stop_the_run(tmp_path, qwen3_tok, 
         load_and_process(many, tok)
     message = str(err.value)
     assert message.startswith(f"4 of 8 rows checked against the rule (data.rule_check) are masked differently by "
-                              f"the chat template of {tok.name_or_path} (model.chat_template if set)'s layout")
+                              f"the layout of the chat template (model.chat_template, else the one of "
+                              f"{tok.name_or_path}) and refused as mask_disagrees; the first: ")
     assert "model.template_layout" in message and "--stats-only" in message
     assert err.value.exit_code == 2
 
