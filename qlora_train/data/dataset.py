@@ -172,7 +172,7 @@ def _process_raw_batch(batch: dict, indices: list[int], tokenizer, cfg: DataConf
     n = len(batch["load_error"])
     ok, rows, errors = parse_readable(batch)
     good = process_rows(rows, tokenizer, cfg, locations=[batch["location"][i] for i in ok],
-                        positions=[indices[i] for i in ok])
+                        positions=[indices[i] for i in ok], texts=[batch["row"][i] for i in ok])
 
     def unreadable(i: int) -> dict:  # dropped with its location
         return {**empty_output(), "drop_reason": DropReason.UNPARSEABLE_JSON,

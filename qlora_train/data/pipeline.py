@@ -213,14 +213,15 @@ def _template_free(row: Any, schema: str, tokenizer, cfg: DataConfig) -> tuple[s
 
 
 def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | None = None,
-                 positions: list[int] | None = None) -> dict[str, list]:
+                 positions: list[int] | None = None, texts: list[str] | None = None) -> dict[str, list]:
     """A batch of raw rows -> columns ``OUTPUT_COLUMNS`` (one entry per input row).
 
     No exception from a row escapes: a stage that refuses a row, or fails on it
     unexpectedly, sets that row's ``drop_reason`` (a ``DropReason``) and
     ``drop_detail`` (its location and why). ``locations`` name the rows in drop
-    details (default: ``row <index in batch>``); ``positions`` are the rows' indices
-    in their source, for ``data.rule_check`` (default: their indices in the batch).
+    details (default: ``row <index in batch>``). ``data.rule_check`` picks rows by
+    ``positions``, their indices in their source (default: in the batch), and
+    ``texts``, the rows as read (default: their canonical JSON, ``rule_check.row_text``).
     """
     rows = _rows(batch)
     where = locations or [f"row {i}" for i in range(len(rows))]
@@ -230,6 +231,10 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     layout = template_layout(tokenizer)  # probed once, before the rows (facts it cannot find stay unknown)
     first = rule_check.first_rows(layout)  # data.rule_check: sample checks the first rows of a source
 
+    def checked(i: int, row) -> bool:
+        text = texts[i] if texts is not None else partial(rule_check.row_text, row)
+        return rule_check.selected(cfg.rule_check, positions[i], text, first)
+
     def refuse(i: int, rej: RowRejected) -> None:
         outs[i].update(drop_reason=rej.reason, drop_detail=f"{where[i]}: {rej.detail}", error_traceback=rej.traceback)
 
@@ -237,7 +242,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
         for i, row in enumerate(rows):
             try:
                 _pair_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i], layout=layout,
-                          checked=rule_check.selected(cfg.rule_check, positions[i], row, first))
+                          checked=checked(i, row))
             except RowRejected as rej:
                 refuse(i, rej)
         return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
@@ -269,7 +274,7 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                                    layout=layout)
                 check_unicode(rendered.text, rendered.message_ends)
                 staged = _stage_chat_row(i, canon, rendered, tokenizer, policy, dropped_reasoning)
-                if rule_check.selected(cfg.rule_check, positions[i], row, first):
+                if checked(i, row):
                     check = guarded(rule_check.check_examples, [(st.messages, st.tools, st.rendered) for st in staged],
                                     tokenizer, policy=policy, layout=layout)
                     rule_check.count(canon.report, check)

@@ -1,7 +1,7 @@
 """``data.rule_check``: the fast path checked against the rule on the user's own rows, at run time.
 
 Which rows (``selected``): with ``sample`` (the default) the first ``FIRST_ROWS`` rows of each source (64 with a
-declared layout: ``first_rows``) and 1 in ``ONE_IN`` of the rest, picked by a CRC-32 of the row's canonical JSON,
+declared layout: ``first_rows``) and 1 in ``ONE_IN`` of the rest, picked by a CRC-32 of the row as read (its JSON line),
 so the same rows are checked on every run and machine whatever ``data.batch_size``, ``data.num_proc`` or the
 rows' order; ``all`` checks every row, ``off`` none. A selected chat row's examples (with ``reasoning_history:
 expand``, its extra ones too) or a pair's two sides are masked again by the rule (``masking.check_with_rule``),
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import zlib
+from collections.abc import Callable
 
 from qlora_train.config import DataConfig
 from qlora_train.data.pairs import SIDES, CanonicalPair, canonicalize_pair, mark_side, pair_policy
@@ -49,16 +50,29 @@ STOP_SHARE = 0.01  # ... and above it, of the rows checked, the run stops
 COUNTS = ("rule_checked_rows", "rule_unchecked_rows", "rule_disagreements")  # ParseReport / DatasetReport fields
 
 
-def selected(mode: str, position: int, row, first: int = FIRST_ROWS) -> bool:
+def selected(mode: str, position: int, text: str | Callable[[], str], first: int = FIRST_ROWS) -> bool:
     """Whether ``data.rule_check`` (``mode``) checks the row at ``position`` of its source (``sample``: the
-    ``first`` rows, and 1 in ``ONE_IN`` of the others by ``row_hash``).
+    ``first`` rows, and 1 in ``ONE_IN`` of the others by ``row_hash`` of ``text``, the row as read: its JSON line,
+    or a function giving it, called only when needed).
 
-    >>> selected("sample", 3, {"messages": []}), selected("off", 0, {}), selected("all", 10**6, {})
+    >>> selected("sample", 3, "{}"), selected("off", 0, "{}"), selected("all", 10**6, "{}")
     (True, False, True)
     """
     if mode != "sample":
         return mode == "all"
-    return position < first or row_hash(row) % ONE_IN == 0
+    return position < first or row_hash(text if isinstance(text, str) else text()) % ONE_IN == 0
+
+
+def row_hash(text: str) -> int:
+    """A stable hash of a row as read (CRC-32 of its text): the same in every process and run, unlike Python's
+    salted ``hash()``, and a few microseconds for a row of a few kilobytes."""
+    return zlib.crc32(text.encode("utf-8", "surrogatepass"))
+
+
+def row_text(row) -> str:
+    """A row given as a value (``process_rows`` called directly) as the text ``row_hash`` reads: its canonical
+    JSON."""
+    return json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
 
 
 def first_rows(layout: TemplateLayout) -> int:
@@ -66,13 +80,6 @@ def first_rows(layout: TemplateLayout) -> int:
     declares a part other than the probe found (the user's own reading of the template, that no probe
     confirmed: a wrong one is to stop the run early), else ``FIRST_ROWS``."""
     return FIRST_ROWS_DECLARED if layout.declared else FIRST_ROWS
-
-
-def row_hash(row) -> int:
-    """A stable hash of a row (CRC-32 of its canonical JSON): the same in every process and run, unlike
-    Python's salted ``hash()``."""
-    text = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
-    return zlib.crc32(text.encode("utf-8", "surrogatepass"))
 
 
 def worst(checks: list[RuleCheck]) -> RuleCheck:

@@ -4,6 +4,7 @@ masking/check.py), on the real Qwen vocabulary: which rows, their counts, a wron
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import random
@@ -28,6 +29,7 @@ from qlora_train.masking import (
     check_with_rule,
     render_conversation,
 )
+from qlora_train.masking.layout import TemplateLayout
 from qlora_train.masking.layout_declaration import check_declaration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +37,7 @@ QUICKSTART = REPO / "configs/data/quickstart.jsonl"
 ROWS = [json.loads(line) for line in QUICKSTART.read_text().splitlines()]
 # an end marker that runs into the next turn's opener: the answer, its <|im_end|>, and the next user turn's header
 RUNS_ON = {"end_markers": ["<|im_end|>\n<|im_start|>user", "<|im_end|>"]}
+DECLARED = dataclasses.replace(TemplateLayout("h", ("h",), ("e",)), declared=("end_markers",))
 U1, A1, U2, A2 = ({"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
                   {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"})
 
@@ -58,19 +61,21 @@ def trained_text(tok, ids, labels) -> str:
 def test_sample_selects_the_first_rows_and_one_in_64_by_a_stable_hash():
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
             for i in range(4000)]
-    picked = [i for i, row in enumerate(rows) if R.selected("sample", i, row)]
+    texts = [json.dumps(row) for row in rows]  # the rows as read: their JSON lines
+    picked = [i for i, text in enumerate(texts) if R.selected("sample", i, text)]
     assert picked[:R.FIRST_ROWS] == list(range(R.FIRST_ROWS))
     later = len(picked) - R.FIRST_ROWS
     assert 40 <= later <= 85  # about 3992 / 64 = 62
     # by the row, not its place: the same rows are picked in any order, at any position past the first ones
     shuffled = list(range(R.FIRST_ROWS, 4000))
     random.Random(0).shuffle(shuffled)
-    again = {i for k, i in enumerate(shuffled) if R.selected("sample", R.FIRST_ROWS + k, rows[i])}
+    again = {i for k, i in enumerate(shuffled) if R.selected("sample", R.FIRST_ROWS + k, texts[i])}
     assert again == set(picked[R.FIRST_ROWS:])
-    assert R.row_hash(rows[9]) == R.row_hash(json.loads(json.dumps(rows[9])))  # not Python's salted hash()
-    assert R.row_hash({"a": 1, "b": 2}) == R.row_hash({"b": 2, "a": 1}) == zlib.crc32(b'{"a": 1, "b": 2}')
-    assert not any(R.selected("off", i, row) for i, row in enumerate(rows[:20]))
-    assert all(R.selected("all", i, row) for i, row in enumerate(rows[:20]))
+    assert R.row_hash('{"a": 1}') == zlib.crc32(b'{"a": 1}')  # not Python's salted hash()
+    assert R.row_text({"b": 2, "a": 1}) == R.row_text({"a": 1, "b": 2}) == '{"a": 1, "b": 2}'
+    assert not any(R.selected("off", i, text) for i, text in enumerate(texts[:20]))
+    assert all(R.selected("all", i, text) for i, text in enumerate(texts[:20]))
+    assert [i for i in range(100) if R.selected("sample", i, "{}", R.first_rows(DECLARED))] == list(range(64))
 
 
 def test_the_counts_do_not_depend_on_batches_or_row_order(qwen3_tok):
