@@ -135,7 +135,9 @@ def main() -> None:
         codes = {"": (REPO, None), **({" (baseline)": (args.baseline.resolve(), None)} if args.baseline else {})}
         if args.versus:
             key, value = args.versus.split("=", 1)
-            codes[f" ({key}={value})"] = (REPO, {key: yaml.safe_load(value)})
+            parsed = yaml.safe_load(value)  # YAML 1.1 reads off/on/yes/no as booleans: those stay strings
+            parsed = value if isinstance(parsed, bool) and value.lower() not in ("true", "false") else parsed
+            codes[f" ({key}={value})"] = (REPO, {key: parsed})
         stats_run(work, tok_dir, files[names[0], "small"], "warm-up")  # first-run caches (fonts, bytecode)
         cli: dict[tuple[str, str], list[Took]] = {(name + c, size): [] for name in names for c in codes
                                                   for size in sizes}

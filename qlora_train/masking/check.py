@@ -79,10 +79,11 @@ def check_with_rule(messages: list[Message], rendered: RenderedConversation, tok
     if rendered.verified_by != "layout":
         return RuleCheck(AGREE)  # the layout could not verify it: the rule's prefix renders did, it is the rule
     layout = template_layout(tokenizer) if layout is None else layout
+    renders = PrefixRenderer(messages, tokenizer, tools, layout)  # made once, looked at again below
     try:
-        rule = render_by_prefixes(messages, tokenizer, tools=tools, policy=policy, text=rendered.text)
+        rule = render_by_prefixes(messages, tokenizer, tools=tools, policy=policy, text=rendered.text,
+                                  renders=renders)
     except RowRejected as rej:
-        renders = PrefixRenderer(messages, tokenizer, tools, layout)
         if rej.reason == DropReason.TEMPLATE_ERROR or NOT_PREFIX_STABLE in rej.detail or _prompt_side_moves(
                 renders, rendered):
             return _answers_check(renders, rendered, tokenizer, layout, policy, rej.detail)
@@ -91,7 +92,6 @@ def check_with_rule(messages: list[Message], rendered: RenderedConversation, tok
     fast, by_rule = masked_tokens([rendered, rule], tokenizer)
     if fast == by_rule:
         return RuleCheck(AGREE)
-    renders = PrefixRenderer(messages, tokenizer, tools, layout)
     if _prompt_side_moves(renders, rendered):  # the prefix renders' verdict stands on a prompt that moved: the
         # rule's spans can take in the moved text (Mistral's last user turn), so only the answers are compared
         return _answers_check(renders, rendered, tokenizer, layout, policy, "the render through a turn writes the "
