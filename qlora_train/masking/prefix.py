@@ -107,9 +107,15 @@ def generated_part(renders: PrefixRenderer, i: int, layout: TemplateLayout) -> t
     end = len(q)
     if layout.trailer and q.endswith(layout.trailer) and end - len(layout.trailer) >= start:
         end -= len(layout.trailer)
+    limit = end
     while end > start and q[end - 1] in WHITESPACE:
         end -= 1
-    return q, start, end
+    # an end marker that is whitespace itself ('\n' ends each turn of a plain-text template) is not a separator
+    # where the part has no other end marker
+    marker = "" if _end_marker_at(q, start, end, layout) is not None else next(
+        (m for m in layout.end_markers if m and not m.strip(WHITESPACE) and q.startswith(m, end)
+         and end + len(m) <= limit), "")
+    return q, start, end + len(marker)
 
 
 def _find_in(q: str, needle: str, a: int, b: int) -> tuple[int, int]:
