@@ -13,7 +13,9 @@ decide, they must give the same ``input_ids`` and ``labels``: each render goes t
 Outcomes:
 
 - ``agree``: the same ids and labels (a row the layout could not verify was verified by the rule itself: agrees);
-- ``undecided``: the rule cannot decide the row: the template is not prefix-stable on it (the whole conversation
+- ``undecided``: the rule cannot decide the row: it trains a message other than an assistant turn (``data.mask``)
+  or the end markers of untrained ones (``train_on_eos: all``),
+  the template is not prefix-stable on it (the whole conversation
   writes a turn differently from its own prefix render: Qwen3 drops an earlier turn's reasoning block), the render
   through a turn writes the turns before it differently from the generation prompt's render (Mistral moves the
   system prompt), or a prefix does not render. Each trained turn's answer (its generated text after any reasoning
@@ -80,6 +82,12 @@ def check_with_rule(messages: list[Message], rendered: RenderedConversation, tok
         return RuleCheck(AGREE)  # the layout could not verify it: the rule's prefix renders did, it is the rule
     layout = template_layout(tokenizer) if layout is None else layout
     renders = PrefixRenderer(messages, tokenizer, tools, layout)  # made once, looked at again below
+    if any(is_trained(m, i) and m["role"] != "assistant" for i, m in enumerate(messages)):
+        return _answers_check(renders, rendered, tokenizer, layout, policy, "a trained message other than an "
+                              "assistant turn (data.mask): the rule masks assistant turns only")
+    if policy.train_on_eos == "all":  # the markers after untrained messages are the layout's alone
+        return _answers_check(renders, rendered, tokenizer, layout, policy, "train_on_eos: all trains the end "
+                              "markers of untrained messages, which the rule does not place")
     try:
         rule = render_by_prefixes(messages, tokenizer, tools=tools, policy=policy, text=rendered.text,
                                   renders=renders)
