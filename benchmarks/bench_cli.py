@@ -1,6 +1,7 @@
 """``--stats-only`` through the CLI, per row, against its floor; start-up of ``--stats-only`` and ``--help``.
 
     python benchmarks/bench_cli.py [--dists all] [--big 4000] [--small 500] [--repeats 3] [--baseline DIR]
+                                   [--versus KEY=VALUE]
 
 Per-row cost through the CLI = (time of a ``--big``-row run - time of a ``--small``-row run) / (big - small),
 so the start-up (imports, tokenizer load, template probe) cancels. Each run is a fresh process with a fresh
@@ -14,7 +15,8 @@ The floor is measured in this process on the same rows by the same two-size diff
 (``floor (HF call)`` of bench_preprocess.py). Runs are interleaved (distributions, sizes, CLI and floor), best
 of ``--repeats``, by wall time and by CPU time (the CLI process's user + system time; this process's for the
 floor): on a machine other jobs share, CPU time is the steadier measure. ``--baseline DIR`` also runs the CLI
-of another copy of the package (``DIR/qlora_train``), interleaved, so before/after ratios come from one run.
+of another copy of the package (``DIR/qlora_train``), interleaved, so before/after ratios come from one run;
+``--versus KEY=VALUE`` runs this one's CLI again with ``data.KEY: VALUE`` (``rule_check=off``: the check's cost).
 Start-up: median of ``--repeats`` fresh runs of ``--help`` and of ``--stats-only`` on the 48 quickstart rows.
 """
 
@@ -33,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_rows  # noqa: E402
@@ -71,14 +75,15 @@ def cli_seconds(args: list[str], cwd: Path) -> float:
     return cli_run(args, cwd).wall
 
 
-def stats_run(work: Path, tok_dir: Path, data: Path, run: str, code: Path = REPO) -> Took:
-    """One --stats-only run of ``data`` in a fresh process with a fresh datasets cache."""
+def stats_run(work: Path, tok_dir: Path, data: Path, run: str, code: Path = REPO, options: dict | None = None) -> Took:
+    """One --stats-only run of ``data`` in a fresh process with a fresh datasets cache; ``options``: more
+    ``data:`` keys."""
     cache = work / f"cache-{run}"
     config = work / f"{run}.yaml"
     config.write_text(json.dumps({
         "model": {"name_or_path": str(tok_dir), "chat_template": "qwen3"},
         "data": {"datasets": [{"path": str(data)}], "max_length": 4096, "reasoning_history": "drop",
-                 "cache_dir": str(cache)},
+                 "cache_dir": str(cache), **(options or {})},
         "train": {"output_dir": str(work / "out"), "report_to": "none"}}))
     try:
         return cli_run(["--config", str(config), "--stats-only", "--stats-dir", str(work / "stats")], work, code)
@@ -101,6 +106,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="another checkout (a copy of its qlora_train/ is enough) whose "
                     "CLI runs interleaved with this one's, for before/after ratios measured side by side")
+    ap.add_argument("--versus", metavar="KEY=VALUE", help="also run this checkout with data.KEY set to VALUE (YAML), "
+                    "interleaved: e.g. rule_check=off for the cost of the rule check")
     args = ap.parse_args()
     names = list(bench_rows.NAMES) if args.dists == "all" else args.dists.split(",")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -125,7 +132,12 @@ def main() -> None:
                 files[name, size].write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[:n]))
                 canon[name, size] = [canonicalize_row(r, cfg) for r in rows[:n]]
             floor_seconds(canon[name, "small"], tok)  # warm the template and the tokenizer
-        codes = {"": REPO, **({" (baseline)": args.baseline.resolve()} if args.baseline else {})}
+        codes = {"": (REPO, None), **({" (baseline)": (args.baseline.resolve(), None)} if args.baseline else {})}
+        if args.versus:
+            key, value = args.versus.split("=", 1)
+            parsed = yaml.safe_load(value)  # YAML 1.1 reads off/on/yes/no as booleans: those stay strings
+            parsed = value if isinstance(parsed, bool) and value.lower() not in ("true", "false") else parsed
+            codes[f" ({key}={value})"] = (REPO, {key: parsed})
         stats_run(work, tok_dir, files[names[0], "small"], "warm-up")  # first-run caches (fonts, bytecode)
         cli: dict[tuple[str, str], list[Took]] = {(name + c, size): [] for name in names for c in codes
                                                   for size in sizes}
@@ -133,9 +145,9 @@ def main() -> None:
         for r in range(args.repeats):
             for name in names:
                 for size in sizes:
-                    for c, code in codes.items():
+                    for c, (code, options) in codes.items():
                         cli[name + c, size].append(stats_run(work, tok_dir, files[name, size], f"{name}-{size}{r}",
-                                                             code))
+                                                             code, options))
                     floor[name, size].append(floor_seconds(canon[name, size], tok))
         n = args.big - args.small
         help_s = statistics.median(cli_seconds(["--help"], REPO) for _ in range(args.repeats))
@@ -153,7 +165,7 @@ def main() -> None:
             def per_row(runs, kind, name=name):
                 return (min(getattr(t, kind) for t in runs[name, "big"])
                         - min(getattr(t, kind) for t in runs[name, "small"])) / n
-            base = name.removesuffix(" (baseline)")
+            base = name.split(" (")[0]
             cli_row, floor_row = per_row(cli, "wall"), per_row(floor, "wall", base)
             print(f"{name:<23} {min(t.wall for t in cli[name, 'small']):>11.2f} "
                   f"{min(t.wall for t in cli[name, 'big']):>9.2f} {min(t.wall for t in floor[base, 'small']):>11.2f} "

@@ -33,6 +33,7 @@ SchemaName = Literal["auto", "messages", "sharegpt", "prompt_response", "alpaca"
 SCHEMAS = get_args(SchemaName)
 MaskRule = Literal["train", "mask"]
 Objective = Literal["sft", "preference"]  # data.objective: what a row is
+RuleCheckMode = Literal["off", "sample", "all"]  # data.rule_check: rows also masked by the rule and compared
 TrainMethod = Literal["sft", "dpo", "orpo"]  # train.method; dpo and orpo train on preference pairs
 DpoLoss = Literal["sigmoid", "robust", "ipo"]  # train.dpo_loss
 Distributed = Literal["ddp", "fsdp"]  # train.distributed
@@ -230,6 +231,13 @@ class DataConfig(_Section):
     on_too_long: Literal["truncate", "drop"] = Field(
         "truncate", description="Rows over `max_length`: `truncate` (structured, then token-level) or `drop` "
         "(reason `too_long`).",
+    )
+    rule_check: RuleCheckMode = Field(
+        "sample", description="Rows whose mask the layout made (the fast path) also masked by the rule (per-turn "
+        "prefix renders) and compared token by token: `sample`, the first 8 rows of each source (64 where "
+        "`model.template_layout` declares a part) and 1 in 64 of the rest, by a hash of the row; `all`; `off`. A row "
+        "where they differ is refused (`mask_disagrees`); more than 3 such rows, over 1% of those checked, stop the "
+        "run (docs/masking.md#the-rule-checked-at-run-time).",
     )
 
     def for_source(self, src: DatasetSource) -> DataConfig:

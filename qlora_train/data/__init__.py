@@ -15,7 +15,9 @@ processed row whose columns ``processed.PROCESSED_ROW`` defines)::
       masking.resolve_layout          model.template_layout's declared parts over the probed ones; layout_yaml
     2 masking.render_conversation     one chat-template render + verified char mask (or per-turn prefix renders)
       expand.expand_dropped_reasoning reasoning_history: expand: prefix examples for reasoning the template drops
-    3 masking.encode_batch            one batched tokenizer call per batch, each render cut where its trained turns
+      rule_check.selected             data.rule_check: a sample of rows also masked by the rule, token by token
+                                      (masking.check_with_rule); a disagreement refuses the row (mask_disagrees)
+    3 masking.encode_rendered         one batched tokenizer call per batch, each render cut where its trained turns
                                       begin (RenderedConversation.cuts); offsets project the char mask
     4 truncate.structured_truncate_messages   fit max_length, keep system + latest exchange
       masking.make_labels             the one place labels are made

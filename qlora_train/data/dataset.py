@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from qlora_train.config import DataConfig, DatasetSource
+from qlora_train.data import rule_check
 from qlora_train.data.batches import merge_back, parse_readable
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
@@ -91,6 +92,10 @@ class DatasetReport:
     unrendered_messages: dict[str, int] = field(default_factory=dict)  # role -> untrained messages not rendered
     verified_by_prefix_renders: int = 0  # kept rows the layout could not verify: the rule's prefix renders did
     prefix_renders: int = 0  # the chat-template renders those rows cost
+    # data.rule_check, over every row processed (kept or not): rows also masked by the rule (data/rule_check.py)
+    rule_checked_rows: int = 0  # the same ids and labels by the rule
+    rule_unchecked_rows: int = 0  # the rule cannot decide (not prefix-stable): kept unchecked
+    rule_disagreements: int = 0  # masked differently: refused as mask_disagrees
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -129,6 +134,10 @@ class DatasetReport:
         if self.verified_by_prefix_renders:
             out.append(f"verified by per-turn prefix renders (the layout could not verify them): "
                        f"{self.verified_by_prefix_renders} rows, {self.prefix_renders} extra renders")
+        if self.rule_checked_rows or self.rule_unchecked_rows or self.rule_disagreements:
+            out.append(f"checked against the rule (data.rule_check): {self.rule_checked_rows} rows agree, "
+                       f"{self.rule_disagreements} disagree (refused: mask_disagrees), {self.rule_unchecked_rows} not "
+                       "checked (the template is not prefix-stable on them)")
         if self.unrendered_messages:
             out.append("messages the chat template does not render (the model never sees them): " + ", ".join(
                 f"{role} {n}" for role, n in sorted(self.unrendered_messages.items(), key=lambda kv: -kv[1])))
@@ -154,14 +163,16 @@ def pipeline_code_hash() -> str:
     return h.hexdigest()
 
 
-def _process_raw_batch(batch: dict, tokenizer, cfg: DataConfig, code: str = "") -> pa.Table:
-    """datasets.map function: JSON-text rows (+ load errors, source) -> OUTPUT_COLUMNS + source, location, domain,
-    as an Arrow table of ``processed_features`` (written as it is; the int lists made by ``arrow_lists``).
+def _process_raw_batch(batch: dict, indices: list[int], tokenizer, cfg: DataConfig, code: str = "") -> pa.Table:
+    """datasets.map function: JSON-text rows (+ load errors, source) at ``indices`` of their source -> OUTPUT_COLUMNS
+    + source, location, domain, as an Arrow table of ``processed_features`` (written as it is; the int lists made by
+    ``arrow_lists``).
 
     ``code`` (``pipeline_code_hash``) only feeds the cache fingerprint."""
     n = len(batch["load_error"])
     ok, rows, errors = parse_readable(batch)
-    good = process_rows(rows, tokenizer, cfg, locations=[batch["location"][i] for i in ok])
+    good = process_rows(rows, tokenizer, cfg, locations=[batch["location"][i] for i in ok],
+                        positions=[indices[i] for i in ok], texts=[batch["row"][i] for i in ok])
 
     def unreadable(i: int) -> dict:  # dropped with its location
         return {**empty_output(), "drop_reason": DropReason.UNPARSEABLE_JSON,
@@ -193,7 +204,9 @@ def stop_at_first_bad_row(reasons: list[str], details: list[str]) -> None:
 
 # the counts a row's ParseReport and the dataset report share (the fields of both): the report sums them over kept
 # rows alone (what training gets); ``parse`` sums every ParseReport field over every row that parsed
-KEPT_PARSE_COUNTS = tuple(sorted({f.name for f in fields(ParseReport)} & {f.name for f in fields(DatasetReport)}))
+# (the rule check's counts excepted: they count every row checked, the refused ones first of all)
+KEPT_PARSE_COUNTS = tuple(sorted(({f.name for f in fields(ParseReport)} & {f.name for f in fields(DatasetReport)})
+                                 - set(rule_check.COUNTS)))
 
 
 def summarize_columns(cols: dict[str, list]) -> DatasetReport:
@@ -226,6 +239,8 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
             yield d
 
     report.parse = ParseReport.total_of_dicts(row_reports()).to_dict()
+    for name in rule_check.COUNTS:
+        setattr(report, name, report.parse[name])
     report = replace(report, **{name: c[""] if isinstance(getattr(report, name), int) else dict(c)
                                 for name, c in kept_counts.items()})
     kept = [not r for r in cols["drop_reason"]]
@@ -242,7 +257,7 @@ def summarize(processed: datasets.Dataset) -> DatasetReport:
 def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datasets.Dataset:
     """Raw rows -> every row processed (kept rows have tokens, dropped rows a reason)."""
     return raw.map(
-        _process_raw_batch, batched=True, batch_size=cfg.batch_size, num_proc=cfg.num_proc,
+        _process_raw_batch, batched=True, with_indices=True, batch_size=cfg.batch_size, num_proc=cfg.num_proc,
         fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "code": pipeline_code_hash()}, remove_columns=raw.column_names,
         features=processed_features(), desc="preprocessing",
     )
@@ -262,6 +277,7 @@ def load_and_process_sources(sources: list[DatasetSource], cfg: DataConfig, toke
     raw, processed = (raws[0], processed[0]) if len(raws) == 1 else (
         datasets.concatenate_datasets(raws), datasets.concatenate_datasets(processed))
     check_unexpected_errors(processed)
+    check_rule_disagreements(processed, tokenizer)
     return raw, processed
 
 
@@ -285,6 +301,20 @@ def check_unexpected_errors(processed: datasets.Dataset) -> None:
                             "qlora-train, not bad data")
     log.warning("%s\n(counted as bad_row; at most %.0f%% of the rows before a run stops)", what,
                 100 * UNEXPECTED_ROWS_STOP)
+
+
+def check_rule_disagreements(processed: datasets.Dataset, tokenizer) -> None:
+    """``data.rule_check``'s outcome over every processed row: rows refused as ``mask_disagrees`` against the rows
+    checked -> the first logged, too many stop the run (``rule_check.stop_on_disagreements``)."""
+    table = processed.data
+    disagree = pc.equal(table.column("drop_reason"), DropReason.MASK_DISAGREES)
+    n = pc.sum(disagree).as_py() or 0
+    if not n:
+        return
+    # a row's report holds "rule_checked_rows": 1 only where its rows agreed (defaults are left out of the JSON)
+    checked = pc.sum(pc.match_substring(table.column("parse_report"), '"rule_checked_rows"')).as_py() or 0
+    first = processed.select_columns(["drop_detail"])[pc.index(disagree, True).as_py()]["drop_detail"]
+    rule_check.stop_on_disagreements(checked, n, first, tokenizer)
 
 
 def load_and_process(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:

@@ -66,6 +66,10 @@ class ParseReport:
     unrendered_messages: dict[str, int] = field(default_factory=dict)  # role -> untrained messages not rendered
     verified_by_prefix_renders: int = 0  # rows the layout could not verify, verified by the rule's prefix renders
     prefix_renders: int = 0  # chat-template renders those rows cost (two per trained turn, three at most)
+    # data.rule_check (data/rule_check.py): the row also masked by the rule, and the outcome
+    rule_checked_rows: int = 0  # the rule's ids and labels are the same
+    rule_unchecked_rows: int = 0  # the rule cannot decide (the template is not prefix-stable on the row)
+    rule_disagreements: int = 0  # they differ: the row is refused as mask_disagrees
 
     def __add__(self, other: ParseReport) -> ParseReport:
         return ParseReport.total_of_dicts([self.to_dict(), other.to_dict()])

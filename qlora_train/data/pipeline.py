@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from qlora_train.config import DataConfig
+from qlora_train.data import rule_check
 from qlora_train.data.expand import expand_dropped_reasoning
 from qlora_train.data.formats import (
     plain_text_and_mask,
@@ -41,6 +42,7 @@ from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, 
 from qlora_train.data.processed import OUTPUT_COLUMNS, empty_output
 from qlora_train.data.truncate import Measured, structured_truncate_messages
 from qlora_train.masking import (
+    DISAGREE,
     IGNORE_INDEX,
     DropReason,
     LossPolicy,
@@ -48,7 +50,7 @@ from qlora_train.masking import (
     RowRejected,
     check_unicode,
     count_tokens,
-    encode_batch,
+    encode_rendered,
     make_labels,
     project_char_mask,
     render_conversation,
@@ -100,17 +102,16 @@ def guarded(stage, *args, **kwargs):
                           traceback="".join(traceback.format_exception(exc))) from exc
 
 
-def _encode_each(texts: list[str], cuts: list[tuple[int, ...]], tokenizer
-                 ) -> list[tuple[list[int], np.ndarray] | RowRejected]:
-    """``encode_batch`` (each text cut at its ``cuts``: a render's ``RenderedConversation.cuts``), falling back to
-    one text at a time so one bad text cannot fail the batch."""
+def _encode_each(renders: list, tokenizer) -> list[tuple[list[int], np.ndarray] | RowRejected]:
+    """``encode_rendered`` (renders, or template-free texts), falling back to one at a time so one bad text cannot
+    fail the batch."""
     try:
-        return encode_batch(texts, tokenizer, cuts)
+        return encode_rendered(renders, tokenizer)
     except Exception:
         out = []
-        for text, cut in zip(texts, cuts):
+        for render in renders:
             try:
-                out.append(guarded(encode_batch, [text], tokenizer, [cut])[0])
+                out.append(guarded(encode_rendered, [render], tokenizer)[0])
             except RowRejected as rej:
                 out.append(rej)
         return out
@@ -212,19 +213,28 @@ def _template_free(row: Any, schema: str, tokenizer, cfg: DataConfig) -> tuple[s
     return text, mask
 
 
-def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | None = None) -> dict[str, list]:
+def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | None = None,
+                 positions: list[int] | None = None, texts: list[str] | None = None) -> dict[str, list]:
     """A batch of raw rows -> columns ``OUTPUT_COLUMNS`` (one entry per input row).
 
     No exception from a row escapes: a stage that refuses a row, or fails on it
     unexpectedly, sets that row's ``drop_reason`` (a ``DropReason``) and
     ``drop_detail`` (its location and why). ``locations`` name the rows in drop
-    details (default: ``row <index in batch>``).
+    details (default: ``row <index in batch>``). ``data.rule_check`` picks rows by
+    ``positions``, their indices in their source (default: in the batch), and
+    ``texts``, the rows as read (default: their canonical JSON, ``rule_check.row_text``).
     """
     rows = _rows(batch)
     where = locations or [f"row {i}" for i in range(len(rows))]
+    positions = positions or range(len(rows))
     outs = [empty_output() for _ in rows]
     policy = LossPolicy.of(cfg)
     layout = template_layout(tokenizer)  # probed once, before the rows (facts it cannot find stay unknown)
+    first = rule_check.first_rows(layout)  # data.rule_check: sample checks the first rows of a source
+
+    def checked(i: int, row) -> bool:
+        text = texts[i] if texts is not None else partial(rule_check.row_text, row)
+        return rule_check.selected(cfg.rule_check, positions[i], text, first)
 
     def refuse(i: int, rej: RowRejected) -> None:
         outs[i].update(drop_reason=rej.reason, drop_detail=f"{where[i]}: {rej.detail}", error_traceback=rej.traceback)
@@ -232,12 +242,13 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     if cfg.objective == "preference":
         for i, row in enumerate(rows):
             try:
-                _pair_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i])
+                _pair_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i], layout=layout,
+                          checked=checked(i, row))
             except RowRejected as rej:
                 refuse(i, rej)
         return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
-    # (text, where it is cut, what fills its row once it is tokenized), for one call
-    waiting: list[tuple[str, tuple[int, ...], Callable]] = []
+    # (a render or a template-free text, what fills its row once it is tokenized), for one call
+    waiting: list[tuple[RenderedConversation | str, Callable]] = []
     dropped_reasoning: list[tuple[int, str]] = []  # (row index, reasoning trained without being rendered)
     reports: dict[int, ParseReport] = {}  # chat rows
 
@@ -264,14 +275,21 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                 rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, policy=policy,
                                    layout=layout)
                 check_unicode(rendered.text, rendered.message_ends)
-                for st in _stage_chat_row(i, canon, rendered, tokenizer, policy, dropped_reasoning):
+                staged = _stage_chat_row(i, canon, rendered, tokenizer, policy, dropped_reasoning)
+                if checked(i, row):
+                    check = guarded(rule_check.check_examples, [(st.messages, st.tools, st.rendered) for st in staged],
+                                    tokenizer, policy=policy, layout=layout)
+                    rule_check.count(canon.report, check)
+                    if check.outcome == DISAGREE:
+                        raise rule_check.refusal(check)
+                for st in staged:
                     if st.extra:  # refused alone, without refusing its row
                         finish = partial(_extra_example, st, tokenizer=tokenizer, cfg=cfg, policy=policy,
                                          out=outs[i], report=canon.report)
                     else:
                         finish = fill(i, partial(_example, st.messages, st.tools, st.rendered, tokenizer=tokenizer,
                                                  cfg=cfg, policy=policy, out=outs[i]))
-                    waiting.append((st.rendered.text, st.rendered.cuts, finish))
+                    waiting.append((st.rendered, finish))
                 continue
             outs[i]["parse_report"] = _report_json(ParseReport(schema, {schema: 1}, rows=1))
             text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
@@ -282,12 +300,11 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
                         max_length=cfg.max_length)
             else:  # text rows keep every token: they are cut into blocks, not truncated
                 check_unicode(text)
-                waiting.append((text, (), fill(i, partial(_template_free_example, outs[i], mask=mask, cfg=cfg,
-                                                          max_length=None if schema == "text" else cfg.max_length))))
+                waiting.append((text, fill(i, partial(_template_free_example, outs[i], mask=mask, cfg=cfg,
+                                                      max_length=None if schema == "text" else cfg.max_length))))
         except RowRejected as rej:
             refuse(i, rej)
-    encoded = _encode_each([text for text, _, _ in waiting], [cuts for _, cuts, _ in waiting], tokenizer)
-    for (_, _, finish), enc in zip(waiting, encoded):
+    for (_, finish), enc in zip(waiting, _encode_each([render for render, _ in waiting], tokenizer)):
         finish(enc)
     for (i, _), n in zip(dropped_reasoning, count_tokens([r for _, r in dropped_reasoning], tokenizer)):
         reports[i].reasoning_dropped_tokens += n
@@ -296,7 +313,8 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
 
 
-def _pair_row(row, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict) -> None:
+def _pair_row(row, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict, layout, checked: bool = False
+              ) -> None:
     """A raw preference row (``data.objective: preference``) -> ``out`` filled with its pair, or ``RowRejected``.
 
     ``pairs.canonicalize_pair`` -> ``data.min_score_margin`` (``check_score_margin``) -> ``min_chars`` /
@@ -304,11 +322,18 @@ def _pair_row(row, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict)
     per-side limits: prompt exchanges dropped, reasoning trimmed, responses cut with ``max_response_length``).
     ``num_tokens_before`` / ``num_tokens`` / ``num_trained_tokens`` / ``reasoning_trimmed_tokens`` count both
     sides; ``dropped_turns`` the prompt exchanges dropped; ``token_fallback`` names the sides whose response was
-    cut (``"chosen"``, ``"rejected"``, ``"chosen,rejected"``). A pair is built with its own tokenizer call."""
+    cut (``"chosen"``, ``"rejected"``, ``"chosen,rejected"``). A pair is built with its own tokenizer call.
+    ``checked`` (``data.rule_check`` selected it): both sides are checked against the rule first."""
     pair = guarded(canonicalize_pair, row, cfg, tokenizer=tokenizer)
     out["parse_report"] = _report_json(pair.report)  # a pair refused from here on is counted as parsed
     check_score_margin(pair, cfg.min_score_margin)
     _check_length(content_chars(pair.prompt + pair.chosen + pair.rejected), cfg)
+    check = guarded(rule_check.check_pair, pair, tokenizer, policy=policy, layout=layout) if checked else None
+    if check is not None:
+        rule_check.count(pair.report, check)
+        out["parse_report"] = _report_json(pair.report)
+        if check.outcome == DISAGREE:
+            raise rule_check.refusal(check)
     if cfg.dedup:
         out["content_hash"] = guarded(_hash, ["preference", pair.prompt, pair.chosen, pair.rejected, pair.tools])
     fitted = guarded(fit_pair, pair, tokenizer, max_length=cfg.max_length, policy=policy,

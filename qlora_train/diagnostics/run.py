@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from qlora_train.config import Config
+from qlora_train.config import Config, DataConfig
 from qlora_train.data.prepared import diagnostic_rows
 from qlora_train.diagnostics.html import debug_html
 from qlora_train.diagnostics.samples import format_sample, legend, load_samples, select_indices
@@ -90,10 +90,12 @@ def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, strea
     return stats
 
 
-def debug_report(raw, processed, tokenizer, opts: DebugOptions, *, out_dir: Path, stream: TextIO) -> list:
-    """Print ``opts.samples`` samples; write ``debug_samples.html``. Returns the samples."""
+def debug_report(raw, processed, tokenizer, opts: DebugOptions, *, out_dir: Path, stream: TextIO,
+                 data: DataConfig | None = None) -> list:
+    """Print ``opts.samples`` samples; write ``debug_samples.html``. Returns the samples. With ``data`` (the run's
+    data config), a row refused as ``mask_disagrees`` is shown with both its masks."""
     indices = select_indices(processed["drop_reason"], opts.samples, seed=opts.seed, refused=opts.refused)
-    samples = load_samples(raw, processed, tokenizer, indices)
+    samples = load_samples(raw, processed, tokenizer, indices, data)
     color = use_color(stream)
     what = "refused" if opts.refused else "kept"
     print(f"{len(samples)} {what} samples ({'seed ' + str(opts.seed) if opts.seed is not None else 'first rows'}); "
@@ -123,5 +125,5 @@ def diagnose(cfg: Config, *, stats: bool, debug: DebugOptions, out_dir: str | Pa
         result["stats"] = stats_report(raw, processed, tokenizer, cfg, out_dir=out, stream=stream,
                                        new_tokens=new_tokens)
     if debug.samples:
-        result["samples"] = debug_report(raw, processed, tokenizer, debug, out_dir=out, stream=stream)
+        result["samples"] = debug_report(raw, processed, tokenizer, debug, out_dir=out, stream=stream, data=cfg.data)
     return result

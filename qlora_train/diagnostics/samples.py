@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-from qlora_train.masking import IGNORE_INDEX
+from qlora_train.config import DataConfig
+from qlora_train.masking import IGNORE_INDEX, DropReason, RowRejected
 
 OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦ trained ⟧ in the plain (no colour) form
 GREEN, GREY, RESET = "\x1b[32m", "\x1b[90m", "\x1b[0m"
@@ -45,18 +46,20 @@ class Sample:
     extras: int = 0  # how many extra examples the row has
     side: str = ""  # a preference pair's side ("chosen", "rejected"): each is a sample of its own
     prompt_length: int = 0  # a side's tokens shared with the other side
+    mask_by: str = ""  # a row refused as mask_disagrees: whose mask this is ("by the layout", "chosen by the rule")
 
     @property
     def name(self) -> str:
-        """``row 3``, ``row 3 extra 1/2`` for the row's first of two extra examples, ``row 3 chosen``."""
+        """``row 3``, ``row 3 extra 1/2`` for the row's first of two extra examples, ``row 3 chosen``, ``row 3 by
+        the rule``."""
         return f"row {self.index}" + (f" extra {self.extra}/{self.extras}" if self.extra else "") + (
-            f" {self.side}" if self.side else "")
+            f" {self.side}" if self.side else "") + (f" {self.mask_by}" if self.mask_by else "")
 
     @property
     def anchor(self) -> str:
-        """The sample's id in the HTML page: ``row-3``, ``row-3-extra-1``, ``row-3-chosen``."""
+        """The sample's id in the HTML page: ``row-3``, ``row-3-extra-1``, ``row-3-chosen``, ``row-3-by-the-rule``."""
         return f"row-{self.index}" + (f"-extra-{self.extra}" if self.extra else "") + (
-            f"-{self.side}" if self.side else "")
+            f"-{self.side}" if self.side else "") + (f"-{self.mask_by.replace(' ', '-')}" if self.mask_by else "")
 
     @property
     def trained(self) -> list[bool]:
@@ -112,9 +115,11 @@ def select_indices(drop_reasons: list[str], n: int, *, seed: int | None = None, 
     return sorted(random.Random(seed).sample(pool, min(n, len(pool))))
 
 
-def load_samples(raw, processed, tokenizer, indices: list[int]) -> list[Sample]:
+def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig | None = None) -> list[Sample]:
     """Rows ``indices`` of the aligned raw and processed datasets -> ``Sample``s: each row's example, then its
-    extra examples (``reasoning_history: expand``), each a sample of its own."""
+    extra examples (``reasoning_history: expand``), each a sample of its own. A row refused as ``mask_disagrees``
+    is followed by its two masks, by the layout and by the rule, made again (``rule_check.both_masks``) with
+    ``data`` (the run's data config)."""
     out = []
     for i in indices:
         p, r = processed[i], raw[i]
@@ -134,6 +139,11 @@ def load_samples(raw, processed, tokenizer, indices: list[int]) -> list[Sample]:
             truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"], p["token_fallback"]),
             drop_reason=p["drop_reason"], drop_detail=p["drop_detail"], raw=r["row"] or "", extras=len(extras),
         ))
+        if p["drop_reason"] == DropReason.MASK_DISAGREES and data is not None:
+            out += [Sample(index=i, location=r["location"], source=r["source"], input_ids=m.input_ids,
+                           labels=m.labels, pieces=token_pieces(m.input_ids, tokenizer),
+                           num_tokens_before=len(m.input_ids), truncation="none", mask_by=by)
+                    for by, m in _both_masks(r, tokenizer, data)]
         for k, (ids, labels) in enumerate(extras, start=1):
             out.append(Sample(index=i, location=r["location"], source=r["source"], input_ids=ids, labels=labels,
                               pieces=token_pieces(ids, tokenizer), num_tokens_before=len(ids), truncation="none",
@@ -141,8 +151,25 @@ def load_samples(raw, processed, tokenizer, indices: list[int]) -> list[Sample]:
     return out
 
 
+def _both_masks(raw_row: dict, tokenizer, data: DataConfig) -> list:
+    """``rule_check.both_masks`` of a raw row, with its source's options (``DataConfig.for_source``)."""
+    from qlora_train.data.rule_check import both_masks
+    from qlora_train.data.sources import source_label
+
+    cfg = next((data.for_source(s) for k, s in enumerate(data.datasets) if source_label(k, s) == raw_row["source"]),
+               data)
+    try:
+        return both_masks(json.loads(raw_row["row"]), tokenizer, cfg)
+    except (RowRejected, ValueError):  # no longer refused this way (the config or data changed)
+        return []
+
+
 def sample_summary(sample: Sample) -> str:
     """The line under a kept sample's heading: its tokens, trained tokens, truncation, extra examples."""
+    if sample.mask_by:
+        return (f"the mask {sample.mask_by}: tokens {len(sample.input_ids)}, trained {sample.num_trained} (the row is "
+                "refused as mask_disagrees: the two masks differ; the rule's, where it cannot mask the whole row, is "
+                "of the render through the turn that differs)")
     if sample.side:
         return (f"{sample.side}: tokens {len(sample.input_ids)}, the first {sample.prompt_length} shared with the "
                 f"other side (the prompt, never trained); trained {sample.num_trained}; truncation of the pair: "

@@ -148,6 +148,10 @@ def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int
             "share_of_their_tokens": _share(sum(tools), int(sum(before[i] for i in (tool_tokens or {})))),
         },
         "straddling_tokens": report.straddling_tokens,
+        # data.rule_check: rows also masked by the rule (per-turn prefix renders), over every row processed
+        "rule_checked_rows": report.rule_checked_rows,
+        "rule_unchecked_rows": report.rule_unchecked_rows,
+        "rule_disagreements": report.rule_disagreements,
         "reasoning": reasoning_stats(cols, report),
         "unrendered_messages": dict(sorted(report.unrendered_messages.items())),
         "parse": report.parse,
@@ -237,6 +241,12 @@ def layout_advice(overall: dict) -> list[str]:
         out.append(f"{slow} rows were verified by per-turn prefix renders ({overall['parse'].get('prefix_renders', 0)}"
                    " renders) because the probed layout did not verify them: correct or complete the layout printed "
                    "above in model.template_layout to verify them with one render")
+    disagree = overall.get("rule_disagreements", 0)
+    if disagree:
+        out.append(f"{disagree} rows are refused as mask_disagrees: the layout masks them differently from the rule "
+                   f"(per-turn prefix renders) (e.g. {overall['first_dropped'].get(DropReason.MASK_DISAGREES, '')}); "
+                   "correct the part of the layout printed above that the difference shows and declare it in "
+                   "model.template_layout; --debug-samples N --debug-refused shows both masks")
     n = overall["dropped"].get(DropReason.MASK_UNVERIFIED, 0)
     if n:
         out.append(f"{n} rows are refused as mask_unverified: neither the probed layout nor per-turn prefix renders "
@@ -363,6 +373,13 @@ def _counts(d: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1])) or "none"
 
 
+def rule_check_line(s: dict) -> str:
+    """The rule check's counts (``data.rule_check``) as one readable line."""
+    return (f"checked against the rule (data.rule_check): rule_checked_rows {s['rule_checked_rows']}, "
+            f"rule_disagreements {s['rule_disagreements']} (refused: mask_disagrees), rule_unchecked_rows "
+            f"{s['rule_unchecked_rows']} (the template is not prefix-stable on them)")
+
+
 def parse_lines(p: dict) -> list[str]:
     """``ParseReport`` totals as two readable lines."""
     return [
@@ -422,7 +439,8 @@ def stats_lines(stats: dict) -> list[str]:
                       f"trained tokens (both sides): {s['trained_tokens']['total']} "
                       f"({s['trained_tokens']['share_of_tokens']:.1%} of tokens); per pair "
                       f"{_pct(s['trained_tokens']['per_row'])}",
-                      *reasoning_lines(s["reasoning"], s["unrendered_messages"]), *parse_lines(s["parse"])]
+                      rule_check_line(s), *reasoning_lines(s["reasoning"], s["unrendered_messages"]),
+                      *parse_lines(s["parse"])]
             continue
         lines += [
             f"tokens before truncation ({s['tokens_before_truncation']['rows']} rows): "
@@ -438,6 +456,7 @@ def stats_lines(stats: dict) -> list[str]:
             f"tokens); per row {_pct(s['trained_tokens']['per_row'])}",
             f"tool schemas: {s['tool_schema_tokens']['rows_with_tools']} rows, "
             f"{s['tool_schema_tokens']['mean_per_row']:.0f} tokens per row on average",
+            rule_check_line(s),
             *reasoning_lines(s["reasoning"], s["unrendered_messages"]),
             *parse_lines(s["parse"]),
         ]

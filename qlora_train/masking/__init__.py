@@ -35,8 +35,10 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
                  span) -> ``RenderedConversation`` (text, char mask, ``TurnSpan`` per trained turn);
 - ``prefix``     **the general path**, for rows the layout cannot verify: the rule itself, by per-turn prefix
                  renders, verified the same way (``verified_by="prefix_renders"``);
-- ``tokenize``   one batched tokenizer call with offsets (``encode_batch``; a render cut at its trained turns'
-                 starts: ``encode_rendered``), the char mask projected onto tokens, labels.
+- ``tokenize``   one batched tokenizer call with offsets (``encode_rendered``: the one encode step of a render,
+                 cut at its trained turns' starts), the char mask projected onto tokens, labels;
+- ``check``      the fast path checked against the rule on a conversation, token by token (``check_with_rule``:
+                 agree, undecided where the template is not prefix-stable, disagree).
 
 **A refusal** is chosen, never a guess: a row neither path verifies is ``mask_unverified`` (the general path's
 reason, then the layout's), a template that raises is ``template_error``; a part the template does not write
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qlora_train.masking.check import AGREE, DISAGREE, UNDECIDED, Masked, RuleCheck, check_with_rule
 from qlora_train.masking.count import count_tokens
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, template_layout, tool_block
 from qlora_train.masking.layout_declaration import check_declaration, layout_dict, layout_yaml, resolve_layout
@@ -87,6 +90,8 @@ __all__ = [
     "DEFAULT_POLICY", "IGNORE_INDEX", "LossPolicy", "MaskedConversation", "Message", "RenderedConversation",
     "RowRejected", "TurnSpan", "encode_batch", "encode_rendered", "make_labels", "mask_conversation",
     "project_char_mask", "render_conversation",
+    # the fast path checked against the rule (data.rule_check)
+    "AGREE", "DISAGREE", "UNDECIDED", "Masked", "RuleCheck", "check_with_rule",
     # the template's layout: probed, declared (model.template_layout), printed
     "TEMPLATE_ERRORS", "TemplateLayout", "check_declaration", "layout_dict", "layout_yaml", "probe_layout",
     "resolve_layout", "template_layout", "tool_block",

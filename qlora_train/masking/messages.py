@@ -51,6 +51,7 @@ class DropReason:
     UNRENDERED_ROLE = "unrendered_role"
     MASK_UNVERIFIED = "mask_unverified"
     MARKER_IN_ROW_TEXT = "marker_in_row_text"  # a role, name, id, tool name, argument key or tool schema holds a marker
+    MASK_DISAGREES = "mask_disagrees"  # data.rule_check: the layout's mask differs from the rule's on this row
     NO_TRAINED_TOKEN = "no_trained_token_after_truncation"
     BAD_PRETOKENIZED = "bad_pretokenized"
     FILTERED_BY_LENGTH = "filtered_by_length"

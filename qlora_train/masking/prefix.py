@@ -53,7 +53,8 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 class PrefixRenderer:
-    """Renders of a conversation's prefixes, each made once (``render(k, gen)``: messages[:k])."""
+    """Renders of a conversation's prefixes, each made once (``render(k, gen)``: messages[:k]; kept, so that
+    another look at the same prefix costs nothing)."""
 
     def __init__(self, messages: list[Message], tokenizer, tools, layout: TemplateLayout):
         from qlora_train.masking.render import template_messages
@@ -61,8 +62,17 @@ class PrefixRenderer:
         self.messages = template_messages(messages, layout)
         self.tokenizer, self.tools = tokenizer, tools
         self.count = 0  # renders made (the path's cost)
+        self._made: dict[tuple[int, bool], str] = {}
 
     def render(self, k: int, gen: bool, last: Message | None = None) -> str:
+        if last is None and (k, gen) in self._made:
+            return self._made[k, gen]
+        text = self._render(k, gen, last)
+        if last is None:
+            self._made[k, gen] = text
+        return text
+
+    def _render(self, k: int, gen: bool, last: Message | None) -> str:
         msgs = self.messages[:k] if last is None else [*self.messages[:k], last]
         self.count += 1
         try:
@@ -90,15 +100,23 @@ def generated_part(renders: PrefixRenderer, i: int, layout: TemplateLayout) -> t
         alt = renders.render(i, False, _shifted(renders.messages[i]))  # into the turn's own first characters
         start = min(start, _common_prefix(q, alt))
     opened = prompt.rfind(layout.think_open) if layout.think_open else -1
-    if 0 <= opened <= start and not prompt[opened + len(layout.think_open):].strip(WHITESPACE):
-        start = opened  # the generation prompt ends by opening a reasoning block: the block is trained (also when
-        # the shared part ends inside the opener: '<think>' and the turn's '<｜tool▁calls▁begin｜>' share '<')
+    after = prompt[opened + len(layout.think_open):].strip(WHITESPACE) if opened >= 0 else None
+    if 0 <= opened <= start and after in ("", layout.think_close):
+        start = opened  # the generation prompt ends by opening a reasoning block (or by writing an empty one:
+        # EXAONE's '<think>\n\n</think>\n\n'): the block is trained (also when the shared part ends inside the
+        # opener: '<think>' and the turn's '<｜tool▁calls▁begin｜>' share '<')
     end = len(q)
     if layout.trailer and q.endswith(layout.trailer) and end - len(layout.trailer) >= start:
         end -= len(layout.trailer)
+    limit = end
     while end > start and q[end - 1] in WHITESPACE:
         end -= 1
-    return q, start, end
+    # an end marker that is whitespace itself ('\n' ends each turn of a plain-text template) is not a separator
+    # where the part has no other end marker
+    marker = "" if _end_marker_at(q, start, end, layout) is not None else next(
+        (m for m in layout.end_markers if m and not m.strip(WHITESPACE) and q.startswith(m, end)
+         and end + len(m) <= limit), "")
+    return q, start, end + len(marker)
 
 
 def _find_in(q: str, needle: str, a: int, b: int) -> tuple[int, int]:
@@ -265,9 +283,10 @@ def _end_marker_after(text: str, end: int, layout: TemplateLayout) -> int:
 
 
 def render_by_prefixes(messages: list[Message], tokenizer, *, tools=None, policy: LossPolicy = DEFAULT_POLICY,
-                       text: str | None = None):
+                       text: str | None = None, renders: PrefixRenderer | None = None):
     """Marked messages -> ``RenderedConversation`` by the rule itself (see the module doc); ``text`` is the whole
-    render when the caller has it. Raises ``RowRejected`` naming the turn that does not verify."""
+    render when the caller has it, ``renders`` the prefix renders of ``messages`` made so far (``check`` looks at
+    them again). Raises ``RowRejected`` naming the turn that does not verify."""
     from qlora_train.masking.render import RenderedConversation, check_spans, render_text, trained_spans
 
     layout = template_layout(tokenizer)
@@ -277,7 +296,7 @@ def render_by_prefixes(messages: list[Message], tokenizer, *, tools=None, policy
             text = render_text(messages, tokenizer, tools=tools)
         except TEMPLATE_ERRORS as exc:
             raise RowRejected(DropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
-    renders = PrefixRenderer(messages, tokenizer, tools, layout)
+    renders = PrefixRenderer(messages, tokenizer, tools, layout) if renders is None else renders
     trained = [is_trained(m, i) for i, m in enumerate(messages)]
     last_trained = max((i for i, t in enumerate(trained) if t), default=-1)
     turns, spans, ends, cursor = [], [], [], 0

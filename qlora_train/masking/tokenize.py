@@ -30,7 +30,7 @@ import unicodedata
 import weakref
 from collections.abc import Sequence
 from itertools import chain
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer, pre_tokenizers
@@ -508,11 +508,13 @@ def _joined(bounds: list[int], encoded: list[tuple[list[int], Sequence[tuple[int
             OffsetArray(np.concatenate(arrays) if arrays else np.zeros((0, 2), dtype=np.int64)))
 
 
-def encode_rendered(rendered: Sequence, tokenizer) -> list[tuple[list[int], Offsets]]:
-    """Rendered conversations (``render.RenderedConversation``) -> per conversation ``(input_ids, offsets)``: its
-    text cut where each trained turn's generated part begins (``RenderedConversation.cuts``), in one
-    ``encode_batch`` call. What every caller that tokenizes a render for training uses."""
-    return encode_batch([r.text for r in rendered], tokenizer, cuts=[r.cuts for r in rendered])
+def encode_rendered(renders: Sequence[Any], tokenizer) -> list[tuple[list[int], Offsets]]:
+    """Renders -> per render ``(input_ids, offsets)``: the one step that tokenizes what the engine rendered, for
+    the fast path, the rule (``check``), pairs and truncation alike, in one ``encode_batch`` call. A render is a
+    ``RenderedConversation``, its text cut where each trained turn's generated part begins (its ``cuts``), or a
+    template-free text (a ``str``, not cut)."""
+    return encode_batch([r if isinstance(r, str) else r.text for r in renders], tokenizer,
+                        cuts=[() if isinstance(r, str) else r.cuts for r in renders])
 
 
 def _with_offsets(text: str, enc, forms: tuple[str, ...] | None) -> tuple[list[int], Offsets]:
