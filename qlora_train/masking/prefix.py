@@ -212,13 +212,33 @@ def _own_parts(q: str, msg: Message, i: int, start: int, end: int, reasoning: tu
             raise rej from None
     spans = ([reasoning] if reasoning else []) + ([(own[0], at)] if own else [])
     if not reasoning:
-        return None, start, spans
+        return None, _after_empty_block(q, start, own[0] if own else end, layout), spans
     # the answer starts after the reasoning block's close (when the layout knows it), else where its text does
     close = q.find(layout.think_close, reasoning[1], own[0] if own else end) if layout.think_close else -1
     body = close + len(layout.think_close) if close >= 0 else (own[0] if own else reasoning[1])
     while body < end and q[body] in WHITESPACE:
         body += 1
     return reasoning, body, spans
+
+
+def _after_empty_block(q: str, start: int, limit: int, layout: TemplateLayout) -> int:
+    """Where the answer starts in a turn without reasoning: after an empty reasoning block the template writes at
+    the turn's start (Qwen3's ``<think>\n\n</think>\n\n``, as the fast path reads it, so ``think_loss:
+    answer_only`` masks it on both paths), else ``start``."""
+    if not (layout.think_open and layout.think_close):
+        return start
+    j = start
+    while j < limit and q[j] in WHITESPACE:
+        j += 1
+    if not q.startswith(layout.think_open, j):
+        return start
+    k = q.find(layout.think_close, j + len(layout.think_open), limit)
+    if k < 0 or q[j + len(layout.think_open):k].strip(WHITESPACE):
+        return start
+    body = k + len(layout.think_close)
+    while body < limit and q[body] in WHITESPACE:
+        body += 1
+    return body
 
 
 def _content(q: str, msg: Message, i: int, at: int, end: int, layout: TemplateLayout, *, calls_after: bool

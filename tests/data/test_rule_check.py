@@ -102,6 +102,19 @@ def test_quickstart_rows_agree_and_are_counted(qwen3_tok):
     assert counts(process_rows(ROWS, qwen3_tok, DataConfig(rule_check="off"))) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("think_loss", ["all", "answer_only", "answer_plus_think"])
+def test_every_think_loss_agrees_on_the_empty_reasoning_block(qwen3_tok, think_loss):
+    """Qwen3 writes an empty reasoning block in the last turn of a row without reasoning; ``answer_only`` masks it
+    on the fast path, and the rule (prefix renders) must read it the same (it once trained it: every sampled
+    ``answer_only`` row disagreed and the run stopped)."""
+    rows = [{"messages": [{"role": "user", "content": "?"}, {"role": "assistant", "content": c}]}
+            for c in ("x", "Hello there.", "<")] + ROWS
+    out = process_rows(rows, qwen3_tok, DataConfig(think_loss=think_loss, rule_check="all"))
+    assert "mask_disagrees" not in out["drop_reason"]
+    first = trained_text(qwen3_tok, out["input_ids"][0], out["labels"][0])
+    assert first == ("x<|im_end|>" if think_loss != "all" else "<think>\n\n</think>\n\nx<|im_end|>")
+
+
 def test_a_row_the_layout_cannot_verify_is_verified_by_the_rule_and_counts_as_checked(qwen3_tok):
     messages = LossPolicy().mark([U1, A1])
     rendered = render_conversation(messages, qwen3_tok)._replace(verified_by="prefix_renders")
