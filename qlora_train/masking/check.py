@@ -153,8 +153,11 @@ def _trained_text(rendered: RenderedConversation) -> str:
 def _answers_check(renders: PrefixRenderer, rendered: RenderedConversation, tokenizer, layout: TemplateLayout,
                    policy: LossPolicy, why: str) -> RuleCheck:
     """A row the rule cannot decide: each trained turn's answer by the layout against the rule's in the render
-    through that turn alone -> UNDECIDED when all agree, DISAGREE naming the first that does not (with the
-    layout's tokens of the row and the rule's of the render through that turn, that turn alone trained).
+    through that turn alone -> DISAGREE naming the first turn whose answer by the layout runs on past the rule's
+    (the rule's answer, then more: an end marker running into the next turn's opener), with the layout's tokens
+    of the row and the rule's of the render through that turn, that turn alone trained; else UNDECIDED. Answers
+    that differ otherwise are not decided by this comparison (the render through a turn alone may write it as
+    a last turn: its reasoning shown, an empty block's close, Phi-3.5's eos after its end marker).
 
     An answer may end with another end marker where the conversation goes on (gpt-oss: ``<|return|>`` last,
     ``<|end|>`` before another turn; GLM: the next turn's ``<|user|>``): answers that differ only there agree.
@@ -172,8 +175,9 @@ def _answers_check(renders: PrefixRenderer, rendered: RenderedConversation, toke
         except RowRejected:
             continue  # the rule cannot place this turn even alone: nothing to compare
         fast, rule = _answer(rendered.text, turn, layout), _answer(q, own, layout)
-        if fast == rule or _less_marker(fast, markers) == _less_marker(rule, markers):
-            continue
+        if fast == rule or _less_marker(fast, markers) == _less_marker(rule, markers) or not (
+                len(fast) > len(rule) and fast.startswith(rule)):
+            continue  # only a layout that trains past where the rule ends the turn is known wrong here
         k = next((j for j, (a, b) in enumerate(zip(fast, rule)) if a != b), min(len(fast), len(rule)))
         mask = np.zeros(len(q), dtype=np.uint8)
         for a, b in trained_spans(own, policy.think_loss):

@@ -90,31 +90,28 @@ class RowRejected(Exception):
         super().__init__(f"{reason}: {detail}")
 
 
-def argument_values(call: dict) -> list[str]:
-    """A tool call's scalar argument values as a template writes them (strings as they are, numbers and
-    booleans as JSON): what must be inside the call's turn besides its name."""
+def _arguments(call: dict) -> dict:
+    """A tool call's arguments as a mapping (given as one, or as a JSON string of one); ``{}`` otherwise."""
     args = call["function"].get("arguments")
     if isinstance(args, str):
         try:
             args = json.loads(args)
         except ValueError:
-            return []
-    if not isinstance(args, dict):
-        return []
-    return [v if isinstance(v, str) else json.dumps(v) for v in args.values()
+            return {}
+    return args if isinstance(args, dict) else {}
+
+
+def argument_values(call: dict) -> list[str]:
+    """A tool call's scalar argument values as a template writes them (strings as they are, numbers and
+    booleans as JSON): what must be inside the call's turn besides its name."""
+    return [v if isinstance(v, str) else json.dumps(v) for v in _arguments(call).values()
             if isinstance(v, (str, int, float, bool)) and (not isinstance(v, str) or v.strip())]
 
 
 def argument_keys(call: dict) -> list[str]:
-    """A tool call's argument names (of arguments given as a mapping, or a JSON string of one): every template
-    writes them beside the values (``{"a": 1}``, ``<arg_key>a</arg_key>``, ``a=1``)."""
-    args = call["function"].get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return []
-    return [k for k in args if isinstance(k, str) and k.strip()] if isinstance(args, dict) else []
+    """A tool call's argument names: every template writes them beside the values (``{"a": 1}``,
+    ``<arg_key>a</arg_key>``, ``a=1``)."""
+    return [k for k in _arguments(call) if isinstance(k, str) and k.strip()]
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

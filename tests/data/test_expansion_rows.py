@@ -57,8 +57,8 @@ def fake_expansions(n_extra: int):
     tokens (what a real expansion looks like: a prefix of the conversation), labels = the ids (all trained)."""
     real = D.process_rows
 
-    def process_rows(batch, tokenizer, cfg, *, locations=None):
-        out = real(batch, tokenizer, cfg, locations=locations)
+    def process_rows(batch, tokenizer, cfg, **kwargs):
+        out = real(batch, tokenizer, cfg, **kwargs)
         for i, reason in enumerate(out["drop_reason"]):
             if reason:
                 continue
