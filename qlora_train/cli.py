@@ -1,4 +1,7 @@
-"""``qlora-train --config x.yaml [--set key.path=value ...]``: a thin entry over ``train.run``.
+"""``qlora-train --config x.yaml [--set key.path=value ...] [--overwrite]``: a thin entry over ``train.run``.
+
+Training into a ``train.output_dir`` that holds checkpoints of the same config resumes them; one that holds a
+finished run or another config's checkpoints is refused unless ``--overwrite`` (``train.resume``).
 
 ``--stats-only`` and ``--debug-samples N`` run the data pipeline with the
 tokenizer only (``diagnostics.run``) and exit without training; so does ``--preprocess``, which writes the
@@ -24,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config value (repeatable; applied after the file)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="training: remove the run found in train.output_dir (a finished one, or another config's "
+                        "checkpoints) and start at step 0; without it such a directory is refused")
     d = p.add_argument_group("diagnostics (tokenizer and data only, no model; exit without training)")
     d.add_argument("--stats-only", action="store_true",
                    help="print length statistics; write stats.json and token_lengths.png")
@@ -87,6 +93,8 @@ def check_export_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--preprocess runs alone: not with --stats-only, --debug-samples, --merge, --generate or --chat")
     if args.preprocess_dir and not args.preprocess:
         p.error("--preprocess-dir needs --preprocess")
+    if args.overwrite and (args.stats_only or args.debug_samples or args.preprocess or args.merge or trying):
+        p.error("--overwrite applies to training only (the diagnostics, --preprocess and export never remove a run)")
 
 
 def export_and_try(cfg, args: argparse.Namespace) -> None:
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_guarded(cfg, lambda: preprocess(cfg, args.preprocess_dir))
     from qlora_train.train.run import train
 
-    return run_guarded(cfg, lambda: train(cfg))
+    return run_guarded(cfg, lambda: train(cfg, overwrite=args.overwrite))
 
 
 def run_guarded(cfg, job) -> int:

@@ -400,7 +400,11 @@ class TrainConfig(_Section):
     save_total_limit: int | None = Field(3, ge=1, description="Keep at most N checkpoints.")
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (default: save_steps).")
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
-    resume_from_checkpoint: str | None = Field(None, description="A checkpoint path, or `auto` for the latest one.")
+    resume_from_checkpoint: str = Field(
+        "auto", description="`auto`: a rerun resumes the newest checkpoint of the same config in `output_dir` and "
+        "refuses a directory holding a finished run or another config's checkpoints (`--overwrite` starts over; "
+        "docs/training.md#resume); a checkpoint path: resume from it as asked. `null` and `true` are `auto`.",
+    )
     report_to: list[str] | str = Field("tensorboard", description="Loggers: tensorboard, wandb, none, …")
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     packing: bool = Field(
@@ -446,6 +450,16 @@ class TrainConfig(_Section):
         False, description="With `distributed: fsdp`: keep the sharded parameters, gradients and optimizer state "
         "in CPU memory, moved to the GPU layer by layer (less GPU memory, slower steps; docs/distributed.md).",
     )
+
+    @field_validator("resume_from_checkpoint", mode="before")
+    @classmethod
+    def _auto_or_a_path(cls, value: Any) -> Any:
+        if value is None or value is True:  # true: the latest checkpoint, as transformers reads it
+            return "auto"
+        if value is False:
+            raise ValueError("false: a rerun does not start over silently (it resumes its own checkpoints or "
+                             "refuses); use `auto` or a checkpoint path, and --overwrite to start over")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

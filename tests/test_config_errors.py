@@ -31,6 +31,8 @@ BAD = [
     ("section-not-mapping", "model: Qwen/Qwen3-0.6B\n" + DATASETS, "model: Input should be a valid dictionary"),
     ("required-key-missing", "model: {chat_template: qwen3}\n" + DATASETS, "model.name_or_path: Field required"),
     ("required-section-missing", DATASETS + "lora: {r: 8}", "model: Field required"),
+    ("resume-false", GOOD + "train: {resume_from_checkpoint: false}",
+     "train.resume_from_checkpoint: false: a rerun does not start over silently"),
     # enums
     ("think-loss-enum", MODEL + "data: {datasets: [{path: DATA}], think_loss: most}",
      "data.think_loss: Input should be 'all', 'answer_only' or 'answer_plus_think'"),

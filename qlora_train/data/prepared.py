@@ -129,20 +129,21 @@ def _show(value) -> str:
     return "(absent)" if value is _ABSENT else json.dumps(value, ensure_ascii=False)
 
 
-def differing_keys(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    """Two config dicts -> ``"key: <saved> when prepared, <now> now"`` for every key path whose value differs
-    (into mappings on both sides, and lists of mappings of one length, such as the sources)."""
+def differing_keys(saved: dict, now: dict, prefix: str = "", *, then: str = "when prepared") -> list[str]:
+    """Two config dicts -> ``"key: <saved> when prepared, <now> now"`` (``then`` names the saved side) for every key
+    path whose value differs (into mappings on both sides, and lists of mappings of one length, such as the
+    sources)."""
     out = []
     for key in sorted(saved.keys() | now.keys()):
         a, b, path = saved.get(key, _ABSENT), now.get(key, _ABSENT), f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
-            out += differing_keys(a, b, f"{path}.")
+            out += differing_keys(a, b, f"{path}.", then=then)
         elif (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
               and all(isinstance(x, dict) for x in a + b)):
             for i, (x, y) in enumerate(zip(a, b)):
-                out += differing_keys(x, y, f"{path}[{i}].")
+                out += differing_keys(x, y, f"{path}[{i}].", then=then)
         elif a != b:
-            out.append(f"{path}: {_show(a)} when prepared, {_show(b)} now")
+            out.append(f"{path}: {_show(a)} {then}, {_show(b)} now")
     return out
 
 

@@ -45,7 +45,7 @@ def find_adapter(output_dir: str | Path, checkpoint: str | None = None) -> Path:
     checkpoint; ``checkpoint-N`` or ``N`` inside ``output_dir``; or a path.
     Raises ``ExportError`` naming what is there instead when there is no adapter.
     """
-    from qlora_train.train.run import COMPLETE_MARKER, last_checkpoint
+    from qlora_train.train.resume import COMPLETE_MARKER, last_checkpoint
 
     out = Path(output_dir)
     if checkpoint is None:
@@ -76,7 +76,7 @@ def _no_adapter(out: Path) -> str:
     saved = checkpoints(out)
     if saved:
         return (f"no final adapter in {out} (the run did not finish): export a checkpoint with --checkpoint "
-                f"({', '.join(saved)}, or last), or finish training with train.resume_from_checkpoint: auto")
+                f"({', '.join(saved)}, or last), or finish training: run the training command again")
     return f"no trained adapter in {out} ({ADAPTER_CONFIG} and weights): train first"
 
 

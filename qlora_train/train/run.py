@@ -4,8 +4,9 @@ Runs unchanged as one process or under ``torchrun`` / ``accelerate launch``:
 rank 0 preprocesses first and the others reuse the datasets cache; only rank
 0 writes reports and outputs; each rank loads its own 4-bit model.
 
-Faults: Ctrl-C / SIGTERM saves a checkpoint at the current step and raises
-``TrainingInterrupted`` (``signals.py``). The final outputs are staged in
+Before anything loads, the output directory decides whether the run starts, resumes its own checkpoints or
+refuses (``resume.py``): the same command again continues a killed run. Faults: Ctrl-C / SIGTERM saves a
+checkpoint at the current step and raises ``TrainingInterrupted`` (``signals.py``). The final outputs are staged in
 ``<output_dir>/.final.tmp``, moved into place file by file (each ``os.replace``
 is atomic), and ``training_complete.json`` is written last: a run is complete
 exactly when that marker exists.
@@ -27,6 +28,7 @@ import yaml
 from qlora_train.config import Config, ConfigError
 from qlora_train.data.packing import PackingStats
 from qlora_train.data.prepared import training_data
+from qlora_train.errors import UsageError
 from qlora_train.files import write_atomic
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator
@@ -40,11 +42,19 @@ from qlora_train.train.distributed import (
 from qlora_train.train.fused_loss import use_fused_loss
 from qlora_train.train.global_batches import with_global_batches
 from qlora_train.train.model import count_parameters, load_model, load_model_config, resolve_runtime
+from qlora_train.train.resume import (
+    COMPLETE_MARKER,
+    STAGING_DIR,
+    agree,
+    decide,
+    last_checkpoint,
+    prepare_output_dir,
+    read_output_dir,
+    run_fingerprint,
+)
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
 
 log = logging.getLogger("qlora_train")
-COMPLETE_MARKER = "training_complete.json"
-STAGING_DIR = ".final.tmp"
 
 
 def is_main_process() -> bool:
@@ -86,15 +96,6 @@ def training_arguments(cfg: Config, runtime, has_eval: bool):
         ddp_find_unused_parameters=False, ddp_backend="gloo" if runtime.device == "cpu" and distributed else None,
         fsdp=True if fsdp else None, fsdp_config=fsdp_config(t.fsdp_cpu_offload) if fsdp else None,
     )
-
-
-def resolve_resume(cfg: Config) -> str | None:
-    resume = cfg.train.resume_from_checkpoint
-    if resume != "auto":
-        return resume
-    last = last_checkpoint(cfg.train.output_dir)
-    log.info("resume_from_checkpoint: auto -> %s", last or "no checkpoint yet, starting fresh")
-    return last
 
 
 def check_packing_support(model_config, packing_length: int) -> None:
@@ -227,29 +228,11 @@ def publish(staging: Path, out: Path) -> None:
     staging.rmdir()
 
 
-def last_checkpoint(output_dir: str) -> str | None:
-    """The newest complete ``checkpoint-N`` in ``output_dir``, or None.
-
-    The Trainer writes ``trainer_state.json`` last into a checkpoint, so a folder
-    without a readable one was cut short (e.g. SIGKILL while saving) and is skipped.
-    """
-    found = []
-    for path in Path(output_dir).glob("checkpoint-*") if Path(output_dir).is_dir() else []:
-        step = path.name.removeprefix("checkpoint-")
-        if path.is_dir() and step.isdigit():
-            found.append((int(step), path))
-    for _, path in sorted(found, reverse=True):
-        try:
-            json.loads((path / "trainer_state.json").read_text())
-            return str(path)
-        except (OSError, ValueError):
-            log.warning("skipping incomplete checkpoint %s (no readable trainer_state.json)", path)
-    return None
-
-
-def train(cfg: Config, *, callbacks: list | None = None):
+def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False):
     """Run one training job; returns the finished ``Trainer`` (outputs are in ``cfg.train.output_dir``).
 
+    Resumes the checkpoints of the same config found in the output directory; raises ``UsageError`` when it holds
+    a finished run or another config's checkpoints, unless ``overwrite`` (``--overwrite``) removes them first.
     Raises ``TrainingInterrupted`` after saving a checkpoint when SIGINT/SIGTERM arrives.
     """
     from transformers import Trainer, set_seed
@@ -262,6 +245,12 @@ def train(cfg: Config, *, callbacks: list | None = None):
     has_eval = cfg.data.eval_fraction > 0 or bool(cfg.data.eval_datasets)
     check_distributed_setup(cfg, runtime)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
+    fingerprint = run_fingerprint(cfg)
+    start = agree(decide(read_output_dir(out), fingerprint, resume=cfg.train.resume_from_checkpoint,
+                         overwrite=overwrite))  # every rank takes rank 0's view of the directory
+    if start.action == "refuse":
+        raise UsageError(start.line)
+    log.info(start.line)
     if cfg.train.packing:
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
     tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)
@@ -284,8 +273,7 @@ def train(cfg: Config, *, callbacks: list | None = None):
         trainer_class, trainer_kwargs = PreferenceTrainer, {"objective": PreferenceObjective.from_config(cfg.train)}
         log.info("loss: %s on log-probs of the trained tokens only, chunked (train.method)", cfg.train.method)
     if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so
+        prepare_output_dir(start, fingerprint, out)  # the others wait for rank 0 at the first step's collectives
         write_atomic(out / "dataset_report.json", report.to_json())
         print("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens)), flush=True)
 
@@ -300,7 +288,7 @@ def train(cfg: Config, *, callbacks: list | None = None):
             train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
             callbacks=[*(callbacks or []), stopper, *([ShardReport()] if args.fsdp else [])],
         )
-        trainer.train(resume_from_checkpoint=resolve_resume(cfg))
+        trainer.train(resume_from_checkpoint=start.checkpoint)
         if stopper.stopped_at is not None:
             raise TrainingInterrupted(stopper.signum, stopper.stopped_at, last_checkpoint(cfg.train.output_dir))
         save_final_outputs(trainer, tokenizer, cfg, out, main)  # a signal now waits for the save to finish

@@ -5,7 +5,7 @@
         trainer = Trainer(..., callbacks=[stopper])
         trainer.train()
     if stopper.stopped_at is not None:
-        ...  # interrupted: a checkpoint-<step> was saved; resume_from_checkpoint: auto continues
+        ...  # interrupted: a checkpoint-<step> was saved; the same command again continues from it
 
 The handler only sets a flag (nothing else is safe inside a signal handler);
 the Trainer acts on it at the next optimiser step end: ``should_save`` writes
@@ -34,7 +34,7 @@ class TrainingInterrupted(Interrupted):
     def __init__(self, signum: int, step: int, checkpoint: str | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint saved to "
-                         f"{checkpoint}; run again with train.resume_from_checkpoint: auto to continue", signum)
+                         f"{checkpoint}; run the same command again to continue", signum)
 
 
 class StopOnSignal(TrainerCallback):

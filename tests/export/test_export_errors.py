@@ -59,7 +59,7 @@ def test_an_unfinished_run_names_its_checkpoints(tmp_path, tiny_model_dir, capsy
     (out / "checkpoint-30").mkdir()  # cut short: no adapter in it
     assert run(capsys, "--config", cfg, "--merge") == (
         2, f"error: no final adapter in {out} (the run did not finish): export a checkpoint with --checkpoint "
-        "(checkpoint-10, checkpoint-20, or last), or finish training with train.resume_from_checkpoint: auto")
+        "(checkpoint-10, checkpoint-20, or last), or finish training: run the training command again")
     assert run(capsys, "--config", cfg, "--merge", "--checkpoint", "30") == (
         2, f"error: --checkpoint 30: no adapter (adapter_config.json and weights) in {out / 'checkpoint-30'} "
         f"(checkpoints in {out}: checkpoint-10, checkpoint-20)")

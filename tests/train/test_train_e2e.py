@@ -182,7 +182,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_model_di
     assert child.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     out = tmp_path / "run" / "out"
     assert ("interrupted: stopped by SIGTERM at step 3; checkpoint saved to "
-            f"{out / 'checkpoint-3'}; run again with train.resume_from_checkpoint: auto to continue") in stderr
+            f"{out / 'checkpoint-3'}; run the same command again to continue") in stderr
     assert "Traceback" not in stderr and "saved 3" in stdout
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     assert not (out / "training_complete.json").exists() and not (out / "adapter_model.safetensors").exists()

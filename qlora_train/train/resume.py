@@ -1,0 +1,251 @@
+"""What a training run does with the output directory it finds: start, resume its own checkpoints, or refuse.
+
+    state = read_output_dir(cfg.train.output_dir)            # checkpoints, a finished run, the recorded config
+    decision = decide(state, run_fingerprint(cfg), resume=cfg.train.resume_from_checkpoint, overwrite=False)
+    decision.action, decision.checkpoint, decision.line      # "resume", ".../checkpoint-4", "resuming from ..."
+
+The rule (``train.resume_from_checkpoint: auto``, the default), so that a run killed and started again with the same
+command continues instead of starting over, and a run never writes over another one without being told to:
+
+- the directory holds checkpoints of the same config (``run_fingerprint.json`` records it) and no finished run:
+  resume from the newest complete checkpoint, said in one line;
+- it holds a finished run (``training_complete.json``; or a final adapter with no checkpoints beside it), or
+  checkpoints of another config, or checkpoints whose config was not recorded: refuse (exit 2) in one line saying
+  why and what to do, naming ``--overwrite``;
+- nothing to resume (absent, empty, or only what ``--stats-only`` / ``--preprocess`` / a run stopped before its
+  first checkpoint wrote): start at step 0.
+
+``--overwrite`` removes the run found there (checkpoints, final adapter, marker, fingerprint) and starts at step 0;
+a checkpoint path in ``train.resume_from_checkpoint`` resumes from it as asked, with no check (the way to continue
+a run with a changed config, e.g. more ``max_steps``).
+
+A checkpoint without a readable ``trainer_state.json`` (the Trainer writes it last) was cut short, e.g. by SIGKILL
+while saving: it is skipped, and removed when the run starts. ``decide`` is pure; ``read_output_dir`` only reads;
+``prepare_output_dir`` (rank 0, once the data and the model are ready) is the only writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger("qlora_train")
+COMPLETE_MARKER = "training_complete.json"
+FINGERPRINT_FILE = "run_fingerprint.json"
+STAGING_DIR = ".final.tmp"
+FORMAT = 1  # of run_fingerprint.json
+# train keys that change what a run logs, saves or where, or how fast and in how much memory it computes, not the
+# weights it trains: a run may resume with other values of them
+UNFINGERPRINTED_TRAIN = ("output_dir", "resume_from_checkpoint", "report_to", "logging_steps", "save_steps",
+                         "save_total_limit", "eval_steps", "per_device_eval_batch_size", "dataloader_num_workers",
+                         "gradient_checkpointing", "fused_loss", "fsdp_cpu_offload")
+MODEL_PATH_KEYS = ("name_or_path", "tokenizer", "adapter_path", "chat_template")
+# what --overwrite removes besides the checkpoints: what a finished run adds that says "finished" or "this run"
+FINAL_RUN_FILES = (COMPLETE_MARKER, FINGERPRINT_FILE, "adapter_config.json", "adapter_model.safetensors",
+                   "adapter_model.bin", "trainer_state.json", "loss_history.json")
+Action = Literal["start", "resume", "refuse"]
+
+
+# --- the fingerprint ---
+
+
+def run_fingerprint(cfg) -> dict:
+    """``Config`` -> ``{"format", "fingerprint": hex, "config": {...}}``: the resolved config minus what does not
+    change the trained weights (``UNFINGERPRINTED_TRAIN``; the data keys the prepared data's fingerprint leaves
+    out), local paths written as ``data.prepared.portable_path`` writes them."""
+    from qlora_train.data.prepared import data_identity, portable_path  # the datasets stack: only when training
+
+    model = cfg.model.model_dump(mode="json")
+    for key in MODEL_PATH_KEYS:
+        if isinstance(model[key], str) and Path(model[key]).exists():
+            model[key] = portable_path(model[key])
+    identity = {"model": model, "lora": cfg.lora.model_dump(mode="json"), "data": data_identity(cfg),
+                "train": cfg.train.model_dump(mode="json", exclude=set(UNFINGERPRINTED_TRAIN))}
+    text = json.dumps(identity, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return {"format": FORMAT, "fingerprint": hashlib.blake2b(text.encode(), digest_size=16).hexdigest(),
+            "config": identity}
+
+
+# --- what the directory holds ---
+
+
+@dataclass(frozen=True)
+class OutputDirState:
+    """What a training run finds in its output directory (``read_output_dir``)."""
+
+    path: str
+    checkpoints: tuple[int, ...] = ()  # steps of the complete checkpoint-N folders, ascending
+    incomplete: tuple[str, ...] = ()  # names of checkpoint-N folders cut short (no readable trainer_state.json)
+    finished_step: int | None = None  # training_complete.json's global_step (-1: unreadable)
+    adapter: bool = False  # adapter_config.json at the top: a final adapter was published
+    saved: dict | None = None  # run_fingerprint.json, when readable
+
+    def checkpoint(self, step: int) -> str:
+        return str(Path(self.path) / f"checkpoint-{step}")
+
+    @property
+    def finished(self) -> bool:
+        """A finished run: its marker, or a final adapter with no checkpoint beside it (the marker is written just
+        after the adapter; runs from before the marker). An adapter beside checkpoints is an earlier run's, which
+        a later one into the directory started over (``export.adapter`` says so too)."""
+        return self.finished_step is not None or self.adapter and not self.checkpoints
+
+    @property
+    def holds_a_run(self) -> bool:
+        return bool(self.checkpoints or self.incomplete or self.finished or self.adapter)
+
+
+def read_output_dir(path: str | Path) -> OutputDirState:
+    """``train.output_dir`` -> what it holds; an absent directory holds nothing. Only reads."""
+    out = Path(path)
+    if not out.is_dir():
+        return OutputDirState(str(out))
+    complete, incomplete = [], []
+    found = [(int(p.name.removeprefix("checkpoint-")), p) for p in out.glob("checkpoint-*")
+             if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()]
+    for step, p in sorted(found):
+        (complete if _readable_json(p / "trainer_state.json") is not None else incomplete).append((step, p.name))
+    marker = out / COMPLETE_MARKER
+    finished_step = None
+    if marker.is_file():
+        finished_step = (_readable_json(marker) or {}).get("global_step", -1)
+    return OutputDirState(str(out), tuple(s for s, _ in complete), tuple(n for _, n in incomplete), finished_step,
+                          (out / "adapter_config.json").is_file(), _readable_json(out / FINGERPRINT_FILE))
+
+
+def _readable_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def last_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest complete ``checkpoint-N`` in ``output_dir``, or None (cut-short ones skipped, with a warning)."""
+    state = read_output_dir(output_dir)
+    newer = [name for name in state.incomplete
+             if not state.checkpoints or int(name.removeprefix("checkpoint-")) > state.checkpoints[-1]]
+    for name in reversed(newer):
+        log.warning("skipping incomplete checkpoint %s (no readable trainer_state.json)", Path(output_dir) / name)
+    return state.checkpoint(state.checkpoints[-1]) if state.checkpoints else None
+
+
+# --- the decision ---
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the run does: ``start`` at step 0, ``resume`` from ``checkpoint``, or ``refuse`` (``line`` says why and
+    what to do). ``clear``: remove the run found in the directory first (``--overwrite``)."""
+
+    action: Action
+    line: str
+    checkpoint: str | None = None
+    clear: bool = False
+    remove: tuple[str, ...] = field(default=())  # cut-short checkpoint folders to remove before training
+
+
+def decide(state: OutputDirState, now: dict, *, resume: str, overwrite: bool) -> Decision:
+    """The directory's state, this run's fingerprint (``run_fingerprint``), ``train.resume_from_checkpoint``
+    (``auto`` or a checkpoint path) and ``--overwrite`` -> what to do (the rule in the module doc)."""
+    out = state.path
+    if resume != "auto":  # a checkpoint path, resumed as asked
+        if overwrite and _inside(resume, out):
+            return Decision("refuse", f"--overwrite would remove {resume}, the checkpoint "
+                            "train.resume_from_checkpoint names: drop one of the two")
+        return Decision("resume", f"resuming from {resume} (train.resume_from_checkpoint)", resume, clear=overwrite)
+    if overwrite:
+        line = f"--overwrite: removing {_describe(state)} in {out}; starting at step 0" if state.holds_a_run \
+            else "starting at step 0"
+        return Decision("start", line, clear=True)
+    if state.finished:
+        step = f" (step {state.finished_step})" if state.finished_step not in (None, -1) else ""
+        return Decision("refuse", f"{out} holds a finished run{step}: train into another train.output_dir, or add "
+                        "--overwrite to train again from step 0 (removes its checkpoints and adapter)")
+    if not state.checkpoints:
+        note = f" ({', '.join(state.incomplete)} cut short, removed)" if state.incomplete else ""
+        return Decision("start", f"starting at step 0{note}", remove=state.incomplete)
+    newest = f"checkpoint-{state.checkpoints[-1]}"
+    if state.saved is None:
+        return Decision("refuse", f"{out} holds checkpoints (up to {newest}) of a run whose config was not recorded "
+                        f"(no {FINGERPRINT_FILE}): resume one with train.resume_from_checkpoint: "
+                        f"{state.checkpoint(state.checkpoints[-1])}, or add --overwrite to start over (removes them)")
+    if state.saved.get("fingerprint") != now["fingerprint"]:
+        return Decision("refuse", f"{out} holds checkpoints (up to {newest}) of another config "
+                        f"({_config_difference(state.saved.get('config'), now['config'])}): train into another "
+                        "train.output_dir, run that config to resume them, or add --overwrite to start over "
+                        "(removes them)")
+    step = state.checkpoints[-1]
+    return Decision("resume", f"resuming from {newest} (step {step}) in {out}: the same config as its "
+                    f"checkpoints (fingerprint {now['fingerprint'][:12]})", state.checkpoint(step),
+                    remove=tuple(n for n in state.incomplete if int(n.removeprefix("checkpoint-")) > step))
+
+
+def _inside(path: str, directory: str) -> bool:
+    return os.path.commonpath([os.path.abspath(path), os.path.abspath(directory)]) == os.path.abspath(directory)
+
+
+def _describe(state: OutputDirState) -> str:
+    parts = []
+    if state.finished:
+        parts.append("a finished run")
+    if state.checkpoints or state.incomplete:
+        steps = [f"checkpoint-{s}" for s in state.checkpoints] + list(state.incomplete)
+        parts.append(", ".join(sorted(steps, key=lambda n: int(n.removeprefix("checkpoint-")))))
+    if state.adapter and not state.finished:
+        parts.append("an earlier run's adapter")
+    return " and ".join(parts)
+
+
+def _config_difference(saved: dict | None, now: dict) -> str:
+    """The first differing key path, ``"train.learning_rate: 0.0002 there, 0.001 now"`` (+ how many more)."""
+    from qlora_train.data.prepared import differing_keys
+
+    if not isinstance(saved, dict):
+        return "its fingerprint differs"
+    lines = differing_keys(saved, now, then="there")
+    if not lines:
+        return "its fingerprint differs"
+    more = f"; {len(lines) - 1} more" if len(lines) > 1 else ""
+    return f"{lines[0]}{more}"
+
+
+# --- acting on it ---
+
+
+def prepare_output_dir(decision: Decision, now: dict, out: Path) -> None:
+    """Rank 0, before training: remove what the decision says (the run found, with ``--overwrite``; cut-short
+    checkpoints), and record this run's fingerprint (``run_fingerprint.json``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if decision.clear:
+        for path in out.glob("checkpoint-*"):
+            if path.is_dir() and path.name.removeprefix("checkpoint-").isdigit():
+                shutil.rmtree(path)
+        shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
+        for name in FINAL_RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+    for name in decision.remove:
+        shutil.rmtree(out / name, ignore_errors=True)
+    (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so
+    from qlora_train.files import write_atomic
+
+    write_atomic(out / FINGERPRINT_FILE, json.dumps(now, indent=1, ensure_ascii=False))
+
+
+def agree(decision: Decision) -> Decision:
+    """Under ``torchrun`` every rank takes rank 0's decision (its view of the directory), so that all start, resume
+    from the same checkpoint, or refuse together; one process: unchanged."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return decision
+    box = [decision]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
