@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from qlora_train.cli import main
 from qlora_train.config import load_config
 from qlora_train.data import DataConfig, process_rows
 from qlora_train.masking.tokenize import IGNORE_INDEX
+from qlora_train.train import run
 from qlora_train.train.run import train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,16 +124,48 @@ def reference_run(tmp_path_factory, tiny_model_dir):
     return train(load_config(write_config(tmp_path_factory.mktemp("ref"), tiny_model_dir, max_steps=6)))
 
 
-def test_resume_auto_continues_from_last_checkpoint(tmp_path, tiny_model_dir, reference_run):
-    ref = reference_run
-    cfg_path = write_config(tmp_path / "run", tiny_model_dir, max_steps=6, resume_from_checkpoint="auto")
+def test_a_killed_run_resumes_with_the_same_command_and_a_finished_one_is_refused(tmp_path, tiny_model_dir,
+                                                                                 reference_run, monkeypatch, capsys,
+                                                                                 caplog):
+    """No resume key (the default): killed in step 3 after its step-2 checkpoint, with a checkpoint-4 cut short
+    (no trainer_state.json, as a kill while saving leaves it), the same command again resumes at step 2, says so in
+    one line, trains 4 steps and logs the uninterrupted run's losses. Then the same command is refused (a finished
+    run), and --overwrite trains again from step 0. Another config's checkpoints are refused too."""
+    caplog.set_level(logging.INFO, logger="qlora_train")
+    cfg_path, out = str(write_config(tmp_path, tiny_model_dir, max_steps=6)), tmp_path / "out"
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(load_config(cfg_path), callbacks=[CrashAt(3)])
-    out = tmp_path / "run" / "out"
-    assert (out / "checkpoint-2").is_dir() and not (out / "adapter_model.safetensors").exists()
-    resumed = train(load_config(cfg_path))
-    assert resumed.state.global_step == 6
-    assert_losses_continue(ref, resumed, steps=(3, 4, 5, 6))
+    shutil.copytree(out / "checkpoint-2", out / "checkpoint-4", ignore=shutil.ignore_patterns("trainer_state.json"))
+    capsys.readouterr()
+    assert main(["--config", cfg_path, "--set", "train.learning_rate=0.001"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {out} holds checkpoints (up to checkpoint-2) of another config (train.learning_rate: 0.005 there, "
+        "0.001 now): train into another train.output_dir, run that config to resume them, or add --overwrite to "
+        "start over (removes them)"]
+
+    steps, real_train = CountSteps(), run.train
+    monkeypatch.setattr(run, "train", lambda cfg, **kw: real_train(cfg, callbacks=[steps], **kw))
+    assert main(["--config", cfg_path]) == 0  # the same command
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming from")]
+    fingerprint = json.loads((out / "run_fingerprint.json").read_text())["fingerprint"]
+    assert said == [f"resuming from checkpoint-2 (step 2) in {out}: the same config as its checkpoints "
+                    f"(fingerprint {fingerprint[:12]})"]
+    assert steps.count == 4  # steps 3 to 6, not started over
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    resumed = {h["step"]: h["loss"] for h in history if "loss" in h}
+    assert resumed == pytest.approx(losses(reference_run), rel=1e-3)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert (out / "checkpoint-4" / "trainer_state.json").is_file()  # the cut-short one was removed, then saved
+
+    capsys.readouterr()
+    assert main(["--config", cfg_path]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {out} holds a finished run (step 6): train into another train.output_dir, or add --overwrite to "
+        "train again from step 0 (removes its checkpoints and adapter)"]
+    assert main(["--config", cfg_path, "--overwrite", "--set", "train.max_steps=2"]) == 0
+    assert steps.count == 4 + 2
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert json.loads((out / "training_complete.json").read_text())["global_step"] == 2
 
 
 def losses(trainer) -> dict[int, float]:
