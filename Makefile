@@ -79,6 +79,10 @@ demo: $(TINY)/config.json
 docs:
 	$(PYTHON) -m qlora_train.config > docs/config.md
 
-# preference training (DPO) on the bundled pairs, starting from the SFT demo's adapter (outputs/quickstart)
-demo-dpo: demo
+# preference training (DPO) on the bundled pairs, starting from the SFT demo's adapter (outputs/quickstart); the SFT
+# demo runs only when its run has not finished (training again into a finished run's directory is refused)
+demo-dpo: outputs/quickstart/training_complete.json
 	qlora-train --config configs/quickstart-dpo.yaml
+
+outputs/quickstart/training_complete.json: $(TINY)/config.json
+	qlora-train --config configs/quickstart.yaml

@@ -241,7 +241,6 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
     out = Path(cfg.train.output_dir)
     main = is_main_process()
     runtime = resolve_runtime(cfg)
-    log.info(runtime.note)
     has_eval = cfg.data.eval_fraction > 0 or bool(cfg.data.eval_datasets)
     check_distributed_setup(cfg, runtime)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
@@ -250,6 +249,7 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
                          overwrite=overwrite))  # every rank takes rank 0's view of the directory
     if start.action == "refuse":
         raise UsageError(start.line)
+    log.info(runtime.note)
     log.info(start.line)
     if cfg.train.packing:
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
