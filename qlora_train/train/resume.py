@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -149,7 +149,7 @@ class Decision:
     line: str
     checkpoint: str | None = None
     clear: bool = False
-    remove: tuple[str, ...] = field(default=())  # cut-short checkpoint folders to remove before training
+    remove: tuple[str, ...] = ()  # cut-short checkpoint folders to remove before training
 
 
 def decide(state: OutputDirState, now: dict, *, resume: str, overwrite: bool) -> Decision:

@@ -234,7 +234,7 @@ class Pace(TrainerCallback):
             time.sleep(3)
 
 real_train = run.train
-run.train = lambda cfg, callbacks=None: real_train(cfg, callbacks=[Pace()])
+run.train = lambda cfg, **kw: real_train(cfg, callbacks=[Pace()], **kw)
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -195,7 +195,7 @@ class Pace(TrainerCallback):
             time.sleep(3)
 
 real_train = run.train
-run.train = lambda cfg, callbacks=None: real_train(cfg, callbacks=[Pace()])
+run.train = lambda cfg, **kw: real_train(cfg, callbacks=[Pace()], **kw)
 sys.exit(main(["--config", sys.argv[1]]))
 """
 
