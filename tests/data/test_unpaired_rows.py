@@ -210,3 +210,30 @@ def test_config_refusals(tmp_path, tree, message):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert message in str(err.value)
+
+
+def test_stats_only_and_debug_samples_on_unpaired_rows_through_the_cli(tmp_path, qwen_tokenizer_dir, capsys):
+    """Tokenizer only, no weights: the report counts the labels; each sample is headed with its label and shows only
+    the completion trained."""
+    import yaml
+
+    from qlora_train.cli import main
+
+    rows = write_rows(tmp_path / "kto.jsonl", [json.dumps(r) for r in GOOD] + [line for line, _ in BAD])
+    cfg = {"model": {"name_or_path": str(qwen_tokenizer_dir), "chat_template": "qwen3"},
+           "data": {"datasets": [{"path": str(rows)}], "max_length": 256, "dedup": True,
+                    "cache_dir": str(tmp_path / "hf-cache")},
+           "train": {"method": "kto", "per_device_train_batch_size": 2, "output_dir": str(tmp_path / "out"),
+                     "report_to": "none"}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "stats"
+    assert main(["--config", str(path), "--stats-only", "--debug-samples", "2", "--stats-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for line in ("rows in 10, kept 5, dropped 5", "--- row 0 ", "desirable completion: tokens ",
+                 "--- row 1 ", "undesirable completion: tokens ", "Jupiter.<|im_end|>\u27e7",
+                 "<|im_start|>user\nName the largest planet.<|im_end|>\n<|im_start|>assistant\n\u27e6<think>"):
+        assert line in printed, line
+    assert "\u27e6Name the largest" not in printed and "\u27e6<|im_start|>user" not in printed
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["overall"]["rows_kept"] == 5
