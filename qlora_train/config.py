@@ -456,7 +456,7 @@ class TrainConfig(_Section):
         "undesirable_weight, balances unequal counts of the two labels (the KTO paper keeps desirable_weight x "
         "desirable rows / (undesirable_weight x undesirable rows) between 1 and 4/3).",
     )
-    undesirable_weight: float = Field(1.0, gt=0, description="kto: weight of an undesirable row's loss."),
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: weight of an undesirable row's loss.")
     distributed: Distributed = Field(
         "ddp", description="Several processes (`torchrun`, `accelerate launch`): `ddp`, each holds the whole "
         "model; `fsdp`, torch FSDP2 through accelerate, each holds 1/N of the 4-bit weights, for models larger "

@@ -184,6 +184,13 @@ def config(tmp_path, **train) -> dict:
             "train": {"method": "kto", "per_device_train_batch_size": 2, **train}}
 
 
+def test_the_kto_keys_default_to_one_and_every_config_saves():
+    """Every run writes its resolved config (``model_dump``): the defaults must be plain values."""
+    cfg = Config.model_validate({"model": {"name_or_path": "org/model"}})
+    assert (cfg.train.desirable_weight, cfg.train.undesirable_weight) == (1.0, 1.0)
+    assert cfg.model_dump(mode="json")["train"]["undesirable_weight"] == 1.0
+
+
 def test_config_method_kto_reads_unpaired_rows(tmp_path):
     cfg = Config.model_validate(config(tmp_path, desirable_weight=1.33, undesirable_weight=1.0))
     assert cfg.data.objective == "unpaired" and cfg.train.desirable_weight == 1.33
