@@ -30,7 +30,7 @@ def test_the_shipped_kto_quickstart_trains_through_the_cli_and_from_preprocessed
     prepared = tmp_path / "prepared"
     common = ["--config", str(CONFIG), "--set", f"model.name_or_path={tiny_model_dir}",
               "--set", "model.adapter_path=null", "--set", "train.max_steps=2", "--set", "train.save_steps=2",
-              "--set", "train.eval_steps=2"]
+              "--set", "train.eval_steps=2", "--set", "train.logging_steps=1"]
     assert main([*common, "--set", f"train.output_dir={tmp_path / 'raw'}"]) == 0
     assert "labels (kept): 18 desirable, 18 undesirable" in capsys.readouterr().out
     assert main([*common, "--set", f"train.output_dir={tmp_path / 'p'}", "--preprocess", "--preprocess-dir",
@@ -56,7 +56,8 @@ def kto_config(tmp_path, tiny_model_dir, *overrides: str):
     """The shipped KTO quickstart on the tiny model from a fresh adapter, 4 steps, a checkpoint every 2."""
     return load_config(CONFIG, [
         f"model.name_or_path={tiny_model_dir}", "model.adapter_path=null", f"train.output_dir={tmp_path / 'out'}",
-        "train.max_steps=4", "train.save_steps=2", "train.eval_steps=100", "data.eval_fraction=0.0", *overrides])
+        "train.max_steps=4", "train.save_steps=2", "train.eval_steps=100", "data.eval_fraction=0.0",
+        "train.logging_steps=1", *overrides])
 
 
 def test_a_kto_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_adapter(tmp_path, tiny_model_dir,
