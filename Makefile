@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo docs vocab audit audit-pairs
+.PHONY: install browser test test-fast lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -86,3 +86,8 @@ demo-dpo: outputs/quickstart/training_complete.json
 
 outputs/quickstart/training_complete.json: $(TINY)/config.json
 	qlora-train --config configs/quickstart.yaml
+
+# KTO on the bundled unpaired rows (prompt, completion, label), starting from the SFT demo's adapter (the SFT demo
+# runs first only when its run has not finished)
+demo-kto: outputs/quickstart/training_complete.json
+	qlora-train --config configs/quickstart-kto.yaml

@@ -32,9 +32,11 @@ SchemaName = Literal["auto", "messages", "sharegpt", "prompt_response", "alpaca"
                      "text", "completion"]
 SCHEMAS = get_args(SchemaName)
 MaskRule = Literal["train", "mask"]
-Objective = Literal["sft", "preference"]  # data.objective: what a row is
+Objective = Literal["sft", "preference", "unpaired"]  # data.objective: what a row is
 RuleCheckMode = Literal["off", "sample", "all"]  # data.rule_check: rows also masked by the rule and compared
-TrainMethod = Literal["sft", "dpo", "orpo"]  # train.method; dpo and orpo train on preference pairs
+TrainMethod = Literal["sft", "dpo", "orpo", "kto"]  # train.method; dpo and orpo train on pairs, kto on unpaired rows
+# train.method -> the data.objective it trains on
+METHOD_OBJECTIVE = {"sft": "sft", "dpo": "preference", "orpo": "preference", "kto": "unpaired"}
 DpoLoss = Literal["sigmoid", "robust", "ipo"]  # train.dpo_loss
 Distributed = Literal["ddp", "fsdp"]  # train.distributed
 QuantStorage = Literal["auto", "uint8", "bfloat16", "float16", "float32"]  # model.bnb_4bit_quant_storage
@@ -116,20 +118,24 @@ class DataConfig(_Section):
     objective: Objective = Field(
         "sft", description="What a row is: `sft`, a conversation (or template-free row) to imitate; `preference`, "
         "a pair of responses to one prompt (`chosen`/`rejected` in any of the formats of docs/preference.md), "
-        "each side rendered and masked as SFT would, both sides sharing the prompt. Applies to every source.",
+        "each side rendered and masked as SFT would, both sides sharing the prompt; `unpaired`, a prompt, one "
+        "completion and its `label` (KTO, docs/preference.md#kto-unpaired-rows), the completion trained. Applies to "
+        "every source; `train.method` sets it.",
     )
     min_score_margin: float | None = Field(
         None, description="With `objective: preference`: drop pairs whose `score_chosen - score_rejected` is below "
         "this (reason `below_score_margin`, also pairs without both scores).",
     )
     max_prompt_length: int | None = Field(
-        None, ge=1, description="With `objective: preference`: the shared prompt's limit in tokens: middle prompt "
-        "exchanges dropped, then its rendered reasoning trimmed, to fit; a prompt still over it is `too_long`.",
+        None, ge=1, description="With `objective: preference` or `unpaired`: the prompt's limit in tokens: middle "
+        "prompt exchanges dropped (for a pair, then its rendered reasoning trimmed) to fit; a prompt still over it is "
+        "`too_long`.",
     )
     max_response_length: int | None = Field(
-        None, ge=1, description="With `objective: preference`: each response's limit in tokens (after its "
-        "reasoning is trimmed); a longer one is cut at the token level, losing its end (counted: `responses cut`), "
-        "and so is one that would not otherwise fit `max_length`. Unset: such a pair is `too_long`, never cut.",
+        None, ge=1, description="With `objective: preference` or `unpaired`: each response's (completion's) limit in "
+        "tokens (for a pair, after its reasoning is trimmed); a longer one is cut at the token level, losing its end "
+        "(counted: `responses cut`), and so is one that would not otherwise fit `max_length`. Unset: such a row is "
+        "`too_long`, never cut.",
     )
     eval_datasets: list[DatasetSource] = Field(
         default_factory=list, description="Evaluation sources (instead of `eval_fraction`), concatenated."
@@ -268,13 +274,18 @@ class DataConfig(_Section):
 
     def check_objective_keys(self) -> None:
         """Keys that apply to one objective only, checked once ``objective`` is decided."""
-        if self.objective == "preference" and (self.dataset_schema != "auto" or any(
+        if self.objective != "sft" and (self.dataset_schema != "auto" or any(
                 s.dataset_schema not in (None, "auto") for s in self.datasets + self.eval_datasets)):
-            raise ValueError("dataset_schema: names an SFT row schema, but with objective: preference every row is "
-                             "read as a pair (docs/preference.md formats): leave dataset_schema unset")
-        for key in ("min_score_margin", "max_prompt_length", "max_response_length"):
-            if getattr(self, key) is not None and self.objective != "preference":
-                raise ValueError(f"{key}: applies to preference pairs; set objective: preference (or unset it)")
+            raise ValueError(f"dataset_schema: names an SFT row schema, but with objective: {self.objective} every "
+                             "row is read as a preference row (docs/preference.md formats): leave dataset_schema "
+                             "unset")
+        if self.min_score_margin is not None and self.objective != "preference":
+            raise ValueError("min_score_margin: applies to preference pairs; set objective: preference (or unset "
+                             "it)")
+        for key in ("max_prompt_length", "max_response_length"):
+            if getattr(self, key) is not None and self.objective == "sft":
+                raise ValueError(f"{key}: applies to preference pairs and unpaired rows; set objective: preference "
+                                 "or unpaired (or unset it)")
 
 
 class ModelConfig(_Section):
@@ -424,10 +435,13 @@ class TrainConfig(_Section):
     method: TrainMethod = Field(
         "sft", description="`sft`: supervised fine-tuning on chat rows; `dpo` (DPO / IPO, needs a reference: "
         "where training starts) or `orpo` (reference-free): preference training on pairs, each step one "
-        "`[2 x batch, length]` batch of chosen and rejected rows (docs/preference.md#training).",
+        "`[2 x batch, length]` batch of chosen and rejected rows (docs/preference.md#training); `kto` (KTO, "
+        "Ethayarajh et al.; needs a reference): unpaired rows, each a completion labelled desirable or not, the KL "
+        "term estimated from the batch's prompts paired with other rows' completions "
+        "(docs/preference.md#kto-unpaired-rows).",
     )
     beta: float = Field(
-        0.1, gt=0, description="dpo: the DPO/IPO temperature beta (how far the policy may move from the reference).",
+        0.1, gt=0, description="dpo, kto: the temperature beta (how far the policy may move from the reference).",
     )
     dpo_loss: DpoLoss = Field(
         "sigmoid", description="dpo: `sigmoid` (DPO, Rafailov et al.; with `label_smoothing`, conservative DPO), "
@@ -441,6 +455,12 @@ class TrainConfig(_Section):
     orpo_lambda: float = Field(
         0.1, gt=0, description="orpo: weight of the odds-ratio term beside the NLL of the chosen response.",
     )
+    desirable_weight: float = Field(
+        1.0, gt=0, description="kto: weight of a desirable row's loss (TRL's `desirable_weight`); with "
+        "undesirable_weight, balances unequal counts of the two labels (the KTO paper keeps desirable_weight x "
+        "desirable rows / (undesirable_weight x undesirable rows) between 1 and 4/3).",
+    )
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: weight of an undesirable row's loss.")
     distributed: Distributed = Field(
         "ddp", description="Several processes (`torchrun`, `accelerate launch`): `ddp`, each holds the whole "
         "model; `fsdp`, torch FSDP2 through accelerate, each holds 1/N of the 4-bit weights, for models larger "
@@ -480,6 +500,12 @@ class TrainConfig(_Section):
                              "they come); set group_by_length: false")
         if self.fsdp_cpu_offload and self.distributed != "fsdp":
             raise ValueError("fsdp_cpu_offload: needs distributed: fsdp")
+        if self.method == "kto" and self.per_device_train_batch_size < 2:
+            raise ValueError("per_device_train_batch_size: method: kto estimates its KL term from each row's prompt "
+                             "paired with another row's completion in the same batch; set at least 2")
+        for key in ("desirable_weight", "undesirable_weight"):
+            if key in self.model_fields_set and self.method != "kto":
+                raise ValueError(f"{key}: applies to method: kto; remove it")
         if self.label_smoothing and (self.method != "dpo" or self.dpo_loss == "ipo"):
             raise ValueError("label_smoothing: applies to method: dpo with dpo_loss: sigmoid or robust only; "
                              "set it to 0")
@@ -497,25 +523,28 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check(self) -> Config:
         if self.model.adapter_path and self.train.method == "sft":
-            raise ValueError("model.adapter_path: starts preference training (train.method: dpo or orpo); "
+            raise ValueError("model.adapter_path: starts preference training (train.method: dpo, orpo or kto); "
                              "an SFT run starts a fresh adapter, remove the key")
         if self.train.distributed == "fsdp" and self.model.load_in_8bit:
             raise ValueError("model.load_in_8bit: FSDP cannot shard 8-bit weights; use load_in_4bit: true "
                              "(or train.distributed: ddp)")
-        pairs = self.train.method != "sft"
-        if pairs and self.data.objective == "sft":
+        wanted = METHOD_OBJECTIVE[self.train.method]
+        if wanted != "sft" and self.data.objective != wanted:
             if "objective" in self.data.model_fields_set:
-                raise ValueError(f"data.objective: train.method: {self.train.method} trains on preference pairs; "
-                                 "set data.objective: preference (or leave it out)")
-            self.data.objective = "preference"  # train.method decides what a row is
+                what = "preference pairs" if wanted == "preference" else "unpaired rows (prompt, completion, label)"
+                raise ValueError(f"data.objective: train.method: {self.train.method} trains on {what}; set "
+                                 f"data.objective: {wanted} (or leave it out)")
+            self.data.objective = wanted  # train.method decides what a row is
         try:
             self.data.check_objective_keys()
         except ValueError as err:
             raise ValueError(f"data.{err}") from None
-        if self.data.objective == "preference" and (self.train.packing or self.train.group_by_length):
+        if self.data.objective != "sft" and (self.train.packing or self.train.group_by_length):
             key = "packing" if self.train.packing else "group_by_length"
-            raise ValueError(f"train.{key}: preference pairs are batched as two whole padded rows each (chosen and "
-                             f"rejected sharing a prompt): set train.{key}: false for data.objective: preference")
+            how = ("preference pairs are batched as two whole padded rows each (chosen and rejected sharing a "
+                   "prompt)" if self.data.objective == "preference" else "unpaired rows are batched as whole padded "
+                   "rows (each beside the rows its KL term borrows a completion from)")
+            raise ValueError(f"train.{key}: {how}: set train.{key}: false for data.objective: {self.data.objective}")
         return self
 
     @property

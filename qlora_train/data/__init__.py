@@ -27,9 +27,13 @@ processed row whose columns ``processed.PROCESSED_ROW`` defines)::
     pairs.fit_pair                    both sides within max_length (and max_prompt_length / max_response_length):
                                       middle prompt exchanges dropped, reasoning trimmed (truncate's), a response
                                       cut only with max_response_length
+    unpaired.canonicalize_unpaired    an unpaired row (KTO) -> prompt, completion Messages and its label
+    unpaired.fit_unpaired             prompt + completion -> one sequence, a pair side's render, walk and labels,
+                                      within max_length (middle prompt exchanges dropped, max_response_length cut)
     pipeline.process_rows             stages 1-4 for a batch of rows -> processed rows (processed.PROCESSED_ROW);
                                       with data.objective: preference, each row a pair (canonicalize_pair,
-                                      check_score_margin, fit_pair) -> the chosen_* / rejected_* columns
+                                      check_score_margin, fit_pair) -> the chosen_* / rejected_* columns; with
+                                      unpaired, each row one sequence (fit_unpaired) with prompt_length, desirable
     dataset.build_datasets            per-source processing, dedup, blocks, eval split, mixing, report
     packing.pack_dataset              optional: whole examples into max_length sequences (best fit decreasing)
     prepared.training_data            what training feeds: the above (+ packing), or read back from --preprocess

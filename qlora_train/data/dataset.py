@@ -59,6 +59,7 @@ class EmptyDatasetError(DataError):
 @dataclass
 class DatasetReport:
     objective: str = "sft"  # data.objective; with preference a row is a pair and its tokens are both sides'
+    desirable_rows: int = 0  # objective unpaired (KTO): kept rows labelled desirable; the others undesirable
     rows_in: int = 0
     rows_kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
@@ -116,7 +117,13 @@ class DatasetReport:
                 f"->{self.rows_per_source_after_mixing.get(src, 0)} rows" for src in self.mixing_weights))
         if self.text_blocks_added:
             out.append(f"long texts cut into blocks: {self.text_blocks_added} extra blocks")
-        if self.objective == "preference":
+        if self.objective == "unpaired":
+            out.append(f"labels (kept): {self.desirable_rows} desirable, {self.rows_kept - self.desirable_rows} "
+                       "undesirable")
+            if self.rows_turns_dropped or self.rows_token_fallback:
+                out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} rows, "
+                           f"completions cut (data.max_response_length) in {sum(self.rows_token_fallback.values())}")
+        elif self.objective == "preference":
             if self.rows_turns_dropped or self.rows_reasoning_trimmed or self.rows_token_fallback:
                 out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} pairs, "
                            f"reasoning trimmed in {self.rows_reasoning_trimmed}, responses cut "
@@ -246,6 +253,7 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
     kept = [not r for r in cols["drop_reason"]]
     report.expanded_tokens = sum(n for n, k in zip(cols["expanded_tokens"], kept) if k)
     report.expanded_trained_tokens = sum(n for n, k in zip(cols["expanded_trained_tokens"], kept) if k)
+    report.desirable_rows = sum(n for n, k in zip(cols.get("desirable", ()), kept) if k)
     return report
 
 
@@ -489,8 +497,8 @@ def datasets_from_processed(processed: datasets.Dataset, cfg: DataConfig, tokeni
         split = kept.train_test_split(test_size=cfg.eval_fraction, seed=cfg.shuffle_seed)
         kept, eval_ds = split["train"], split["test"]
     # examples and blocks after the split, so that one conversation or long text never lands on both sides
-    # (pairs have neither: their num_tokens count both sides, each within max_length already)
-    pairs = cfg.objective == "preference"
+    # (pairs and unpaired rows have neither: a pair's num_tokens count both sides, each within max_length already)
+    pairs = cfg.objective != "sft"
     kept, _ = explode_examples(kept)
     if not pairs:
         kept, report.text_blocks_added = split_long_texts(kept, cfg.max_length)

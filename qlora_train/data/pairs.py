@@ -106,7 +106,7 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
     reasoning keys, inline think blocks, tool calls, ``think_mode``); tools through ``parse.row_tools``. A
     ``system`` string column opens the prompt unless the prompt has a system message. ``score_chosen`` /
     ``score_rejected`` (numbers) are kept. A row with ``completion`` and ``label`` and no pair (KTO's unpaired
-    form) is refused as ``unpaired_preference``.
+    form, ``unpaired.canonicalize_unpaired``) is refused as ``unpaired_preference``.
     """
     cfg = cfg or DataConfig()
     if not isinstance(row, dict):
@@ -116,9 +116,9 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
     present = [side for side in SIDES if row.get(side) is not None]
     if len(present) < 2:
         if "completion" in row and "label" in row:
-            raise RowRejected(DropReason.UNPAIRED_PREFERENCE, "an unpaired preference row (KTO: prompt, completion, "
-                              "label) is not supported: preference training needs a chosen and a rejected response "
-                              "to the same prompt")
+            raise RowRejected(DropReason.UNPAIRED_PREFERENCE, "an unpaired preference row (prompt, completion, "
+                              "label): train.method: kto trains it (data.objective: unpaired); dpo and orpo need a "
+                              "chosen and a rejected response to the same prompt")
         raise RowRejected(DropReason.PAIR_MISSING_SIDE, f"a preference row needs 'chosen' and 'rejected'; it has "
                           f"{' and '.join(present) or 'neither'} (keys {sorted(row)[:8]})")
 
@@ -222,30 +222,41 @@ def _score(row: dict, key: str) -> float | None:
 
 
 def check_pair(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> None:
-    """The shape of a pair, before any render: a prompt that ends with a user turn or a tool result; two responses
-    that differ, each opening with an assistant turn, holding only assistant turns and tool results, ending with
-    an assistant turn, none of them empty. Raises ``RowRejected`` naming the side and message."""
+    """The shape of a pair, before any render: a prompt that ends with a user turn or a tool result
+    (``check_prompt``); two responses that differ, each of the shape ``check_response`` checks. Raises
+    ``RowRejected`` naming the side and message."""
+    check_prompt(prompt)
+    for side, response in zip(SIDES, (chosen, rejected)):
+        check_response(side, response)
+    if _unmarked(chosen) == _unmarked(rejected):
+        raise RowRejected(DropReason.PAIR_IDENTICAL, "chosen and rejected are the same response")
+
+
+def check_prompt(prompt: list[Message]) -> None:
+    """A prompt (of a pair, or of an unpaired row) must end with a user turn or a tool result."""
     if not prompt or prompt[-1]["role"] not in ("user", "tool"):
         last = f"ends with a {prompt[-1]['role']} message" if prompt else "is empty"
         raise RowRejected(DropReason.PAIR_BAD_PROMPT, f"the prompt {last}: it must end with a user turn (or a tool "
                           "result) for a response to answer")
-    for side, response in zip(SIDES, (chosen, rejected)):
-        if not response:
-            raise RowRejected(DropReason.PAIR_EMPTY_RESPONSE, f"{side}: no response")
-        for j, m in enumerate(response):
-            if m["role"] not in RESPONSE_ROLES:
-                raise RowRejected(DropReason.PAIR_BAD_RESPONSE, f"{side}[{j}]: a {m['role']!r} message inside the "
-                                  "response (a response holds assistant turns and tool results only)")
-            if m["role"] == "assistant" and not (m["content"].strip() or m.get("tool_calls")
-                                                 or m.get("reasoning_content")):
-                raise RowRejected(DropReason.PAIR_EMPTY_RESPONSE, f"{side}[{j}]: empty assistant turn")
-        if response[0]["role"] != "assistant" or response[-1]["role"] != "assistant":
-            where, role = (0, response[0]["role"]) if response[0]["role"] != "assistant" else (
-                len(response) - 1, response[-1]["role"])
-            raise RowRejected(DropReason.PAIR_BAD_RESPONSE, f"{side}[{where}]: the response must open and end with "
-                              f"an assistant turn, not a {role!r} message")
-    if _unmarked(chosen) == _unmarked(rejected):
-        raise RowRejected(DropReason.PAIR_IDENTICAL, "chosen and rejected are the same response")
+
+
+def check_response(side: str, response: list[Message]) -> None:
+    """A response (``side``: ``chosen``, ``rejected`` or an unpaired row's ``completion``) opens and ends with an
+    assistant turn, holds only assistant turns and tool results, and no empty assistant turn."""
+    if not response:
+        raise RowRejected(DropReason.PAIR_EMPTY_RESPONSE, f"{side}: no response")
+    for j, m in enumerate(response):
+        if m["role"] not in RESPONSE_ROLES:
+            raise RowRejected(DropReason.PAIR_BAD_RESPONSE, f"{side}[{j}]: a {m['role']!r} message inside the "
+                              "response (a response holds assistant turns and tool results only)")
+        if m["role"] == "assistant" and not (m["content"].strip() or m.get("tool_calls")
+                                             or m.get("reasoning_content")):
+            raise RowRejected(DropReason.PAIR_EMPTY_RESPONSE, f"{side}[{j}]: empty assistant turn")
+    if response[0]["role"] != "assistant" or response[-1]["role"] != "assistant":
+        where, role = (0, response[0]["role"]) if response[0]["role"] != "assistant" else (
+            len(response) - 1, response[-1]["role"])
+        raise RowRejected(DropReason.PAIR_BAD_RESPONSE, f"{side}[{where}]: the response must open and end with "
+                          f"an assistant turn, not a {role!r} message")
 
 
 def _unmarked(messages: list[Message]) -> list[dict]:

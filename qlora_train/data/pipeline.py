@@ -14,7 +14,10 @@ begins, ``masking.encode_rendered``) -> truncate (4) -> ``make_labels``;
 tokenize; ``pretokenized`` rows join at ``make_labels``. Plain ``text`` rows
 keep all their tokens here (``formats.split_into_blocks`` cuts them later).
 With ``data.objective: preference`` every row is a pair (``_pair_row``): the
-``chosen_*`` / ``rejected_*`` columns are written instead of the SFT ones.
+``chosen_*`` / ``rejected_*`` columns are written instead of the SFT ones. With
+``data.objective: unpaired`` (KTO) every row is a prompt, one completion and its
+label (``_unpaired_row``): the SFT columns hold its sequence, with ``prompt_length``
+and ``desirable``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from qlora_train.data.pairs import SIDES, canonicalize_pair, check_score_margin,
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
 from qlora_train.data.processed import OUTPUT_COLUMNS, empty_output
 from qlora_train.data.truncate import Measured, structured_truncate_messages
+from qlora_train.data.unpaired import canonicalize_unpaired, fit_unpaired
 from qlora_train.masking import (
     DISAGREE,
     IGNORE_INDEX,
@@ -239,11 +243,12 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     def refuse(i: int, rej: RowRejected) -> None:
         outs[i].update(drop_reason=rej.reason, drop_detail=f"{where[i]}: {rej.detail}", error_traceback=rej.traceback)
 
-    if cfg.objective == "preference":
+    if cfg.objective in ("preference", "unpaired"):
+        one_row = _pair_row if cfg.objective == "preference" else _unpaired_row
         for i, row in enumerate(rows):
             try:
-                _pair_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i], layout=layout,
-                          checked=checked(i, row))
+                one_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i], layout=layout,
+                        checked=checked(i, row))
             except RowRejected as rej:
                 refuse(i, rej)
         return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
@@ -350,6 +355,42 @@ def _pair_row(row, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict,
                num_tokens=sum(lengths.values()), num_trained_tokens=trained_tokens(ex),
                dropped_turns=fitted.dropped_turns, reasoning_trimmed_tokens=fitted.reasoning_trimmed_tokens,
                token_fallback=",".join(fitted.cut_sides), parse_report=_report_json(pair.report))
+
+
+def _unpaired_row(row, *, tokenizer, cfg: DataConfig, policy: LossPolicy, out: dict, layout, checked: bool = False
+                  ) -> None:
+    """A raw unpaired row (``data.objective: unpaired``, KTO) -> ``out`` filled with its sequence, or
+    ``RowRejected``.
+
+    ``unpaired.canonicalize_unpaired`` -> ``min_chars`` / ``max_chars`` over prompt and completion ->
+    ``unpaired.fit_unpaired`` (within ``max_length``, ``max_prompt_length``, ``max_response_length``). The SFT
+    columns hold the sequence (the completion trained); ``prompt_length`` its prompt's tokens, ``desirable`` its
+    label; ``dropped_turns`` the prompt exchanges dropped; ``token_fallback`` is ``"right"`` where the completion
+    was cut. ``checked`` (``data.rule_check`` selected it): the sequence is checked against the rule first."""
+    unpaired = guarded(canonicalize_unpaired, row, cfg, tokenizer=tokenizer)
+    out["parse_report"] = _report_json(unpaired.report)  # a row refused from here on is counted as parsed
+    _check_length(content_chars(unpaired.prompt + unpaired.completion), cfg)
+    check = guarded(rule_check.check_unpaired, unpaired, tokenizer, policy=policy, layout=layout) if checked else None
+    if check is not None:
+        rule_check.count(unpaired.report, check)
+        out["parse_report"] = _report_json(unpaired.report)
+        if check.outcome == DISAGREE:
+            raise rule_check.refusal(check)
+    if cfg.dedup:
+        out["content_hash"] = guarded(_hash, ["unpaired", unpaired.prompt, unpaired.completion, unpaired.desirable,
+                                              unpaired.tools])
+    fitted = guarded(fit_unpaired, unpaired, tokenizer, max_length=cfg.max_length, policy=policy,
+                     on_too_long=cfg.on_too_long, max_prompt_length=cfg.max_prompt_length,
+                     max_response_length=cfg.max_response_length)
+    ex = fitted.example
+    if ex["reasoning_dropped_turns"]:
+        unpaired.report.reasoning_dropped_rows = 1
+        unpaired.report.reasoning_dropped_turns = ex["reasoning_dropped_turns"]
+    out.update({key: ex[key] for key in ("input_ids", "attention_mask", "labels", "prompt_length")})
+    out.update(desirable=int(unpaired.desirable), num_tokens_before=fitted.tokens_before,
+               num_tokens=len(ex["input_ids"]), num_trained_tokens=len(ex["labels"]) - ex["labels"].count(IGNORE_INDEX),
+               dropped_turns=fitted.dropped_turns, token_fallback="right" if ex["cut"] else "",
+               parse_report=_report_json(unpaired.report))
 
 
 def _stage_chat_row(i: int, canon, rendered, tokenizer, policy: LossPolicy,

@@ -23,7 +23,10 @@ from itertools import chain
 from operator import methodcaller
 from typing import Any, NamedTuple
 
-MODEL, PAIR, REPORT, STATS, KEPT, EXPANDED = "model", "pair", "report", "stats", "kept", "expanded"
+MODEL, PAIR, UNPAIRED = "model", "pair", "unpaired"  # the model columns of each data.objective
+REPORT, STATS, KEPT, EXPANDED = "report", "stats", "kept", "expanded"
+# data.objective -> the reader of the columns the model is fed
+FED_BY_OBJECTIVE = {"sft": MODEL, "preference": PAIR, "unpaired": UNPAIRED}
 
 
 class Column(NamedTuple):
@@ -45,9 +48,9 @@ def _c(name: str, dtype: str, *readers: str, depth: int = 0, written_by: str = "
 
 
 PROCESSED_ROW: tuple[Column, ...] = (
-    _c("input_ids", "int32", MODEL, KEPT, depth=1),
-    _c("attention_mask", "int8", MODEL, KEPT, depth=1),
-    _c("labels", "int64", MODEL, KEPT, depth=1),
+    _c("input_ids", "int32", MODEL, UNPAIRED, KEPT, depth=1),
+    _c("attention_mask", "int8", MODEL, UNPAIRED, KEPT, depth=1),
+    _c("labels", "int64", MODEL, UNPAIRED, KEPT, depth=1),
     _c("drop_reason", "string", REPORT, STATS),  # a DropReason; "" for a kept row
     _c("drop_detail", "string", REPORT, STATS),  # the row's location and why
     _c("error_traceback", "string", REPORT),  # an unexpected exception's traceback (pipeline.guarded); else ""
@@ -72,9 +75,12 @@ PROCESSED_ROW: tuple[Column, ...] = (
     _c("chosen_labels", "int64", PAIR, KEPT, depth=1),
     _c("rejected_input_ids", "int32", PAIR, KEPT, depth=1),
     _c("rejected_labels", "int64", PAIR, KEPT, depth=1),
-    _c("prompt_length", "int64", PAIR, KEPT, STATS),  # tokens both sides share before the response
+    _c("prompt_length", "int64", PAIR, UNPAIRED, KEPT, STATS),  # tokens both sides share before the response
     _c("chosen_tokens", "int64", STATS),  # each side's length (after truncation)
     _c("rejected_tokens", "int64", STATS),
+    # an unpaired preference row (data.objective: unpaired, KTO): its one sequence in the SFT columns above (the
+    # completion trained), prompt_length the tokens before the completion, and its label: 1 desirable, 0 not
+    _c("desirable", "int8", UNPAIRED, KEPT, REPORT, STATS),
     _c("source", "string", STATS, KEPT, written_by="dataset"),  # index:path of its data.datasets entry
     _c("location", "string", written_by="dataset"),  # file:line
     _c("domain", "string", KEPT, written_by="dataset"),  # data.domain_key's value
@@ -89,19 +95,22 @@ def columns(reader: str | None = None, *, written_by: str | None = None) -> tupl
 
 def model_columns(objective: str = "sft") -> tuple[str, ...]:
     """What the model is fed (``data.objective``): ``input_ids``, ``attention_mask``, ``labels`` of an SFT example;
-    ``chosen_*``, ``rejected_*`` and ``prompt_length`` of a preference pair."""
-    return columns(PAIR if objective == "preference" else MODEL)
+    ``chosen_*``, ``rejected_*`` and ``prompt_length`` of a preference pair; an unpaired row's (KTO) sequence,
+    ``prompt_length`` and ``desirable``."""
+    return columns(FED_BY_OBJECTIVE[objective])
 
 
 def kept_columns(objective: str = "sft") -> tuple[str, ...]:
-    """What a kept row carries past the filter: ``KEPT`` columns less the other objective's model columns."""
-    other = set(model_columns("sft" if objective == "preference" else "preference"))
+    """What a kept row carries past the filter: ``KEPT`` columns less the other objectives' model columns."""
+    own = set(model_columns(objective))
+    other = {c for o in FED_BY_OBJECTIVE if o != objective for c in model_columns(o)} - own
     return tuple(c for c in columns(KEPT) if c not in other)
 
 
 OUTPUT_COLUMNS = columns(written_by="pipeline")
 MODEL_COLUMNS = model_columns("sft")
 PAIR_COLUMNS = model_columns("preference")
+UNPAIRED_COLUMNS = model_columns("unpaired")
 REPORT_COLUMNS = columns(REPORT)
 STATS_COLUMNS = columns(STATS)
 KEPT_COLUMNS = kept_columns("sft")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from qlora_train.config import DataConfig
 from qlora_train.data.pairs import SIDES, CanonicalPair, canonicalize_pair, mark_side, pair_policy
 from qlora_train.data.parse import ParseReport, canonicalize_row
+from qlora_train.data.unpaired import CanonicalUnpaired, canonicalize_unpaired
 from qlora_train.errors import QloraError
 from qlora_train.masking import (
     AGREE,
@@ -128,6 +129,19 @@ def check_pair(pair: CanonicalPair, tokenizer, *, policy: LossPolicy, layout: Te
     return worst(checks)
 
 
+def check_unpaired(row: CanonicalUnpaired, tokenizer, *, policy: LossPolicy, layout: TemplateLayout
+                   ) -> RuleCheck | None:
+    """An unpaired row's sequence, rendered as ``build_unpaired_example`` renders it -> its outcome; None where
+    the fast path refuses it (``fit_unpaired`` then refuses the row with that reason)."""
+    side_policy = pair_policy(policy)
+    messages = mark_side(row.prompt, row.completion, side_policy)
+    try:
+        rendered = render_conversation(messages, tokenizer, tools=row.tools, policy=side_policy, layout=layout)
+    except RowRejected:
+        return None
+    return check_with_rule(messages, rendered, tokenizer, tools=row.tools, policy=side_policy, layout=layout)
+
+
 def both_masks(row, tokenizer, cfg: DataConfig) -> list[tuple[str, Masked]]:
     """A row refused as ``mask_disagrees`` (as read, with its source's ``cfg``) -> its masks, ``(whose, tokens)``:
     by the layout, then by the rule, for the conversation (each side of a pair) where they differ: what
@@ -139,6 +153,10 @@ def both_masks(row, tokenizer, cfg: DataConfig) -> list[tuple[str, Masked]]:
         side_policy = pair_policy(policy)
         convs = [(f"{side} ", mark_side(pair.prompt, response, side_policy), pair.tools, side_policy)
                  for side, response in zip(SIDES, (pair.chosen, pair.rejected))]
+    elif cfg.objective == "unpaired":
+        unpaired = canonicalize_unpaired(row, cfg, tokenizer=tokenizer)
+        side_policy = pair_policy(policy)
+        convs = [("", mark_side(unpaired.prompt, unpaired.completion, side_policy), unpaired.tools, side_policy)]
     else:
         canon = canonicalize_row(row, cfg, tokenizer=tokenizer, policy=policy)
         convs = [("", canon.messages, canon.tools, policy)]

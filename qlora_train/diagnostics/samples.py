@@ -47,6 +47,7 @@ class Sample:
     side: str = ""  # a preference pair's side ("chosen", "rejected"): each is a sample of its own
     prompt_length: int = 0  # a side's tokens shared with the other side
     mask_by: str = ""  # a row refused as mask_disagrees: whose mask this is ("by the layout", "chosen by the rule")
+    label: str = ""  # an unpaired preference row (KTO): "desirable" or "undesirable"; prompt_length its prompt's
 
     @property
     def name(self) -> str:
@@ -138,6 +139,7 @@ def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig
             pieces=token_pieces(p["input_ids"], tokenizer), num_tokens_before=p["num_tokens_before"],
             truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"], p["token_fallback"]),
             drop_reason=p["drop_reason"], drop_detail=p["drop_detail"], raw=r["row"] or "", extras=len(extras),
+            **_unpaired_fields(p, data),
         ))
         if p["drop_reason"] == DropReason.MASK_DISAGREES and data is not None:
             out += [Sample(index=i, location=r["location"], source=r["source"], input_ids=m.input_ids,
@@ -149,6 +151,13 @@ def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig
                               pieces=token_pieces(ids, tokenizer), num_tokens_before=len(ids), truncation="none",
                               extra=k, extras=len(extras)))
     return out
+
+
+def _unpaired_fields(p: dict, data: DataConfig | None) -> dict:
+    """A kept unpaired row's (``data.objective: unpaired``) label and prompt length, for its summary line."""
+    if data is None or data.objective != "unpaired" or p["drop_reason"]:
+        return {}
+    return {"label": "desirable" if p["desirable"] else "undesirable", "prompt_length": p["prompt_length"]}
 
 
 def _both_masks(raw_row: dict, tokenizer, data: DataConfig) -> list:
@@ -178,6 +187,11 @@ def sample_summary(sample: Sample) -> str:
         return (f"tokens {len(sample.input_ids)}; trained {sample.num_trained}; extra example "
                 f"{sample.extra} of {sample.extras} (reasoning_history: expand): the conversation up to a turn whose "
                 "reasoning the full conversation's render drops")
+    if sample.label:
+        truncation = sample.truncation.replace("middle turns", "middle prompt exchanges")
+        return (f"{sample.label} completion: tokens {sample.num_tokens_before} before truncation, "
+                f"{len(sample.input_ids)} after, the first {sample.prompt_length} the prompt (never trained); trained "
+                f"{sample.num_trained}; truncation: {truncation}")
     line = (f"tokens {sample.num_tokens_before} before truncation, {len(sample.input_ids)} after; "
             f"trained {sample.num_trained}; truncation: {sample.truncation}")
     return line + (f"; {sample.extras} extra examples follow (reasoning_history: expand)" if sample.extras else "")

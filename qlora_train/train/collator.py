@@ -126,3 +126,39 @@ class PairCollator:
         rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
                 for side in PAIR_SIDES for f in features]
         return PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
+
+
+@dataclass
+class UnpairedCollator:
+    """Unpaired preference rows (KTO: ``input_ids``, ``labels``, ``prompt_length``, ``desirable``, as
+    ``build_unpaired_example`` makes them) -> one padded ``[2B, width]`` batch and ``desirable`` ``[B]`` bool: the B
+    rows first, then B mismatched rows for the KL estimate, row B + i being row i's prompt with row i - 1's
+    completion (row 0's with the last row's), its labels that completion's: TRL's shift of completions within a
+    batch (``KTOTrainer``'s ``KL_completion_ids``), made per batch here so that any sampler order works. A
+    mismatched row over ``max_length`` is cut on the right. Padding as ``PadCollator``'s.
+
+    >>> b = UnpairedCollator(0, pad_to_multiple_of=4)([
+    ...     {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "prompt_length": 1, "desirable": 1},
+    ...     {"input_ids": [8, 9, 4], "labels": [-100, -100, 4], "prompt_length": 2, "desirable": 0}])
+    >>> b["input_ids"].tolist(), b["labels"][2:].tolist(), b["desirable"].tolist()
+    ([[5, 6, 7, 0], [8, 9, 4, 0], [5, 4, 0, 0], [8, 9, 6, 7]], [[-100, 4, -100, -100], [-100, -100, 6, 7]], \
+[True, False])
+    """
+
+    pad_token_id: int
+    max_length: int | None = None
+    pad_to_multiple_of: int = 8
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features]
+        for i, f in enumerate(features):
+            other = features[i - 1]
+            p, q = f["prompt_length"], other["prompt_length"]
+            ids = list(f["input_ids"][:p]) + list(other["input_ids"][q:])
+            labels = [IGNORE_INDEX] * p + list(other["labels"][q:])
+            if self.max_length is not None:
+                ids, labels = ids[:self.max_length], labels[:self.max_length]
+            rows.append({"input_ids": ids, "labels": labels})
+        batch = PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
+        batch["desirable"] = torch.tensor([bool(f["desirable"]) for f in features])
+        return batch

@@ -27,10 +27,11 @@ from qlora_train.masking import IGNORE_INDEX
 
 BLANK = -1  # the index of the blank row: never one a sampler of the dataset yields
 
-# a blank row's value of each column a model or a collator reads (data.processed's MODEL and PAIR columns, and
+# a blank row's value of each column a model or a collator reads (data.processed's MODEL, PAIR and UNPAIRED columns, and
 # packing's): one token, attended to (so that attention over it is defined) and untrained
 _BLANK_VALUES = {"attention_mask": [1], "labels": [IGNORE_INDEX], "chosen_labels": [IGNORE_INDEX],
-                 "rejected_labels": [IGNORE_INDEX], "position_ids": [0], "seq_lens": [1], "prompt_length": 1}
+                 "rejected_labels": [IGNORE_INDEX], "position_ids": [0], "seq_lens": [1], "prompt_length": 1,
+                 "desirable": 0}
 
 
 def blank_row(columns, pad_token_id: int) -> dict:

@@ -162,7 +162,7 @@ def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOK
     elif gc:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
     if cfg.model.adapter_path:
-        model = start_from_adapter(model, cfg.model.adapter_path, with_reference=cfg.train.method == "dpo")
+        model = start_from_adapter(model, cfg.model.adapter_path, with_reference=cfg.train.method in ("dpo", "kto"))
     else:
         tokens = trainable_token_indices(model, new_tokens.ids) if new_tokens else None
         lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,

@@ -1,4 +1,4 @@
-"""Preference training (``train.method: dpo | orpo``) with the transformers ``Trainer``.
+"""Preference training (``train.method: dpo | orpo | kto``) with the transformers ``Trainer``.
 
 A step on a ``[2B, L]`` pair batch (``PairCollator``: chosen rows, then rejected rows):
 
@@ -7,6 +7,10 @@ A step on a ``[2B, L]`` pair batch (``PairCollator``: chosen rows, then rejected
    states and the LM head's weight into per-row sums over trained positions, chunked (no vocabulary-sized
    logits of the batch);
 3. the objective (``PreferenceObjective``): the loss, and the metrics the Trainer logs beside it.
+
+KTO's batch (``UnpairedCollator``: B completions, then B rows pairing each prompt with another row's completion)
+takes ``kto_step``: the reference on all 2B rows, the policy on the mismatched rows without gradient (the KL
+estimate is detached), then the policy on the completions.
 
 Both passes are calls of the model itself, ``model(..., logps_chunk_tokens=n)``: ``use_pair_forward`` gives the
 CausalLM inside the peft model a forward that, called with ``logps_chunk_tokens``, runs the decoder and returns
@@ -121,16 +125,44 @@ def pair_logps(model, batch: dict, *, chunk_tokens: int = CHUNK_TOKENS) -> Seque
 
 
 def preference_step(model, batch: dict, objective: PreferenceObjective, *, chunk_tokens: int = CHUNK_TOKENS,
-                    policy_model=None, nll_tokens: float | None = None, pairs: float | None = None):
+                    policy_model=None, nll_tokens: float | None = None, pairs: float | None = None,
+                    reduce_kl=None):
     """A pair batch -> (loss, metrics): reference log-probs when the objective needs them (on ``model``, the peft
     model), then the policy's, through ``policy_model`` (what the Trainer wrapped ``model`` in; default ``model``);
-    ``nll_tokens`` and ``pairs`` as the objective reads them."""
+    ``nll_tokens`` and ``pairs`` as the objective reads them. KTO's batch: ``kto_step`` (``pairs``: its rows)."""
+    if objective.method == "kto":
+        return kto_step(model, batch, objective, chunk_tokens=chunk_tokens, policy_model=policy_model, rows=pairs,
+                        reduce_kl=reduce_kl)
     reference = None
     if objective.needs_reference:
         with torch.no_grad(), reference_model(model):
             reference = pair_logps(model, batch, chunk_tokens=chunk_tokens)
     policy = pair_logps(model if policy_model is None else policy_model, batch, chunk_tokens=chunk_tokens)
     return objective(policy, reference, nll_tokens=nll_tokens, pairs=pairs)
+
+
+def rows_of(batch: dict, rows: slice) -> dict:
+    """The model inputs of ``rows`` of a batch (``input_ids``, ``attention_mask``, ``labels``)."""
+    return {key: batch[key][rows] for key in ("input_ids", "attention_mask", "labels")}
+
+
+def kto_step(model, batch: dict, objective: PreferenceObjective, *, chunk_tokens: int = CHUNK_TOKENS,
+             policy_model=None, rows: float | None = None, reduce_kl=None):
+    """An unpaired batch (``UnpairedCollator``: B completion rows, then B mismatched rows, ``desirable``) ->
+    (loss, metrics), as TRL's ``KTOTrainer`` computes them: the reference's log-probs of all 2B rows (no gradient,
+    ``reference_model``), the policy's of the mismatched rows (no gradient: the KL estimate is detached), then the
+    policy's of the completions through ``policy_model`` (the one pass backward goes through)."""
+    n = batch["desirable"].shape[0]
+    with torch.no_grad():
+        with reference_model(model):
+            reference = pair_logps(model, batch, chunk_tokens=chunk_tokens)
+        policy_kl = pair_logps(model, rows_of(batch, slice(n, None)), chunk_tokens=chunk_tokens)
+    policy = pair_logps(model if policy_model is None else policy_model, rows_of(batch, slice(None, n)),
+                        chunk_tokens=chunk_tokens)
+    ref_completions, ref_kl = (SequenceLogps(sums, counts) for sums, counts in
+                               zip(reference.halves(reference.sums), reference.halves(reference.counts)))
+    return objective.kto(policy, ref_completions, policy_kl, ref_kl, batch["desirable"], rows=rows,
+                         reduce_kl=reduce_kl)
 
 
 class PreferenceTrainer(Trainer):
@@ -156,11 +188,19 @@ class PreferenceTrainer(Trainer):
         nll_tokens = pairs = None
         if self.args.world_size > 1 and peft_model.training:  # the global batch's counts, as the ranks' means
             pairs, nll_tokens = self.rank_means(real, chosen_tokens)
+        reduce_kl = self.rank_sums if self.args.world_size > 1 else None
         loss, metrics = preference_step(peft_model, inputs, self.objective, chunk_tokens=self.chunk_tokens,
-                                        policy_model=model, nll_tokens=nll_tokens, pairs=pairs)
-        # each metric is a mean over this batch's real pairs (ORPO's NLL: over its chosen tokens): kept as a sum
-        # and a count, so that the logged mean is over every pair (token) since the last log, on every rank
+                                        policy_model=model, nll_tokens=nll_tokens, pairs=pairs, reduce_kl=reduce_kl)
+        # each metric is a mean over this batch's real pairs (ORPO's NLL: over its chosen tokens; KTO's rewards
+        # and log-probs: over its rows of that label): kept as a sum and a count, so that the logged mean is over
+        # every pair (token, row) since the last log, on every rank
         counts = {"nll_loss": int(chosen_tokens)}
+        if "desirable" in inputs:
+            desirable = inputs["desirable"].to(chosen.device).bool() & chosen.any(dim=1)
+            n_desirable = int(desirable.sum())
+            counts.update({"rewards/chosen": n_desirable, "logps/chosen": n_desirable,
+                           "rewards/rejected": int(real) - n_desirable, "logps/rejected": int(real) - n_desirable,
+                           "rewards/margins": int(real) if 0 < n_desirable < int(real) else 0})
         for key, value in metrics.items():
             count = counts.get(key, int(real))
             totals = self._metrics["train" if peft_model.training else "eval"][key]
@@ -176,6 +216,15 @@ class PreferenceTrainer(Trainer):
         do not count."""
         stacked = torch.stack([c.to(torch.float64) for c in counts]).to(self.args.device)
         return self.accelerator.reduce(stacked, reduction="mean").tolist()
+
+    def rank_sums(self, total: torch.Tensor, count: int) -> tuple[torch.Tensor, float]:
+        """KTO's KL estimate over the ranks (every rank calls it at the same micro-batch): this rank's ``(sum,
+        count)`` -> the ranks' summed ``(sum, count)``; TRL averages the ranks' means, equal where every rank has
+        as many rows."""
+        stacked = torch.stack([total.to(torch.float64), torch.tensor(float(count), dtype=torch.float64,
+                                                                     device=total.device)]).to(self.args.device)
+        summed = self.accelerator.reduce(stacked, reduction="sum")
+        return summed[0].to(total.dtype), float(summed[1])
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

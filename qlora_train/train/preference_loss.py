@@ -22,6 +22,13 @@ reference (where training started), ``w`` the chosen and ``l`` the rejected resp
   ``odds(y) = P(y) / (1 - P(y))`` with ``log P(y)`` the mean log-prob of y's trained tokens; NLL(w) is the mean
   over the chosen tokens of the batch, as the SFT loss.
 
+- KTO (Ethayarajh et al. 2024), ``train.method: kto``, on unpaired rows (a completion ``y`` labelled desirable or
+  not): with ``r = log pi(y) - log ref(y)`` and ``z`` the batch's KL estimate, ``loss = w_d (1 - sigmoid(beta (r -
+  z)))`` for a desirable row, ``w_u (1 - sigmoid(beta (z - r)))`` for an undesirable one, a mean over the rows.
+  ``z`` is TRL's: the mean over the batch of ``log pi(y') - log ref(y')`` for each row's prompt paired with another
+  row's completion ``y'`` (``collator.UnpairedCollator``), detached, averaged over the ranks, clamped at 0
+  (``kto_kl``).
+
 Each returns the loss (a mean over the pairs) and the metrics users watch (``rewards/*``, ``logps/*``; ORPO's
 ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``). DPO's reward of a response is ``beta (log pi - log ref)``;
 ORPO's, as TRL logs it, ``lambda`` times its mean log-prob.
@@ -196,6 +203,41 @@ def orpo_loss(policy: SequenceLogps, *, orpo_lambda: float, nll_tokens: float | 
     return loss, metrics
 
 
+def kto_kl(policy_kl: SequenceLogps, reference_kl: SequenceLogps, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """KTO's KL estimate of a batch, before the clamp: ``(sum, count)`` of ``log pi(y') - log ref(y')`` over its
+    mismatched rows (a prompt with another row's completion) whose own row is real (``rows``, ``[B]`` bool) and
+    whose borrowed completion has trained tokens (a blank row lends none), detached."""
+    use = rows & (policy_kl.counts > 0)
+    diff = (policy_kl.sums - reference_kl.sums).detach()[use]
+    return diff.sum(), int(use.sum())
+
+
+def kto_loss(policy: SequenceLogps, reference: SequenceLogps, desirable: torch.Tensor, kl: torch.Tensor, *,
+             beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+             rows: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """KTO on the completions' log-probs (``[B]`` each, the real rows only) and their labels (``desirable``,
+    ``[B]`` bool) with ``kl``, the batch's KL estimate (a detached scalar, clamped at 0) -> (loss, metrics). The
+    loss is the rows' summed loss over ``rows`` (``mean_over``); TRL's: ``cat(w_d chosen, w_u rejected).nanmean()``.
+    The metrics (``rewards/*``, ``logps/*``: means over the rows of that label; nan where there are none)."""
+    ratio = policy.sums - reference.sums.detach()
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    rewards = beta * ratio.detach()
+
+    def mean(values: torch.Tensor, which: torch.Tensor) -> float:
+        return values[which].mean().item() if bool(which.any()) else float("nan")
+
+    chosen, rejected = mean(rewards, desirable), mean(rewards, ~desirable)
+    return mean_over(losses, rows), {
+        "kl": float(kl),
+        "rewards/chosen": chosen,
+        "rewards/rejected": rejected,
+        "rewards/margins": chosen - rejected,
+        "logps/chosen": mean(policy.sums.detach(), desirable),
+        "logps/rejected": mean(policy.sums.detach(), ~desirable),
+    }
+
+
 def mean_over(losses: torch.Tensor, pairs: float | None) -> torch.Tensor:
     """``losses`` (one per pair) summed over ``pairs``: by default their own count (their mean); on several
     processes the ranks' mean count of real pairs, so that DDP's mean of the ranks' gradients (and the Trainer's
@@ -231,21 +273,43 @@ class PreferenceObjective:
     ``nll_tokens``: what ORPO's NLL divides by (``orpo_loss``).
     """
 
-    method: str  # train.method (config.TrainMethod) other than "sft": "dpo" or "orpo"
+    method: str  # train.method (config.TrainMethod) other than "sft": "dpo", "orpo" or "kto"
     beta: float = 0.1
     dpo_loss: DpoLoss = "sigmoid"
     label_smoothing: float = 0.0
     orpo_lambda: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
     @classmethod
     def from_config(cls, train) -> PreferenceObjective:
         """``TrainConfig`` -> the objective it names."""
         return cls(train.method, beta=train.beta, dpo_loss=train.dpo_loss, label_smoothing=train.label_smoothing,
-                   orpo_lambda=train.orpo_lambda)
+                   orpo_lambda=train.orpo_lambda, desirable_weight=train.desirable_weight,
+                   undesirable_weight=train.undesirable_weight)
 
     @property
     def needs_reference(self) -> bool:
-        return self.method == "dpo"
+        return self.method in ("dpo", "kto")
+
+    def kto(self, policy: SequenceLogps, reference: SequenceLogps, policy_kl: SequenceLogps,
+            reference_kl: SequenceLogps, desirable: torch.Tensor, *, rows: float | None = None,
+            reduce_kl=None) -> tuple[torch.Tensor, dict[str, float]]:
+        """KTO -> (loss, metrics) of a batch's real rows (a completion with trained tokens; blank rows left out):
+        the completions' log-probs and the mismatched rows' (``policy_kl``, ``reference_kl``), each ``[B]``.
+        ``reduce_kl(sum, count)`` -> the KL estimate's ``(sum, count)`` over every rank (default: this batch's)."""
+        real = policy.counts > 0
+        kl_sum, kl_count = kto_kl(policy_kl, reference_kl, real)
+        if reduce_kl is not None:
+            kl_sum, kl_count = reduce_kl(kl_sum, kl_count)
+        kl = (kl_sum / max(kl_count, 1)).clamp(min=0)
+        if not bool(real.all()):
+            policy = SequenceLogps(policy.sums[real], policy.counts[real])
+            reference = SequenceLogps(reference.sums[real], reference.counts[real])
+            desirable = desirable[real]
+        return kto_loss(policy, reference, desirable.to(torch.bool), kl, beta=self.beta,
+                        desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight,
+                        rows=rows)
 
     def __call__(self, policy: SequenceLogps, reference: SequenceLogps | None, *, nll_tokens: float | None = None,
                  pairs: float | None = None):

@@ -31,7 +31,7 @@ from qlora_train.data.prepared import training_data
 from qlora_train.errors import UsageError
 from qlora_train.files import write_atomic
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
-from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator
+from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator, UnpairedCollator
 from qlora_train.train.distributed import (
     ShardReport,
     check_distributed_setup,
@@ -119,6 +119,8 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
     """Pad-only collator (pairs: both sides of each pair in one batch), or with packing the one whose attention
     fits the model's implementation: flash-attention (CUDA) reads restarting position ids, SDPA a boolean 4D mask,
     eager an additive one."""
+    if cfg.train.method == "kto":
+        return UnpairedCollator(tokenizer.pad_token_id, max_length=cfg.data.max_length)
     if cfg.train.method != "sft":
         return PairCollator(tokenizer.pad_token_id)
     if not cfg.train.packing:
@@ -132,18 +134,27 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
 
 
 def check_rows_fit_method(cfg: Config, dataset) -> None:
-    """A preference method needs pair rows (``chosen_input_ids`` ...), SFT needs ``input_ids``: ``ConfigError``
-    naming the fix when the data is the other kind."""
+    """A preference method needs pair rows (``chosen_input_ids`` ...), KTO unpaired rows (``desirable`` ...), SFT
+    ``input_ids`` alone: ``ConfigError`` naming the fix when the data is another kind."""
     if dataset is None:
         return
     columns = set(dataset.column_names)
     pairs = {f"{side}_{key}" for side in PAIR_SIDES for key in ("input_ids", "labels")} <= columns
-    if cfg.train.method != "sft" and not pairs:
-        raise ConfigError([f"train.method: {cfg.train.method} trains on preference pairs, but the data gave chat "
-                           "rows (no chosen/rejected columns); use pair rows or train.method: sft"])
-    if cfg.train.method == "sft" and pairs and "input_ids" not in columns:
+    unpaired = "desirable" in columns
+    method = cfg.train.method
+    if method == "kto" and not unpaired:
+        raise ConfigError([f"train.method: kto trains on unpaired rows (prompt, completion, label), but the data gave "
+                           f"{'preference pairs' if pairs else 'chat rows'}; use unpaired rows or another method"])
+    if method in ("dpo", "orpo") and not pairs:
+        raise ConfigError([f"train.method: {method} trains on preference pairs, but the data gave "
+                           f"{'unpaired rows' if unpaired else 'chat rows'} (no chosen/rejected columns); use pair "
+                           "rows, or train.method: kto for unpaired rows, sft for chat rows"])
+    if method == "sft" and pairs and "input_ids" not in columns:
         raise ConfigError(["train.method: sft trains on chat rows, but the data gave preference pairs; "
                            "set train.method: dpo or orpo"])
+    if method == "sft" and unpaired:
+        raise ConfigError(["train.method: sft trains on chat rows, but the data gave unpaired preference rows; "
+                           "set train.method: kto"])
 
 
 def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None,

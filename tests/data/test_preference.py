@@ -288,8 +288,8 @@ def test_field_mappings_apply():
     ({"prompt": "q", "chosen": None, "rejected": None}, "pair_missing_side",
      "a preference row needs 'chosen' and 'rejected'; it has neither (keys ['chosen', 'prompt', 'rejected'])"),
     ({"prompt": "q", "completion": "a", "label": True}, "unpaired_preference",
-     "an unpaired preference row (KTO: prompt, completion, label) is not supported: preference training needs a "
-     "chosen and a rejected response to the same prompt"),
+     "an unpaired preference row (prompt, completion, label): train.method: kto trains it (data.objective: "
+     "unpaired); dpo and orpo need a chosen and a rejected response to the same prompt"),
     ({"prompt": "q", "chosen": 42, "rejected": "b"}, "bad_content_type",
      "chosen: expected a string or a list of messages, got int"),
     ({"prompt": "q", "chosen": [{"role": "assistant", "content": True}], "rejected": "b"}, "bad_content_type",

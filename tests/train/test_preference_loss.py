@@ -373,7 +373,7 @@ def test_train_from_an_sft_adapter_starts_at_log_2_and_saves_only_the_trained_co
     ("{method: orpo, group_by_length: true}", "", "train.group_by_length: not available with method: orpo"),
     ("{method: dpo, dpo_loss: ipo, label_smoothing: 0.1}", "",
      "train.label_smoothing: applies to method: dpo with dpo_loss: sigmoid or robust only"),
-    ("{method: kto}", "", "train.method: Input should be 'sft', 'dpo' or 'orpo'"),
+    ("{method: ppo}", "", "train.method: Input should be 'sft', 'dpo', 'orpo' or 'kto'"),
     ("{method: sft}", ", adapter_path: ADAPTER", "model.adapter_path: starts preference training"),
 ], ids=["packing", "group-by-length", "label-smoothing-ipo", "unknown-method", "adapter-path-sft"])
 def test_preference_config_errors_name_the_fix(tmp_path, train, model, message):

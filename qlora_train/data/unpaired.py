@@ -1,0 +1,227 @@
+"""Unpaired preference rows (KTO): a raw row -> a prompt, one completion and its label -> one sequence.
+
+    >>> row = canonicalize_unpaired({"prompt": "2+2?", "completion": "5", "label": False})
+    >>> row.prompt, row.completion, row.desirable
+    ([{'role': 'user', 'content': '2+2?'}], [{'role': 'assistant', 'content': '5'}], False)
+    >>> ex = build_unpaired_example(row.prompt, row.completion, tok)  # Qwen3's template
+    >>> tok.decode(ex["input_ids"][:ex["prompt_length"]])
+    '<|im_start|>user\\n2+2?<|im_end|>\\n<|im_start|>assistant\\n'
+    >>> tok.decode([t for t in ex["labels"] if t != -100])
+    '<think>\\n\\n</think>\\n\\n5<|im_end|>'
+
+The row shape is TRL's unpaired preference form (``KTOTrainer``): ``prompt`` (or ``question``, or ``instruction``
++ ``input``) a string or a message list, ``completion`` a string (one assistant answer) or a message list (assistant
+turns and tool results), ``label`` true for a desirable completion, false for an undesirable one.
+
+The sequence is exactly one side of a preference pair (``pairs.build_preference_example``): SFT's render, verified
+walk, tokenization and labels for ``prompt + completion`` with only the completion's assistant turns trained
+(``pairs.mark_side``, ``pairs.pair_policy``); ``prompt_length`` is the count of tokens wholly before the boundary
+where the completion's first turn starts its generated part (the render is cut there before it is tokenized, so the
+prompt's ids are the prompt tokenized alone, as at inference). The KL estimate pairs this prompt with another row's
+completion (``train.collator.UnpairedCollator``): the prompt's ids are ``input_ids[:prompt_length]`` and the
+completion's ``input_ids[prompt_length:]`` with their labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qlora_train.config import DataConfig
+from qlora_train.data.pairs import (
+    PROMPT_KEYS,
+    _check_messages,
+    _messages,
+    _render_side,
+    check_prompt,
+    check_response,
+    mark_side,
+    pair_policy,
+    side_limit,
+)
+from qlora_train.data.parse import ParseReport, instruction_prompt, map_fields, row_tools
+from qlora_train.data.truncate import middle_exchanges
+from qlora_train.masking import (
+    DEFAULT_POLICY,
+    IGNORE_INDEX,
+    DropReason,
+    LossPolicy,
+    Message,
+    RowRejected,
+    encode_rendered,
+    make_labels,
+    project_char_mask,
+)
+
+UNPAIRED_FORMATS = ("prompt_completion", "instruction")  # CanonicalUnpaired.format
+
+
+@dataclass
+class CanonicalUnpaired:
+    """An unpaired preference row in canonical messages (not yet marked: ``build_unpaired_example`` marks them)."""
+
+    prompt: list[Message]
+    completion: list[Message]
+    desirable: bool  # the row's label
+    tools: list[dict] | None
+    format: str  # one of UNPAIRED_FORMATS
+    report: ParseReport = field(default_factory=ParseReport)
+
+
+def canonicalize_unpaired(row: dict, cfg: DataConfig | None = None, *, tokenizer=None) -> CanonicalUnpaired:
+    """A raw unpaired row -> ``CanonicalUnpaired``, or ``RowRejected`` with a reason.
+
+    After ``cfg.field_mappings``: ``prompt`` (or ``question``) a string or a message list, or ``instruction``
+    (+ ``input``, joined as for Alpaca rows); ``completion`` a string or a message list; ``label`` a bool (or the
+    integers 0 and 1). Messages are normalised as a pair's (``parse.canonical_messages``); a ``system`` string
+    column opens the prompt unless it has a system message. A paired row (``chosen``/``rejected``) is refused as
+    ``unknown_schema`` naming ``train.method: dpo`` or ``orpo``.
+    """
+    cfg = cfg or DataConfig()
+    if not isinstance(row, dict):
+        raise RowRejected(DropReason.BAD_ROW, f"row is a {type(row).__name__}, not a mapping")
+    row = map_fields(row, cfg.field_mappings)
+    report = ParseReport(schema="unpaired", schemas={"unpaired": 1}, rows=1)
+    if "completion" not in row or "label" not in row:
+        paired = "chosen" in row and "rejected" in row
+        hint = (": a pair (chosen, rejected) trains with train.method: dpo or orpo" if paired else
+                "; data.field_mappings names other columns, e.g. {completion: response, label: is_good}")
+        raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"an unpaired preference row (train.method: kto) needs "
+                          f"'completion' and 'label'; it has keys {sorted(row)[:8]}{hint}")
+    desirable = _label(row["label"])
+    prompt_key = next((k for k in PROMPT_KEYS if k in row), None)
+    if prompt_key is None and "instruction" not in row:
+        raise RowRejected(DropReason.PAIR_BAD_PROMPT, f"no prompt: an unpaired row needs 'prompt' (or 'question', "
+                          f"or 'instruction') beside its completion (keys {sorted(row)[:8]})")
+    prompt_value = row[prompt_key] if prompt_key is not None else instruction_prompt(row, cfg)
+    prompt = _messages(prompt_value, prompt_key or "instruction", "user", cfg, report, tokenizer)
+    completion = _messages(row["completion"], "completion", "assistant", cfg, report, tokenizer)
+    system = row.get("system")
+    if isinstance(system, str) and system and not any(m["role"] == "system" for m in prompt):
+        prompt = _messages([{"role": "system", "content": system}], "system", "system", cfg, report,
+                           tokenizer) + prompt
+    check_unpaired(prompt, completion)
+    return CanonicalUnpaired(prompt, completion, desirable, row_tools(row, cfg, report),
+                             "prompt_completion" if prompt_key is not None else "instruction", report=report)
+
+
+def _label(value) -> bool:
+    """A row's ``label`` -> desirable or not: a bool, or the integer 0 or 1; anything else is ``bad_row``.
+
+    >>> _label(True), _label(0)
+    (True, False)
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise RowRejected(DropReason.BAD_ROW, f"label: expected true (desirable) or false (undesirable), got {value!r}")
+
+
+def check_unpaired(prompt: list[Message], completion: list[Message]) -> None:
+    """A prompt that ends with a user turn or a tool result, and a completion of a pair side's shape
+    (``pairs.check_response``)."""
+    check_prompt(prompt)
+    check_response("completion", completion)
+
+
+def build_unpaired_example(prompt: list[Message], completion: list[Message], tokenizer, *,
+                           tools: list[dict] | None = None, policy: LossPolicy = DEFAULT_POLICY,
+                           max_length: int | None = None, max_response_length: int | None = None) -> dict:
+    """A prompt and a completion (canonical messages) -> the row's sequence, or ``RowRejected``.
+
+    Returns ``input_ids``, ``attention_mask``, ``labels`` (what SFT makes for ``prompt + completion`` with only the
+    completion's assistant turns trained, as a pair's side), ``prompt_length`` (the tokens wholly before the
+    completion), ``boundary_merges`` (1 where a token straddles that boundary: a tokenizer that is not cut merged
+    the prompt's end with the completion's start; it starts in the prompt, so it is untrained),
+    ``reasoning_dropped_turns`` and ``cut`` (the completion lost trained tokens to ``max_response_length``).
+
+    Refused: a row of the wrong shape (``check_unpaired``), what the template or the mask check refuses, and with
+    ``max_length`` a sequence longer than it (``too_long``), unless ``max_response_length`` is set: then the
+    completion is cut on the right at ``side_limit`` tokens, and ``too_long`` only when nothing of it is left.
+    """
+    for where, messages in (("prompt", prompt), ("completion", completion)):
+        _check_messages(messages, where)
+    check_unpaired(prompt, completion)
+    side_policy = pair_policy(policy)
+    rendered = _render_side("completion", mark_side(prompt, completion, side_policy), tokenizer, tools, side_policy)
+    boundary = next(t.start for t in rendered.turns if t.index == len(prompt))
+    ids, offsets = encode_rendered([rendered], tokenizer)[0]
+    prompt_length, starting = offsets.tokens_before(boundary, len(rendered.text))
+    token_mask = project_char_mask(offsets, rendered.char_mask)
+    limit = side_limit(prompt_length, max_length, max_response_length)
+    cut = False
+    if len(ids) > limit:
+        if max_response_length is None:
+            raise RowRejected(DropReason.TOO_LONG, f"{len(ids)} tokens > max_length={max_length} (fit_unpaired drops "
+                              "prompt exchanges first; data.max_response_length would cut the completion)")
+        cut = any(end > limit for _, end in token_mask.runs)
+    example = make_labels(ids, token_mask, max_length=limit, truncate_side="right")
+    if example["labels"].count(IGNORE_INDEX) == len(example["labels"]):
+        raise RowRejected(DropReason.TOO_LONG if cut else DropReason.NO_TRAINED_TOKEN,
+                          f"nothing of the completion is trained within {limit} tokens (the prompt has "
+                          f"{prompt_length}; max_length={max_length}, max_response_length={max_response_length})")
+    return {**example, "prompt_length": prompt_length, "boundary_merges": starting - prompt_length,
+            "reasoning_dropped_turns": sum(t.reasoning_dropped for t in rendered.turns), "cut": cut}
+
+
+@dataclass(frozen=True)
+class FittedUnpaired:
+    """An unpaired row's example within its limits (``fit_unpaired``) and what fitting it took."""
+
+    example: dict  # build_unpaired_example's columns
+    tokens_before: int  # before truncation
+    dropped_turns: int = 0  # middle prompt exchanges dropped
+
+
+def fit_unpaired(row: CanonicalUnpaired, tokenizer, *, max_length: int, policy: LossPolicy = DEFAULT_POLICY,
+                 on_too_long: str = "truncate", max_prompt_length: int | None = None,
+                 max_response_length: int | None = None) -> FittedUnpaired:
+    """A canonical unpaired row -> its example within ``max_length`` (and ``max_prompt_length``,
+    ``max_response_length``), or ``RowRejected``.
+
+    As a pair's prompt (``pairs.fit_pair``): the leading system message(s) and the prompt's last exchange are
+    kept, whole middle exchanges dropped, oldest first, one at a time; then, with ``max_response_length``, the
+    completion is cut on the right (``build_unpaired_example``); without it, a row still over ``max_length`` is
+    ``too_long``. The prompt's reasoning is not trimmed here (a pair's is). ``on_too_long: drop`` refuses any row
+    over a limit as ``too_long``.
+    """
+    def build(prompt: list[Message], cut: bool = False) -> dict:
+        return build_unpaired_example(prompt, row.completion, tokenizer, tools=row.tools, policy=policy,
+                                      max_length=max_length if cut else None,
+                                      max_response_length=max_response_length if cut else None)
+
+    def over(example: dict) -> str:
+        if max_prompt_length and example["prompt_length"] > max_prompt_length:
+            return f"prompt: {example['prompt_length']} tokens > max_prompt_length={max_prompt_length}"
+        n = len(example["input_ids"])
+        if n > max_length:
+            return f"{n} tokens > max_length={max_length}"
+        if n > side_limit(example["prompt_length"], max_length, max_response_length):
+            return (f"completion: {n - example['prompt_length']} tokens > max_response_length="
+                    f"{max_response_length}")
+        return ""
+
+    example = build(row.prompt)
+    before = len(example["input_ids"])
+    if not over(example):
+        return FittedUnpaired(example, before)
+    if on_too_long == "drop":
+        raise RowRejected(DropReason.TOO_LONG, f"{over(example)} (data.on_too_long: drop)")
+    groups = middle_exchanges(row.prompt)
+    prompt, dropped = row.prompt, 0
+    while over(example) and dropped < len(groups):
+        dropped += 1
+        drop = {i for group in groups[:dropped] for i in group}
+        prompt = [m for i, m in enumerate(row.prompt) if i not in drop]
+        example = build(prompt)
+    if max_prompt_length and example["prompt_length"] > max_prompt_length:
+        raise RowRejected(DropReason.TOO_LONG, f"prompt: {example['prompt_length']} tokens > max_prompt_length="
+                          f"{max_prompt_length} with {dropped} of {len(groups)} middle prompt exchanges dropped")
+    try:
+        example = build(prompt, cut=True)
+    except RowRejected as rej:
+        if rej.reason != DropReason.TOO_LONG:
+            raise
+        raise RowRejected(DropReason.TOO_LONG, f"{rej.detail}; with {dropped} of {len(groups)} middle prompt "
+                          "exchanges dropped") from None
+    return FittedUnpaired(example, before, dropped)
