@@ -27,7 +27,7 @@ import yaml
 from qlora_train.config import Config, ConfigError
 from qlora_train.data.packing import PackingStats
 from qlora_train.data.prepared import training_data
-from qlora_train.files import write_atomic
+from qlora_train.files import fresh_dir, write_atomic
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator
 from qlora_train.train.distributed import (
@@ -194,15 +194,15 @@ def save_final_outputs(trainer, tokenizer, cfg: Config, out: Path, main: bool) -
     """Adapter, tokenizer, config, trainer state and loss history -> ``out``, atomically (see the module doc)."""
     staging = out / STAGING_DIR
     if main:
-        shutil.rmtree(staging, ignore_errors=True)
+        fresh_dir(staging)  # made new: nothing planted at its name is written through
     trainer.save_model(str(staging))  # every rank calls it; rank 0 writes the LoRA adapter
     if not main:
         return
     trainer.state.save_to_json(str(staging / "trainer_state.json"))
     tokenizer.save_pretrained(staging)
-    (staging / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    write_atomic(staging / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
-    (staging / "loss_history.json").write_text(json.dumps(losses, indent=1))
+    write_atomic(staging / "loss_history.json", json.dumps(losses, indent=1))
     publish(staging, out)
     write_atomic(out / COMPLETE_MARKER, json.dumps(
         {"global_step": trainer.state.global_step, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
