@@ -28,6 +28,7 @@ from qlora_train.config import Config, ConfigError
 from qlora_train.data.packing import PackingStats
 from qlora_train.data.prepared import training_data
 from qlora_train.files import fresh_dir, write_atomic
+from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator
 from qlora_train.train.distributed import (
@@ -287,7 +288,7 @@ def train(cfg: Config, *, callbacks: list | None = None):
         out.mkdir(parents=True, exist_ok=True)
         (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so
         write_atomic(out / "dataset_report.json", report.to_json())
-        print("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens)), flush=True)
+        print(visible("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens))), flush=True)
 
     if args.world_size > 1:  # the epoch's ragged last step: blank rows, not repeated ones
         trainer_class = with_global_batches(trainer_class)
