@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -209,6 +210,11 @@ HOSTILE_LINES = [  # (line, reason, the detail after "file:line: ")
      "messages[1]: lone surrogate '\\ud800' at character 71 of the render"),
     (json.dumps({**GOOD, "score": 1e999}).encode(), "", ""),  # read as inf; no stage reads it in an SFT row
     (json.dumps(GOOD).encode().replace(b'"q"', b'"q\\u0000"'), "", ""),  # an escaped NUL is text like any other
+    (json.dumps({"messages": [{"role": "user\udcff", "content": "q"}, GOOD["messages"][1]]}).encode(),
+     "marker_in_row_text", "messages[0].role 'user\\udcff' is not a plain name (letters, digits, '_', '-', '.', "
+     "inner spaces): the template writes it inside its own markup; map it with data.roles"),
+    (json.dumps({"messages": [{"role": "user", "content": "\u202e\x9b2J\x1b]0;owned\x07"}]}).encode(),
+     "no_assistant_turn", "no trained message (a role in ['assistant'])"),
 ]
 
 
@@ -233,8 +239,13 @@ def test_hostile_lines_stats_only_exits_0(tmp_path, qwen_tokenizer_dir, capsys):
 
     cfg, data = bug_config(tmp_path, qwen_tokenizer_dir, rows=1)
     data.write_bytes(b"\n".join([json.dumps(GOOD).encode()] + [line for line, _, _ in HOSTILE_LINES]) + b"\n")
-    assert main(["--config", str(cfg), "--stats-only", "--stats-dir", str(tmp_path / "stats")]) == 0
+    stats = tmp_path / "stats"
+    assert main(["--config", str(cfg), "--stats-only", "--debug-samples", "20", "--debug-refused",
+                 "--stats-dir", str(stats)]) == 0
     out = capsys.readouterr().out
     assert f"rows in {1 + len(HOSTILE_LINES)}, kept 3, dropped {len(HOSTILE_LINES) - 2}" in out
     assert (f"dropped       4  unparseable_json  (first: {data}:2: unparseable JSON line: an integer of more than "
             "4300 digits)") in out
+    assert '"content": "\\u202e\\x9b2J\\u001b]0;owned\\u0007"' in out  # the refused raw row, shown escaped
+    assert re.findall("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202e\ud800-\udfff]", out) == []  # no colour: not a tty
+    assert json.loads((stats / "stats.json").read_text())["overall"]["parse"]["unknown_roles"] == {"user\udcff": 1}
