@@ -92,7 +92,7 @@ def _builder(file: Path, src: DatasetSource) -> str:
 def _json_rows(files: list[str], stamps: list[str]):
     """Rows of JSON-array or JSON-lines files (``stamps`` only feed the cache fingerprint)."""
     for file in files:
-        with open(file, encoding="utf-8", errors="surrogateescape") as fh:  # bad bytes -> counted, not replaced
+        with open(file, encoding="utf-8-sig", errors="surrogateescape") as fh:  # a BOM skipped; bad bytes counted
             head = fh.read(4096).lstrip()
             fh.seek(0)
             if not (head.startswith("[") and not file.endswith(".jsonl")):  # a .jsonl file is lines even of lists
@@ -105,7 +105,7 @@ def _json_rows(files: list[str], stamps: list[str]):
         except json.JSONDecodeError:
             first = head.split("\n", 1)
             if len(first) > 1 and first[0].rstrip().endswith("]"):  # JSON lines whose rows are bare lists
-                with open(file, encoding="utf-8", errors="surrogateescape") as fh:
+                with open(file, encoding="utf-8-sig", errors="surrogateescape") as fh:
                     yield from _json_lines(fh, file)
                 continue
             rows = _array_rows(text, file)

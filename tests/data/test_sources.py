@@ -185,3 +185,13 @@ def test_array_elements_are_the_array_items(items, indent):
 
     text = json.dumps(items, indent=indent)
     assert [json.loads(element) for _, element in _array_elements(text, "f.json")] == items
+
+
+@pytest.mark.parametrize("name, text", [("a.json", json.dumps(ROWS)), ("b.jsonl", "\n".join(map(json.dumps, ROWS)))])
+def test_a_byte_order_mark_is_skipped(tmp_path, name, text):
+    """A file saved with a UTF-8 byte order mark (Windows editors) reads as without it (on main: an array file was
+    taken for JSON lines, every line unparseable; a JSON lines file lost its first row)."""
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    raw = load_source(DatasetSource(path=str(path)))
+    assert rows_of(raw) == ROWS and set(raw["load_error"]) == {""}
