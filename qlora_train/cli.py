@@ -20,6 +20,7 @@ import sys
 
 from qlora_train.config import load_config
 from qlora_train.errors import ConfigError, QloraError
+from qlora_train.terminal import VisibleFormatter, visible
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,14 +117,15 @@ def export_and_try(cfg, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    shown = logging.StreamHandler()  # row text in a log line (a refusal's detail) is shown escaped
+    shown.setFormatter(VisibleFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=[shown])
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"invalid config {args.config}:", file=sys.stderr)
         for problem in err.problems:
-            print(f"  {problem}", file=sys.stderr)
+            print(visible(f"  {problem}"), file=sys.stderr)
         return 2
 
     if args.stats_only or args.debug_samples:
@@ -155,7 +157,7 @@ def run_guarded(cfg, job) -> int:
     try:
         job()
     except QloraError as err:
-        print(err.cli_message(), file=sys.stderr)
+        print(visible(err.cli_message()), file=sys.stderr)  # it may name a row's content
         return err.exit_code
     except KeyboardInterrupt:  # outside the training loop, or a second Ctrl-C inside it
         print("interrupted: stopped at once without saving (a single Ctrl-C or SIGTERM during training saves "

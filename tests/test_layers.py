@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "qlora_train"
 # lowest first; packages on one layer (diagnostics, train) are siblings and do not import each other
 LAYERS = [
-    {"qlora_train", "qlora_train.errors", "qlora_train.files", "qlora_train.locations", "qlora_train.chat_templates"},
+    {"qlora_train", "qlora_train.errors", "qlora_train.files", "qlora_train.locations", "qlora_train.chat_templates",
+     "qlora_train.terminal"},
     {"qlora_train.masking"},  # the mask engine: a conversation and a tokenizer in, text, masks and labels out
     {"qlora_train.config"},
     {"qlora_train.data"},

@@ -7,7 +7,8 @@ processed row whose columns ``processed.PROCESSED_ROW`` defines)::
 
     sources.load_source               a data.datasets entry -> raw rows (JSON text, location, source)
     handlers.apply_row_handlers       registered user functions fix raw rows
-    batches.parse_readable            a batch's rows parsed once; results merged back in order (merge_back)
+    batches.parse_readable            a batch's rows parsed once (read_json: any JSON Python refuses is a
+                                      ValueError, counted); results merged back in order (merge_back)
     1 parse.canonicalize_row          raw row -> Messages marked with their train flag (masking.LossPolicy), tools,
                                       ParseReport
       formats.*                       template-free rows (segments, text, pretokenized) -> text/ids + mask

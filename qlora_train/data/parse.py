@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from qlora_train.config import DataConfig
+from qlora_train.data.batches import JSONLimitError, read_json
 from qlora_train.masking import KNOWN_ROLES, THINK_CLOSE, THINK_OPEN, DropReason, LossPolicy, Message, RowRejected
 
 log = logging.getLogger(__name__)
@@ -179,9 +180,9 @@ def content_text(value: Any, where: str) -> str:
 def _tool_calls(value: Any, where: str) -> list[dict]:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise RowRejected(DropReason.BAD_ROW, f"{where}: tool_calls is a string that is not JSON") from None
+            value = read_json(value)
+        except ValueError as exc:
+            raise RowRejected(DropReason.BAD_ROW, f"{where}: tool_calls is a string that is not JSON ({exc})") from None
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list):
@@ -194,8 +195,10 @@ def _tool_calls(value: Any, where: str) -> list[dict]:
         args = fn.get("arguments", fn.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
+                args = read_json(args)
+            except JSONLimitError as exc:  # JSON, but none that Python (or the template) can read
+                raise RowRejected(DropReason.BAD_ROW, f"{where}.tool_calls[{j}]: arguments: {exc}") from None
+            except ValueError:
                 pass  # keep the string as written; templates print strings verbatim
         out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
         if isinstance(call.get("id"), str):
@@ -362,8 +365,8 @@ def row_tools(row: dict, cfg: DataConfig, report: ParseReport) -> list[dict] | N
             continue
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
+                value = read_json(value)
+            except ValueError as exc:
                 raise RowRejected(DropReason.TOOLS_UNPARSEABLE, f"column '{column}': {exc}") from None
             report.tools_parsed_from_string += 1
         if isinstance(value, dict):

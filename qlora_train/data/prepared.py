@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from qlora_train.config import Config
 from qlora_train.data.dataset import DatasetReport, datasets_from_processed, load_and_process, pipeline_code_hash
 from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
 from qlora_train.errors import ConfigError
-from qlora_train.files import publish_dir
+from qlora_train.files import fresh_dir, publish_dir, write_atomic
 from qlora_train.masking import layout_dict, template_layout
 
 log = logging.getLogger(__name__)
@@ -249,18 +248,16 @@ def write_prepared(cfg: Config, tokenizer, dest: str | Path) -> TrainingData:
     stamp = fingerprint(cfg, tokenizer)
     raw, processed = load_and_process(cfg.data, tokenizer)
     data = _packed(cfg, *datasets_from_processed(processed, cfg.data, tokenizer))
-    staging = dest.with_name(f".{dest.name}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = fresh_dir(dest.with_name(f".{dest.name}.tmp"))  # made new: nothing planted there is written through
     save = lambda ds, sub: ds.save_to_disk(str(staging / sub))
     save(data.train, TRAIN_DIR)
     if data.eval is not None:
         save(data.eval, EVAL_DIR)
     save(raw, RAW_DIR)
     save(processed, PROCESSED_DIR)
-    (staging / REPORT_FILE).write_text(data.report.to_json())
-    (staging / DATA_CONFIG_FILE).write_text(yaml.safe_dump(cfg.data.model_dump(mode="json"), sort_keys=False))
-    (staging / FINGERPRINT_FILE).write_text(json.dumps(
+    write_atomic(staging / REPORT_FILE, data.report.to_json())
+    write_atomic(staging / DATA_CONFIG_FILE, yaml.safe_dump(cfg.data.model_dump(mode="json"), sort_keys=False))
+    write_atomic(staging / FINGERPRINT_FILE, json.dumps(
         {**stamp, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1, ensure_ascii=False))
     publish_dir(staging, dest)
     return data

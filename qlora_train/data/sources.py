@@ -11,7 +11,8 @@ Rows are stored as JSON text on purpose: Arrow would merge the differing
 nested shapes of rows (tool arguments, optional message keys) into one struct
 and fill every missing key with null, changing what the template renders.
 JSON and JSON lines are read by a generator (so a broken line is counted with
-its file and line number instead of failing the load); Parquet, CSV and Arrow
+its file and line number instead of failing the load, and a JSON array that does
+not parse whole is read one element at a time, ``_array_elements``); Parquet, CSV and Arrow
 by the datasets builders, directories written by ``save_to_disk`` by
 ``load_from_disk``, and anything else that is not on disk but looks like a hub
 id by ``load_dataset(path, name, split=, data_files=)``. All are cached by
@@ -24,12 +25,14 @@ from __future__ import annotations
 import glob as globlib
 import json
 import os
+import re
 from pathlib import Path
 
 import datasets
 import pyarrow as pa
 
 from qlora_train.config import DatasetSource
+from qlora_train.data.batches import read_json
 from qlora_train.data.handlers import apply_row_handlers, row_json
 from qlora_train.errors import DataError
 from qlora_train.locations import BUILDERS, is_glob, looks_like_hub_id
@@ -89,23 +92,111 @@ def _builder(file: Path, src: DatasetSource) -> str:
 def _json_rows(files: list[str], stamps: list[str]):
     """Rows of JSON-array or JSON-lines files (``stamps`` only feed the cache fingerprint)."""
     for file in files:
-        with open(file, encoding="utf-8", errors="surrogateescape") as fh:  # bad bytes -> counted, not replaced
+        with open(file, encoding="utf-8-sig", errors="surrogateescape") as fh:  # a BOM skipped; bad bytes counted
             head = fh.read(4096).lstrip()
             fh.seek(0)
-            if head.startswith("[") and not file.endswith(".jsonl"):  # a .jsonl file is lines even of lists
-                try:
-                    items = json.load(fh)
-                except json.JSONDecodeError as exc:
-                    if "\n" in head and head.split("\n", 1)[0].rstrip().endswith("]"):
-                        fh.seek(0)  # JSON lines whose rows are bare lists of messages
-                        yield from _json_lines(fh, file)
-                        continue
-                    yield {"row": "", "location": f"{file}:{exc.lineno}", "load_error": f"invalid JSON: {exc.msg}"}
-                    continue
-                for i, item in enumerate(items):
-                    yield {"row": row_json(item), "location": f"{file}[{i}]", "load_error": ""}
+            if not (head.startswith("[") and not file.endswith(".jsonl")):  # a .jsonl file is lines even of lists
+                yield from _json_lines(fh, file)
                 continue
-            yield from _json_lines(fh, file)
+            text = fh.read()
+        try:
+            rows = [{"row": row_json(item), "location": f"{file}[{i}]", "load_error": ""}
+                    for i, item in enumerate(json.loads(text))]
+        except json.JSONDecodeError:
+            first = head.split("\n", 1)
+            if len(first) > 1 and first[0].rstrip().endswith("]"):  # JSON lines whose rows are bare lists
+                with open(file, encoding="utf-8-sig", errors="surrogateescape") as fh:
+                    yield from _json_lines(fh, file)
+                continue
+            rows = _array_rows(text, file)
+        except (ValueError, RecursionError):  # an element Python's reader refuses (a huge integer, deep nesting)
+            rows = _array_rows(text, file)
+        yield from rows
+
+
+# a JSON string (closed), a lone quote (a string never closed), or one of the characters that frame an array
+_FRAME = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"|[][{},]')
+_CLOSES = {"]": "[", "}": "{"}
+
+
+def _array_elements(text: str, file: str) -> list[tuple[int, str]]:
+    """A JSON array's top-level elements as (line, text), found by its brackets, commas and strings alone, so that
+    one element that does not parse is not the whole file's loss. ``SourceError`` naming the file and place when
+    even that frame does not hold (a string or bracket never closed, text after the array).
+
+    >>> _array_elements('[{"a": [1, "],"]},\\n 2 ]', "f.json")
+    [(1, '{"a": [1, "],"]}'), (2, '2')]
+    """
+    if not text.lstrip().startswith("["):
+        raise _frame_error(file, text, len(text) - len(text.lstrip()), "not a JSON array")
+    open_, spans, start, end = [], [], 0, None
+    for m in _FRAME.finditer(text):
+        char = m.group()[0]
+        if char == '"':
+            if len(m.group()) == 1:
+                raise _frame_error(file, text, m.start(), "a string that is never closed")
+        elif char in "[{":
+            open_.append(char)
+            if len(open_) == 1:
+                start = m.end()
+        elif char in "]}":
+            if not open_ or open_.pop() != _CLOSES[char]:
+                raise _frame_error(file, text, m.start(), f"a {char!r} that closes nothing open")
+            if not open_:
+                spans.append((start, m.start()))
+                end = m.end()
+                break
+        elif len(open_) == 1:  # a comma between two elements
+            spans.append((start, m.start()))
+            start = m.end()
+    if end is None:
+        raise _frame_error(file, text, len(text), f"a {open_[-1]!r} that is never closed")
+    if text[end:].strip():
+        raise _frame_error(file, text, end, "text after the array")
+    if len(spans) == 1 and not text[slice(*spans[0])].strip():
+        return []  # the empty array
+    out = []
+    for a, b in spans:
+        body = text[a:b]
+        out.append((text.count("\n", 0, a + len(body) - len(body.lstrip())) + 1, body.strip()))
+    return out
+
+
+def _frame_error(file: str, text: str, at: int, why: str) -> SourceError:
+    line = text.count("\n", 0, at) + 1
+    column = at - (text.rfind("\n", 0, at) + 1) + 1
+    return SourceError(f"{file}: not a JSON array, even read one element at a time: {why} (line {line}, column "
+                       f"{column})")
+
+
+def _array_rows(text: str, file: str) -> list[dict]:
+    """A JSON array file that does not parse as a whole -> its elements, each read on its own: one that does not
+    parse is counted as ``unparseable_json`` with its index and line (``batches.read_json`` says why)."""
+    rows = []
+    for i, (line, element) in enumerate(_array_elements(text, file)):
+        try:
+            read_json(element)
+        except ValueError as exc:
+            rows.append({"row": "", "location": f"{file}[{i}]",
+                         "load_error": f"unparseable JSON element (line {line}): {exc}"})
+            continue
+        rows.append(_raw_row(element, f"{file}[{i}]"))
+    return rows
+
+
+def _raw_row(text: str, location: str) -> dict:
+    """One row's JSON text -> a raw row: stored as it is (parsed later, once, by ``batches.parse_readable``,
+    which names it when it does not parse), unless Arrow cannot store it (a lone surrogate from undecodable bytes):
+    then parsed here and stored escaped by ``row_json``, or counted as ``unparseable_json`` when it does not
+    parse."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            text = row_json(read_json(text))
+        except (ValueError, RecursionError) as exc:  # RecursionError: json.dumps, near read_json's depth limit
+            return {"row": "", "location": location, "load_error": f"unparseable JSON line: {exc}"}
+    return {"row": text, "location": location, "load_error": ""}
 
 
 def _json_lines(fh, file: str):
@@ -114,17 +205,8 @@ def _json_lines(fh, file: str):
     escaped by ``row_json``."""
     for lineno, line in enumerate(fh, 1):
         text = line.strip()
-        if not text:
-            continue
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            try:
-                text = row_json(json.loads(text))
-            except json.JSONDecodeError as exc:
-                yield {"row": "", "location": f"{file}:{lineno}", "load_error": f"unparseable JSON line: {exc.msg}"}
-                continue
-        yield {"row": text, "location": f"{file}:{lineno}", "load_error": ""}
+        if text:
+            yield _raw_row(text, f"{file}:{lineno}")
 
 
 def _to_rows(batch: dict, indices: list[int], name: str) -> dict:
@@ -164,14 +246,24 @@ def _load_path(path: str, src: DatasetSource, cache_dir: str | None) -> list[dat
     json_files = [f for f in files if builders[f] == "json"]
     if json_files:
         stamps = [f"{f}:{os.path.getsize(f)}:{os.path.getmtime(f)}" for f in json_files]
-        parts.append(datasets.Dataset.from_generator(
-            _json_rows, gen_kwargs={"files": [str(f) for f in json_files], "stamps": stamps},
-            features=FEATURES, cache_dir=cache_dir,
-        ))
+        try:
+            parts.append(datasets.Dataset.from_generator(
+                _json_rows, gen_kwargs={"files": [str(f) for f in json_files], "stamps": stamps},
+                features=FEATURES, cache_dir=cache_dir,
+            ))
+        except datasets.exceptions.DatasetGenerationError as exc:  # datasets wraps what the generator raised
+            if isinstance(exc.__cause__, SourceError):
+                raise exc.__cause__ from None
+            raise
     for file in files:
         if builders[file] == "json":
             continue
-        ds = datasets.load_dataset(builders[file], data_files=str(file), split="train", cache_dir=cache_dir)
+        try:
+            ds = datasets.load_dataset(builders[file], data_files=str(file), split="train", cache_dir=cache_dir)
+        except datasets.exceptions.DatasetGenerationError as exc:  # the builder read no row (bytes, types, shape)
+            cause = exc.__cause__ or exc
+            why = " ".join(f"{type(cause).__name__}: {cause}".split())
+            raise SourceError(f"{file}: cannot be read as {builders[file]}: {why[:300]}") from None
         parts.append(_as_raw(ds, str(file)))
     return parts
 

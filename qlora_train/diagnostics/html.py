@@ -9,10 +9,11 @@ scroll inside their box (drag its corner to enlarge); each sample can be folded.
 
 from __future__ import annotations
 
-from html import escape
+from html import escape as escape_html
 from html.parser import HTMLParser
 
 from qlora_train.diagnostics.samples import Sample, raw_preview, sample_summary
+from qlora_train.terminal import visible
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 120ch; padding: 0 1rem; color: #111; }
@@ -29,6 +30,12 @@ pre { white-space: pre-wrap; word-break: break-word; font-size: .85rem; line-hei
 .reason { color: #a00; font-weight: 600; }
 nav a { margin-right: .6em; }
 """
+
+
+def escape(text: str) -> str:
+    """Text for the page: control characters and bidirectional overrides shown as escapes, as on the terminal
+    (``terminal.visible``), then HTML-escaped."""
+    return escape_html(visible(text))
 
 
 def _token_spans(sample: Sample) -> str:

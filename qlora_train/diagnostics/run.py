@@ -32,6 +32,7 @@ from qlora_train.diagnostics.stats import (
 )
 from qlora_train.files import write_atomic
 from qlora_train.masking import layout_yaml, resolve_layout
+from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def layout_report(tokenizer, *, out_dir: Path, stream: TextIO) -> str:
     text = layout_yaml(resolve_layout(tokenizer))
     write_atomic(out_dir / LAYOUT_FILE, text)
     print("== template layout", file=stream)
-    print(text + f"wrote {out_dir / LAYOUT_FILE}", file=stream)
+    print(visible(text + f"wrote {out_dir / LAYOUT_FILE}"), file=stream)  # a template's markers are its own
     return text
 
 
@@ -82,10 +83,15 @@ def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, strea
     tools = tool_tokens_per_row(raw, cols, tokenizer, cfg)
     markers = marker_stats(tokenizer, new_tokens, cfg.model.new_tokens)
     stats = compute_stats(cols, max_length=cfg.data.max_length, tool_tokens=tools, data=cfg.data, markers=markers)
-    write_atomic(out_dir / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False))
+    text = json.dumps(stats, indent=2, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a row (a role name): written as its JSON escape
+        text = json.dumps(stats, indent=2)
+    write_atomic(out_dir / STATS_FILE, text)
     write_histogram(cols, max_length=cfg.data.max_length, path=out_dir / HISTOGRAM_FILE,
                     pairs=cfg.data.objective == "preference")
-    print("\n".join(stats_lines(stats)), file=stream)
+    print(visible("\n".join(stats_lines(stats))), file=stream)  # role names, refusal details: row text
     print(f"wrote {out_dir / STATS_FILE} and {out_dir / HISTOGRAM_FILE}", file=stream)
     return stats
 

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from tokenizers.decoders import DecodeStream
 
 from qlora_train.config import DataConfig
+from qlora_train.data.batches import read_json
 from qlora_train.masking import IGNORE_INDEX, DropReason, RowRejected
+from qlora_train.terminal import visible
 
 OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦ trained ⟧ in the plain (no colour) form
 GREEN, GREY, RESET = "\x1b[32m", "\x1b[90m", "\x1b[0m"
@@ -168,7 +170,7 @@ def _both_masks(raw_row: dict, tokenizer, data: DataConfig) -> list:
     cfg = next((data.for_source(s) for k, s in enumerate(data.datasets) if source_label(k, s) == raw_row["source"]),
                data)
     try:
-        return both_masks(json.loads(raw_row["row"]), tokenizer, cfg)
+        return both_masks(read_json(raw_row["row"]), tokenizer, cfg)
     except (RowRejected, ValueError):  # no longer refused this way (the config or data changed)
         return []
 
@@ -198,9 +200,10 @@ def sample_summary(sample: Sample) -> str:
 
 
 def raw_preview(raw: str) -> str:
+    """A refused row's JSON text, indented (as it is when it does not parse), cut at ``RAW_PREVIEW_CHARS``."""
     try:
-        text = json.dumps(json.loads(raw), indent=2, ensure_ascii=False)
-    except (json.JSONDecodeError, TypeError):
+        text = json.dumps(read_json(raw), indent=2, ensure_ascii=False)
+    except (ValueError, TypeError, RecursionError):  # RecursionError: dumps, near read_json's depth limit
         text = raw
     if len(text) > RAW_PREVIEW_CHARS:
         text = text[:RAW_PREVIEW_CHARS] + f"\n… ({len(text) - RAW_PREVIEW_CHARS} more characters)"
@@ -208,15 +211,17 @@ def raw_preview(raw: str) -> str:
 
 
 def format_sample(sample: Sample, *, color: bool, show_tokens: bool = False) -> str:
-    """One sample as terminal text: trained spans green (``color``) or inside ``⟦ ⟧`` (plain)."""
-    head = f"--- {sample.name}  {sample.location}  (source {sample.source})"
+    """One sample as terminal text: trained spans green (``color``) or inside ``⟦ ⟧`` (plain). The row's text is
+    shown through ``terminal.visible`` (its control characters escaped); the colours and marks are ours."""
+    head = visible(f"--- {sample.name}  {sample.location}  (source {sample.source})")
     if sample.drop_reason:
-        return "\n".join([head, f"refused: {sample.drop_reason}: {sample.drop_detail}", raw_preview(sample.raw)])
+        return "\n".join([head, visible(f"refused: {sample.drop_reason}: {sample.drop_detail}"),
+                          visible(raw_preview(sample.raw))])
     lines = [head, sample_summary(sample)]
     if color:
-        body = "".join(f"{GREEN if t else GREY}{text}{RESET}" for text, t in spans(sample))
+        body = "".join(f"{GREEN if t else GREY}{visible(text)}{RESET}" for text, t in spans(sample))
     else:
-        body = "".join(f"{OPEN}{text}{CLOSE}" if t else text for text, t in spans(sample))
+        body = "".join(f"{OPEN}{visible(text)}{CLOSE}" if t else visible(text) for text, t in spans(sample))
     lines.append(body)
     if show_tokens:
         lines.append(f"{'pos':>6} {'label':>7} {'id':>7}  token")

@@ -12,6 +12,7 @@ least half the rows at or below it.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import math
 import re
@@ -23,6 +24,7 @@ from qlora_train.config import DataConfig
 from qlora_train.data.dataset import DatasetReport, summarize_columns
 from qlora_train.data.parse import canonicalize_row
 from qlora_train.data.processed import STATS_COLUMNS
+from qlora_train.files import write_atomic
 from qlora_train.masking import DropReason, render_text
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, template_markers, token_count
 
@@ -491,4 +493,6 @@ def write_histogram(cols: dict[str, list], *, max_length: int, path, pairs: bool
     ax.set_title("Token lengths")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    write_atomic(path, png.getvalue())  # never written through a link planted at its name

@@ -37,7 +37,7 @@ from typing import Literal
 from qlora_train.config import Config
 from qlora_train.export.adapter import ExportError, find_adapter, fit_base_to_adapter, trained_tokenizer
 from qlora_train.export.stop_tokens import eos_ids, serving_generation_config, stop_tokens
-from qlora_train.files import publish_dir, write_atomic
+from qlora_train.files import fresh_dir, publish_dir, write_atomic
 
 log = logging.getLogger(__name__)
 MERGE_INFO = "qlora_merge.json"  # marks a directory written by --merge (and says from what)
@@ -85,8 +85,8 @@ def merge(cfg: Config, options: MergeOptions = MergeOptions()) -> Path:
     merged.generation_config = serving_generation_config(merged.generation_config, tokenizer)
 
     staging = dest.with_name(f".{dest.name}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
     try:
+        fresh_dir(staging)  # made new: nothing planted at its name is written through
         merged.save_pretrained(staging, max_shard_size=options.max_shard_size)
         tokenizer.save_pretrained(staging)
         write_atomic(staging / MERGE_INFO, json.dumps(merge_info(cfg, options, adapter_dir, runtime, merged,

@@ -13,6 +13,7 @@ from typing import TextIO
 
 from qlora_train.config import Config
 from qlora_train.data.prepared import default_prepared_dir, write_prepared
+from qlora_train.terminal import visible
 from qlora_train.tokenizer import load_tokenizer
 
 
@@ -32,5 +33,5 @@ def preprocess(cfg: Config, out_dir: str | Path | None = None, *, stream: TextIO
               f"data.num_proc={cfg.data.num_proc or 1})",
               f"prepared data written to {dest}; train from it with `--set data.prepared_path={dest}` "
               "(or data.prepared_path in the config)"]
-    print("\n".join(lines), file=stream, flush=True)
+    print(visible("\n".join(lines)), file=stream, flush=True)
     return dest

@@ -29,7 +29,8 @@ from qlora_train.config import Config, ConfigError
 from qlora_train.data.packing import PackingStats
 from qlora_train.data.prepared import training_data
 from qlora_train.errors import UsageError
-from qlora_train.files import write_atomic
+from qlora_train.files import fresh_dir, write_atomic
+from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator, UnpairedCollator
 from qlora_train.train.distributed import (
@@ -206,15 +207,15 @@ def save_final_outputs(trainer, tokenizer, cfg: Config, out: Path, main: bool) -
     """Adapter, tokenizer, config, trainer state and loss history -> ``out``, atomically (see the module doc)."""
     staging = out / STAGING_DIR
     if main:
-        shutil.rmtree(staging, ignore_errors=True)
+        fresh_dir(staging)  # made new: nothing planted at its name is written through
     trainer.save_model(str(staging))  # every rank calls it; rank 0 writes the LoRA adapter
     if not main:
         return
     trainer.state.save_to_json(str(staging / "trainer_state.json"))
     tokenizer.save_pretrained(staging)
-    (staging / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    write_atomic(staging / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
-    (staging / "loss_history.json").write_text(json.dumps(losses, indent=1))
+    write_atomic(staging / "loss_history.json", json.dumps(losses, indent=1))
     publish(staging, out)
     write_atomic(out / COMPLETE_MARKER, json.dumps(
         {"global_step": trainer.state.global_step, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
@@ -286,7 +287,7 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
     if main:
         prepare_output_dir(start, fingerprint, out)  # the others wait for rank 0 at the first step's collectives
         write_atomic(out / "dataset_report.json", report.to_json())
-        print("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens)), flush=True)
+        print(visible("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens))), flush=True)
 
     if args.world_size > 1:  # the epoch's ragged last step: blank rows, not repeated ones
         trainer_class = with_global_batches(trainer_class)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -176,3 +177,75 @@ def test_troubleshooting_page_lists_every_drop_reason():
 
     page = (Path(__file__).resolve().parents[2] / "docs/troubleshooting.md").read_text()
     assert [r for r in sorted(KNOWN_DROP_REASONS) if f"| `{r}` |" not in page] == []
+
+
+def _call_row(arguments: str) -> bytes:
+    call = {"function": {"name": "f", "arguments": arguments}}
+    return json.dumps({"messages": [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "", "tool_calls": [call]}]}).encode()
+
+
+HUGE = b"9" * 5000  # past Python's 4,300-digit limit for int(str)
+DEEP = b"[" * 5000 + b"]" * 5000  # past its recursion limit
+HOSTILE_LINES = [  # (line, reason, the detail after "file:line: ")
+    (b'{"n": ' + HUGE + b"}", "unparseable_json", "unparseable JSON line: an integer of more than 4300 digits"),
+    (b'{"x": ' + DEEP + b"}", "unparseable_json",
+     "unparseable JSON line: nested deeper than Python's JSON reader goes (about 1000 levels)"),
+    (b'{"n": ' + HUGE + b', "bad": "\xff"}', "unparseable_json",  # bytes that are not UTF-8: parsed when read
+     "unparseable JSON line: an integer of more than 4300 digits"),
+    (_call_row('{"n": ' + "9" * 5000 + "}"), "bad_row",
+     "messages[1].tool_calls[0]: arguments: an integer of more than 4300 digits"),
+    (json.dumps({**GOOD, "tools": "[" * 5000}).encode(), "tools_unparseable",
+     "column 'tools': nested deeper than Python's JSON reader goes (about 1000 levels)"),
+    (json.dumps({"messages": GOOD["messages"][:1] + [{"role": "assistant", "tool_calls": "[" * 5000}]}).encode(),
+     "bad_row", "messages[1]: tool_calls is a string that is not JSON (nested deeper than Python's JSON reader goes "
+     "(about 1000 levels))"),
+    (b"42", "bad_row", "row is a int, not a mapping"),
+    (b"[1, 2]", "bad_row", "messages[0]: expected a mapping, got int"),
+    (b'"text"', "bad_row", "row is a str, not a mapping"),
+    (b"null", "bad_row", "row is a NoneType, not a mapping"),
+    (json.dumps(GOOD).encode().replace(b'"q"', b'"q\x00"'), "unparseable_json",  # a raw NUL byte
+     "unparseable JSON line: Invalid control character at line 1 column 45"),
+    (json.dumps(GOOD).encode().replace(b'"a"', b'"a\\ud800"'), "invalid_unicode",
+     "messages[1]: lone surrogate '\\ud800' at character 71 of the render"),
+    (json.dumps({**GOOD, "score": 1e999}).encode(), "", ""),  # read as inf; no stage reads it in an SFT row
+    (json.dumps(GOOD).encode().replace(b'"q"', b'"q\\u0000"'), "", ""),  # an escaped NUL is text like any other
+    (json.dumps({"messages": [{"role": "user\udcff", "content": "q"}, GOOD["messages"][1]]}).encode(),
+     "marker_in_row_text", "messages[0].role 'user\\udcff' is not a plain name (letters, digits, '_', '-', '.', "
+     "inner spaces): the template writes it inside its own markup; map it with data.roles"),
+    (json.dumps({"messages": [{"role": "user", "content": "\u202e\x9b2J\x1b]0;owned\x07"}]}).encode(),
+     "no_assistant_turn", "no trained message (a role in ['assistant'])"),
+]
+
+
+def test_no_line_stops_the_run_each_is_counted_with_its_reason(tmp_path, qwen3_tok):
+    """Everything a JSON line can hold that Python's reader, Arrow or a stage refuses: the row is counted under a
+    named reason with its location, as a bad row, not as our bug (no traceback), and the run goes on."""
+    from qlora_train.data.dataset import load_and_process
+
+    path = _jsonl(tmp_path, [json.dumps(GOOD).encode()] + [line for line, _, _ in HOSTILE_LINES])
+    _, processed = load_and_process(DataConfig(datasets=[DatasetSource(path=path)], max_length=64), qwen3_tok)
+    assert processed["drop_reason"] == [""] + [reason for _, reason, _ in HOSTILE_LINES]
+    assert processed["drop_detail"] == [""] + [f"{path}:{n}: {detail}" if reason else ""
+                                               for n, (_, reason, detail) in enumerate(HOSTILE_LINES, start=2)]
+    assert set(processed["error_traceback"]) == {""}
+
+
+@pytest.mark.slow
+def test_hostile_lines_stats_only_exits_0(tmp_path, qwen_tokenizer_dir, capsys):
+    """The CLI on a file of hostile lines: exit 0, every row counted (on main, the first huge integer stopped
+    --stats-only with a ValueError traceback, exit 1)."""
+    from qlora_train.cli import main
+
+    cfg, data = bug_config(tmp_path, qwen_tokenizer_dir, rows=1)
+    data.write_bytes(b"\n".join([json.dumps(GOOD).encode()] + [line for line, _, _ in HOSTILE_LINES]) + b"\n")
+    stats = tmp_path / "stats"
+    assert main(["--config", str(cfg), "--stats-only", "--debug-samples", "20", "--debug-refused",
+                 "--stats-dir", str(stats)]) == 0
+    out = capsys.readouterr().out
+    assert f"rows in {1 + len(HOSTILE_LINES)}, kept 3, dropped {len(HOSTILE_LINES) - 2}" in out
+    assert (f"dropped       4  unparseable_json  (first: {data}:2: unparseable JSON line: an integer of more than "
+            "4300 digits)") in out
+    assert '"content": "\\u202e\\x9b2J\\u001b]0;owned\\u0007"' in out  # the refused raw row, shown escaped
+    assert re.findall("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202e\ud800-\udfff]", out) == []  # no colour: not a tty
+    assert json.loads((stats / "stats.json").read_text())["overall"]["parse"]["unknown_roles"] == {"user\udcff": 1}

@@ -6,6 +6,8 @@ import json
 
 import datasets
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data.dataset import build_datasets
@@ -129,3 +131,67 @@ def test_table_files_give_the_same_examples_as_json_lines(tmp_path, qwen3_tok, s
     built = [build_datasets(DataConfig(datasets=[DatasetSource(path=str(p), schema=schema)]), qwen3_tok)[0]
              for p in (lines, table)]
     assert built[0].to_dict() == built[1].to_dict() and len(built[0]) == len(rows)
+
+
+def test_a_json_array_with_an_element_python_cannot_read_is_read_one_element_at_a_time(tmp_path):
+    """A huge integer or deep nesting in one element of a JSON array file: that element is counted (its index
+    and line named), every other is read (on main, the whole load failed: DatasetGenerationError)."""
+    path = tmp_path / "a.json"
+    path.write_text("[\n" + ",\n".join([
+        json.dumps(ROWS[0]), '{"n": ' + "9" * 5000 + "}", json.dumps(ROWS[1]), "[" * 5000 + "]" * 5000,
+        '{"prompt": tru}', json.dumps({"prompt": "[{,\"}]", "response": "\\\"]"}), "\n"]).rstrip(",\n") + "\n]\n")
+    raw = load_source(DatasetSource(path=str(path)))
+    assert raw["location"] == [f"{path}[{i}]" for i in range(6)]
+    assert raw["load_error"] == [
+        "", "unparseable JSON element (line 3): an integer of more than 4300 digits", "",
+        "unparseable JSON element (line 5): nested deeper than Python's JSON reader goes (about 1000 levels)",
+        "unparseable JSON element (line 6): Expecting value at line 1 column 12", ""]
+    assert [json.loads(r) for r in raw["row"] if r] == [ROWS[0], ROWS[1], {"prompt": "[{,\"}]", "response": "\\\"]"}]
+
+
+@pytest.mark.parametrize("text, why", [
+    ('[{"a": 1}, {"b": "x}]', "a string that is never closed (line 1, column 18)"),
+    ('[{"a": 1},\n {"b": [}]', "a '}' that closes nothing open (line 2, column 9)"),
+    ('[{"a": 1}, {"b": 2}', "a '[' that is never closed (line 1, column 20)"),
+    ('[{"a": 1}] {"b": 2}', "text after the array (line 1, column 11)"),
+])
+def test_a_json_array_whose_frame_is_broken_is_an_error_naming_the_file_and_place(tmp_path, text, why):
+    path = tmp_path / "a.json"
+    path.write_text(text)
+    with pytest.raises(SourceError) as err:
+        load_source(DatasetSource(path=str(path)))
+    assert str(err.value) == f"{path}: not a JSON array, even read one element at a time: {why}"
+
+
+def test_a_csv_file_that_is_not_utf8_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_bytes(b"prompt,response\nq,a\nq\xff,a\n")
+    with pytest.raises(SourceError) as err:
+        load_source(DatasetSource(path=str(path)))
+    assert str(err.value).startswith(f"{path}: cannot be read as csv: UnicodeDecodeError: 'utf-8' codec can't decode "
+                                     "byte 0xff")
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(alphabet='[]{},"\\: ab\n'),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='[]{},"\\ a'), inner, max_size=3),
+    max_leaves=12)
+
+
+@given(st.lists(JSON_VALUES, max_size=5), st.sampled_from([None, 0, 2]))
+def test_array_elements_are_the_array_items(items, indent):
+    """The frame read by brackets, commas and strings alone finds each element of any JSON array as written."""
+    from qlora_train.data.sources import _array_elements
+
+    text = json.dumps(items, indent=indent)
+    assert [json.loads(element) for _, element in _array_elements(text, "f.json")] == items
+
+
+@pytest.mark.parametrize("name, text", [("a.json", json.dumps(ROWS)), ("b.jsonl", "\n".join(map(json.dumps, ROWS)))])
+def test_a_byte_order_mark_is_skipped(tmp_path, name, text):
+    """A file saved with a UTF-8 byte order mark (Windows editors) reads as without it (on main: an array file was
+    taken for JSON lines, every line unparseable; a JSON lines file lost its first row)."""
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    raw = load_source(DatasetSource(path=str(path)))
+    assert rows_of(raw) == ROWS and set(raw["load_error"]) == {""}
