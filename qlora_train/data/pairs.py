@@ -167,7 +167,7 @@ def missing_side_detail(row: dict, present: list[str]) -> str:
     >>> missing_side_detail({"prompt": "q", "chosen": "a", "rejected": None}, ["chosen"])
     "a preference row needs 'chosen' and 'rejected'; it has chosen, and 'rejected' is null (keys ['chosen', \
 'prompt', 'rejected']); columns named otherwise are mapped with data.field_mappings, e.g. {chosen: good, \
-rejected: bad} (docs/preference.md#row-formats)"
+rejected: bad} (docs/preference.md#columns-named-otherwise-datafield_mappings)"
     """
     null = [f"'{side}'" for side in SIDES if side in row and row[side] is None]
     has = " and ".join(present) or "neither"
@@ -175,7 +175,7 @@ rejected: bad} (docs/preference.md#row-formats)"
         has += f", and {' and '.join(null)} {'is' if len(null) == 1 else 'are'} null"
     return (f"a preference row needs 'chosen' and 'rejected'; it has {has} (keys {sorted(row)[:8]}); columns named "
             "otherwise are mapped with data.field_mappings, e.g. {chosen: good, rejected: bad} "
-            "(docs/preference.md#row-formats)")
+            "(docs/preference.md#columns-named-otherwise-datafield_mappings)")
 
 
 def _messages(value, where: str, role: str, cfg: DataConfig, report: ParseReport, tokenizer) -> list[Message]:

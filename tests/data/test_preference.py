@@ -309,7 +309,7 @@ def test_field_mappings_apply():
 
 
 MAP_HINT = ("; columns named otherwise are mapped with data.field_mappings, e.g. {chosen: good, rejected: bad} "
-            "(docs/preference.md#row-formats)")
+            "(docs/preference.md#columns-named-otherwise-datafield_mappings)")
 
 
 @pytest.mark.parametrize(("row", "reason", "detail"), [
