@@ -245,7 +245,7 @@ def split_repeated_prompt(prompt: list[Message], chosen: list[Message], rejected
     turn (whitespace at its ends aside), a message list their leading messages. Otherwise the row contradicts
     itself and is refused as ``pair_prompt_differs``.
 
-    >>> u, a, b = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, \
+    >>> u, a, b = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, \\
     ...     {"role": "assistant", "content": "b"}
     >>> split_repeated_prompt([u], [u, a], [u, b], text=True)
     ([{'role': 'user', 'content': 'q'}], [{'role': 'assistant', 'content': 'a'}], [{'role': 'assistant', \
