@@ -73,21 +73,24 @@ audit-pairs: vocab
 $(TINY)/config.json:
 	$(PYTHON) -m qlora_train.tiny --out $(TINY)
 
+# the SFT demo's finished run (its marker is written last); `make demo` runs it again, `make demo-dpo` only without it
+DEMO_RUN = outputs/quickstart/training_complete.json
+
 demo: $(TINY)/config.json
+	qlora-train --config configs/quickstart.yaml
+
+$(DEMO_RUN): $(TINY)/config.json
 	qlora-train --config configs/quickstart.yaml
 
 docs:
 	$(PYTHON) -m qlora_train.config > docs/config.md
 
-# preference training (DPO) on the bundled pairs, starting from the SFT demo's adapter (outputs/quickstart); the SFT
-# demo runs only when its run has not finished (training again into a finished run's directory is refused)
-demo-dpo: outputs/quickstart/training_complete.json
+# preference training (DPO) on the bundled pairs, starting from the SFT demo's adapter (outputs/quickstart: the SFT
+# demo runs first only where it has not finished)
+demo-dpo: $(DEMO_RUN)
 	qlora-train --config configs/quickstart-dpo.yaml
-
-outputs/quickstart/training_complete.json: $(TINY)/config.json
-	qlora-train --config configs/quickstart.yaml
 
 # KTO on the bundled unpaired rows (prompt, completion, label), starting from the SFT demo's adapter (the SFT demo
 # runs first only when its run has not finished)
-demo-kto: outputs/quickstart/training_complete.json
+demo-kto: $(DEMO_RUN)
 	qlora-train --config configs/quickstart-kto.yaml

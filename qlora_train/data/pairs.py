@@ -41,8 +41,10 @@ from qlora_train.config import DataConfig
 from qlora_train.data.parse import (
     ParseReport,
     canonical_messages,
+    check_user_turns,
     content_text,
     instruction_prompt,
+    is_text_parts,
     map_fields,
     row_tools,
 )
@@ -98,13 +100,16 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
       and ``rejected``;
     - ``implicit_prompt``: ``chosen`` and ``rejected`` whole conversations (message lists) that share their
       beginning: the prompt is the longest shared message prefix that both sides follow with an assistant
-      message;
+      message; with a prompt column too (UltraFeedback-binarized), both conversations must open with it
+      (``split_repeated_prompt``);
     - ``hh_rlhf``: ``chosen`` and ``rejected`` Anthropic HH transcripts (``\\n\\nHuman: …\\n\\nAssistant: …``),
       split into messages (each stripped), then as ``implicit_prompt``.
 
     Messages go through the chat rows' normalisation (``parse.canonical_messages``: role and key mappings,
     reasoning keys, inline think blocks, tool calls, ``think_mode``); tools through ``parse.row_tools``. A
-    ``system`` string column opens the prompt unless the prompt has a system message. ``score_chosen`` /
+    ``system`` string column opens the prompt unless the prompt has a system message. A string side (or prompt)
+    is one message whose content is made text as every content is (``parse.content_text``: ``42`` is ``"42"``);
+    a null side is a missing one (``pair_missing_side``). ``score_chosen`` /
     ``score_rejected`` (numbers) are kept. A row with ``completion`` and ``label`` and no pair (KTO's unpaired
     form, ``unpaired.canonicalize_unpaired``) is refused as ``unpaired_preference``.
     """
@@ -119,8 +124,7 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
             raise RowRejected(DropReason.UNPAIRED_PREFERENCE, "an unpaired preference row (prompt, completion, "
                               "label): train.method: kto trains it (data.objective: unpaired); dpo and orpo need a "
                               "chosen and a rejected response to the same prompt")
-        raise RowRejected(DropReason.PAIR_MISSING_SIDE, f"a preference row needs 'chosen' and 'rejected'; it has "
-                          f"{' and '.join(present) or 'neither'} (keys {sorted(row)[:8]})")
+        raise RowRejected(DropReason.PAIR_MISSING_SIDE, missing_side_detail(row, present))
 
     def messages(value, where: str, role: str = "assistant") -> list[Message]:
         return _messages(value, where, role, cfg, report, tokenizer)
@@ -131,6 +135,10 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
         prompt_value = row[prompt_key] if prompt_key is not None else instruction_prompt(row, cfg)
         prompt = messages(prompt_value, prompt_key or "instruction", "user")
         chosen, rejected = messages(row["chosen"], "chosen"), messages(row["rejected"], "rejected")
+        if all(response and response[0]["role"] not in RESPONSE_ROLES for response in (chosen, rejected)):
+            fmt = "implicit_prompt"  # UltraFeedback-binarized: the prompt column repeated in whole conversations
+            one_text = not isinstance(prompt_value, list) or (prompt_value and is_text_parts(prompt_value))
+            prompt, chosen, rejected = split_repeated_prompt(prompt, chosen, rejected, text=one_text)
     elif all(isinstance(row[side], list) for side in SIDES):
         fmt = "implicit_prompt"
         prompt, chosen, rejected = split_shared_prompt(messages(row["chosen"], "chosen"),
@@ -152,15 +160,30 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
     return CanonicalPair(prompt, chosen, rejected, row_tools(row, cfg, report), fmt, *scores, report=report)
 
 
+def missing_side_detail(row: dict, present: list[str]) -> str:
+    """What a row without both sides has, said for a ``pair_missing_side`` refusal, with the mapping that fixes
+    columns named otherwise.
+
+    >>> missing_side_detail({"prompt": "q", "chosen": "a", "rejected": None}, ["chosen"])
+    "a preference row needs 'chosen' and 'rejected'; it has chosen, and 'rejected' is null (keys ['chosen', \
+'prompt', 'rejected']); columns named otherwise are mapped with data.field_mappings, e.g. {chosen: good, \
+rejected: bad} (docs/preference.md#columns-named-otherwise-datafield_mappings)"
+    """
+    null = [f"'{side}'" for side in SIDES if side in row and row[side] is None]
+    has = " and ".join(present) or "neither"
+    if null:
+        has += f", and {' and '.join(null)} {'is' if len(null) == 1 else 'are'} null"
+    return (f"a preference row needs 'chosen' and 'rejected'; it has {has} (keys {sorted(row)[:8]}); columns named "
+            "otherwise are mapped with data.field_mappings, e.g. {chosen: good, rejected: bad} "
+            "(docs/preference.md#columns-named-otherwise-datafield_mappings)")
+
+
 def _messages(value, where: str, role: str, cfg: DataConfig, report: ParseReport, tokenizer) -> list[Message]:
-    """A string (one message of ``role``) or a message list -> canonical messages; errors name ``where``."""
-    if isinstance(value, str):
-        raw = [{"role": role, "content": value}]
-    elif isinstance(value, list):
-        raw = value
-    else:
-        raise RowRejected(DropReason.BAD_CONTENT_TYPE, f"{where}: expected a string or a list of messages, got "
-                          f"{type(value).__name__}")
+    """A message list -> canonical messages; any other value is one message of ``role`` whose content is that
+    value, made text as every content is (``parse.content_text``: a string, a number, text parts; null is an
+    empty content). Errors name ``where``."""
+    one_text = not isinstance(value, list) or (value and is_text_parts(value))
+    raw = [{"role": role, "content": value}] if one_text else value
     first = raw[0] if raw and isinstance(raw[0], dict) else {}
     schema = "sharegpt" if "from" in first and "value" in first else "messages"
     try:
@@ -212,6 +235,36 @@ def split_shared_prompt(chosen: list[Message], rejected: list[Message]
     return chosen[:k], chosen[k:], rejected[k:]
 
 
+def split_repeated_prompt(prompt: list[Message], chosen: list[Message], rejected: list[Message], *, text: bool
+                          ) -> tuple[list[Message], list[Message], list[Message]]:
+    """A prompt column and two whole conversations that repeat it (UltraFeedback-binarized: ``prompt`` a string,
+    ``chosen`` and ``rejected`` each that user turn and an answer) -> ``(prompt, chosen response, rejected
+    response)``, split as ``implicit_prompt`` rows are (``split_shared_prompt``).
+
+    Both conversations must open with the prompt: a string prompt (``text``) is the content of their first user
+    turn (whitespace at its ends aside), a message list their leading messages. Otherwise the row contradicts
+    itself and is refused as ``pair_prompt_differs``.
+
+    >>> u, a, b = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, \\
+    ...     {"role": "assistant", "content": "b"}
+    >>> split_repeated_prompt([u], [u, a], [u, b], text=True)
+    ([{'role': 'user', 'content': 'q'}], [{'role': 'assistant', 'content': 'a'}], [{'role': 'assistant', \
+'content': 'b'}])
+    """
+    for side, conversation in zip(SIDES, (chosen, rejected)):
+        if text:
+            first_user = next((m["content"] for m in conversation if m["role"] == "user"), None)
+            if first_user is None or first_user.strip() != prompt[-1]["content"].strip():
+                opens = "it has no user turn" if first_user is None else f"its first user turn is {first_user[:40]!r}"
+                raise RowRejected(DropReason.PAIR_PROMPT_DIFFERS, f"{side} is a whole conversation that does not open "
+                                  f"with the row's prompt: {opens}, the prompt {prompt[-1]['content'][:40]!r}")
+        elif _unmarked(conversation[:len(prompt)]) != _unmarked(prompt):
+            raise RowRejected(DropReason.PAIR_PROMPT_DIFFERS, f"{side} is a whole conversation that does not open "
+                              f"with the row's prompt: its first {len(prompt)} messages are not the prompt's "
+                              f"{len(prompt)} messages")
+    return split_shared_prompt(chosen, rejected)
+
+
 def _score(row: dict, key: str) -> float | None:
     value = row.get(key)
     if value is None:
@@ -238,6 +291,7 @@ def check_prompt(prompt: list[Message]) -> None:
         last = f"ends with a {prompt[-1]['role']} message" if prompt else "is empty"
         raise RowRejected(DropReason.PAIR_BAD_PROMPT, f"the prompt {last}: it must end with a user turn (or a tool "
                           "result) for a response to answer")
+    check_user_turns(prompt, "prompt")
 
 
 def check_response(side: str, response: list[Message]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -163,18 +164,42 @@ def resolve_schema(row: dict | list, cfg: DataConfig) -> str:
 
 
 def content_text(value: Any, where: str) -> str:
-    """Message content -> str. Lists of text parts are joined; dicts become JSON."""
+    """A text value -> str, the one rule for message content and for every column that holds one text (SFT's
+    prompt and response, a pair's prompt, chosen and rejected strings, instruction and input): a string as it is;
+    null (or absent) is no content, ``""``; a list of ``{"type": "text"}`` parts joined; a mapping as JSON (a tool
+    result object); a finite number as its text (a numeric CSV or Parquet column). Anything else (true/false,
+    NaN, a list of other parts) is ``bad_content_type``.
+
+    >>> content_text(None, "m"), content_text(5, "m"), content_text([{"type": "text", "text": "a"}], "m")
+    ('', '5', 'a')
+    """
     if value is None:
         return ""
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+    if is_text_parts(value):
         return "".join(str(p.get("text", "")) for p in value)
     if isinstance(value, dict):
         return json.dumps(value, ensure_ascii=False)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise RowRejected(DropReason.BAD_CONTENT_TYPE, f"{where}: content {value!r} is not a finite number")
         return str(value)
     raise RowRejected(DropReason.BAD_CONTENT_TYPE, f"{where}: content of type {type(value).__name__}")
+
+
+def is_text_parts(value: Any) -> bool:
+    """A list of ``{"type": "text", "text": …}`` parts (OpenAI's content parts): one text, not messages."""
+    return isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value)
+
+
+def check_user_turns(messages: list[Message], where: str = "messages") -> None:
+    """A user turn must say something: one without content (null, absent, ``""`` or only whitespace) is refused as
+    ``empty_user_turn``, in chat rows and in a pair's prompt alike (a response to nothing is not an answer)."""
+    for i, m in enumerate(messages):
+        if m["role"] == "user" and not m["content"].strip():
+            raise RowRejected(DropReason.EMPTY_USER_TURN, f"{where}[{i}]: a user turn without content (nothing "
+                              "for a response to answer)")
 
 
 def _tool_calls(value: Any, where: str) -> list[dict]:
@@ -441,6 +466,7 @@ def canonical_messages(raw: list, cfg: DataConfig, report: ParseReport, *, schem
     """
     rules = _MessageRules.of(schema, cfg)
     messages = [_message(m, i, rules, report) for i, m in enumerate(raw)]
+    check_user_turns(messages)
     if cfg.think_mode == "drop":
         for m in messages:
             if m.pop("reasoning_content", None) is not None:

@@ -296,6 +296,25 @@ def marker_lines(markers: dict) -> list[str]:
     return lines
 
 
+_OVER_A_LIMIT = re.compile(r"(?:chosen|rejected|prompt): \d+ (?:response )?tokens > max_\w+=\d+")
+
+
+def _pair_lengths_seen(pairs: dict, first_dropped: dict) -> str:
+    """What the length advice can say of pair lengths: the longer side of kept pairs, or, with none kept, how long
+    the first pair refused as ``too_long`` was (its detail).
+
+    >>> _pair_lengths_seen({"longer_side_tokens": {"p95": None}}, {"too_long": "f:1: chosen: 497 tokens > "
+    ...                    "max_length=256 (fit_pair drops prompt exchanges first)"})
+    'no pair was kept; the first refused: chosen: 497 tokens > max_length=256'
+    """
+    p95 = pairs["longer_side_tokens"]["p95"]
+    if p95 is not None:
+        return f"the longer side of kept pairs: p95 {p95}"
+    first = first_dropped.get(DropReason.TOO_LONG, "")
+    found = _OVER_A_LIMIT.search(first)
+    return f"no pair was kept; the first refused: {found.group() if found else first or 'none'}"
+
+
 def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, markers: dict | None = None) -> list[str]:
     """Plain advice lines from the overall statistics (empty when nothing stands out).
 
@@ -313,7 +332,7 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, ma
                                                           ("max_response_length", data.max_response_length)) if v)
             out.append(f"{over:.0%} of pairs are over a limit ({limits}; more than {AT_MAX_SHARE:.0%}: "
                        f"{pairs['truncated_pairs']} truncated, {pairs['too_long']} refused as too_long): raise "
-                       f"data.max_length (the longer side of kept pairs: p95 {pairs['longer_side_tokens']['p95']}) "
+                       f"data.max_length ({_pair_lengths_seen(pairs, overall['first_dropped'])}) "
                        "or the per-side limits, or pre-filter long pairs")
     elif at_max > AT_MAX_SHARE:
         out.append(f"{at_max:.0%} of rows reach max_length={max_length} (more than {AT_MAX_SHARE:.0%}): raise "
@@ -368,7 +387,10 @@ def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[i
 
 
 def _pct(d: dict) -> str:
-    return "  ".join(f"{k} {v}" for k, v in d.items() if k != "rows")
+    values = {k: v for k, v in d.items() if k != "rows"}
+    if all(v is None for v in values.values()):
+        return "none (no rows)"
+    return "  ".join(f"{k} {v}" for k, v in values.items())
 
 
 def _counts(d: dict) -> str:

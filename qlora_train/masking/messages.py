@@ -45,6 +45,7 @@ class DropReason:
     NO_MESSAGES = "no_messages"
     NO_ASSISTANT_TURN = "no_assistant_turn"
     EMPTY_ASSISTANT = "empty_assistant_turn"
+    EMPTY_USER_TURN = "empty_user_turn"  # a user message without content (chat rows and pairs alike)
     BAD_CONTENT_TYPE = "bad_content_type"
     TOOLS_UNPARSEABLE = "tools_unparseable"
     TEMPLATE_ERROR = "template_error"

@@ -179,7 +179,10 @@ def fused_forward(causal_lm, *, labels, logits_to_keep=0, return_dict=None, **kw
     loss = causal_lm_loss(outputs[0], whole(causal_lm.lm_head.weight), labels,
                           num_items_in_batch=kwargs.get("num_items_in_batch"),
                           shift_labels=kwargs.get("shift_labels"), chunk_tokens=causal_lm.fused_loss_chunk_tokens)
-    out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
-                                 hidden_states=getattr(outputs, "hidden_states", None),
-                                 attentions=getattr(outputs, "attentions", None))
+    # the cache under the name this transformers gives it (``cache`` from 5.2x, ``past_key_values`` before: reading
+    # the old name where it is deprecated warns on every step)
+    cache = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
+                                 attentions=getattr(outputs, "attentions", None),
+                                 **{cache: getattr(outputs, cache, None)})
     return out.to_tuple() if return_dict is False else out

@@ -236,6 +236,32 @@ def test_implicit_prompt_ultrafeedback_style():
                             [{"role": "assistant", "content": "bad"}], None, "implicit_prompt", (None, None))
 
 
+def test_ultrafeedback_binarized_prompt_column_repeated_in_whole_conversations():
+    # the shape of HuggingFaceH4/ultrafeedback_binarized: a prompt string and whole conversations opening with it
+    chosen = [{"role": "user", "content": "q "}, {"role": "assistant", "content": "good"}]
+    rejected = [{"role": "user", "content": "q "}, {"role": "assistant", "content": "bad"}]
+    row = {"prompt": "q ", "prompt_id": "ab12", "chosen": chosen, "rejected": rejected, "messages": chosen,
+           "score_chosen": 8.0, "score_rejected": 3.5}
+    expected = ([{"role": "user", "content": "q "}], [{"role": "assistant", "content": "good"}],
+                [{"role": "assistant", "content": "bad"}], None, "implicit_prompt", (8.0, 3.5))
+    assert pair_of(row) == expected
+    assert pair_of({**row, "prompt": "q"}) == expected  # whitespace at the ends aside: the conversation's turn
+    assert pair_of({**row, "prompt": [{"role": "user", "content": "q "}]}) == expected  # a message-list prompt
+    # a system turn before the user turn: the string is the first user turn's content, the system stays in
+    system = {"role": "system", "content": "s"}
+    prompt, *_ = pair_of({**row, "chosen": [system, *chosen], "rejected": [system, *rejected]})
+    assert prompt == [system, {"role": "user", "content": "q "}]
+
+
+def test_a_side_that_is_a_number_or_text_parts_is_its_text_as_in_sft_rows():
+    from qlora_train.data.parse import canonicalize_row
+
+    assert pair_of({"prompt": 6, "chosen": 42, "rejected": [{"type": "text", "text": "41"}]})[:3] == (
+        [{"role": "user", "content": "6"}], [{"role": "assistant", "content": "42"}],
+        [{"role": "assistant", "content": "41"}])
+    assert [m["content"] for m in canonicalize_row({"prompt": 6, "response": 42}).messages] == ["6", "42"]
+
+
 def test_implicit_prompt_keeps_a_shared_tool_call_and_sharegpt_roles():
     call = {"from": "gpt", "value": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2}}}]}
     shared = [{"from": "human", "value": "q"}, call, {"from": "observation", "value": "4"}]
@@ -282,16 +308,40 @@ def test_field_mappings_apply():
         [{"role": "assistant", "content": "b"}])
 
 
+MAP_HINT = ("; columns named otherwise are mapped with data.field_mappings, e.g. {chosen: good, rejected: bad} "
+            "(docs/preference.md#columns-named-otherwise-datafield_mappings)")
+
+
 @pytest.mark.parametrize(("row", "reason", "detail"), [
     ({"prompt": "q", "chosen": "a"}, "pair_missing_side",
-     "a preference row needs 'chosen' and 'rejected'; it has chosen (keys ['chosen', 'prompt'])"),
+     "a preference row needs 'chosen' and 'rejected'; it has chosen (keys ['chosen', 'prompt'])" + MAP_HINT),
     ({"prompt": "q", "chosen": None, "rejected": None}, "pair_missing_side",
-     "a preference row needs 'chosen' and 'rejected'; it has neither (keys ['chosen', 'prompt', 'rejected'])"),
+     "a preference row needs 'chosen' and 'rejected'; it has neither, and 'chosen' and 'rejected' are null (keys "
+     "['chosen', 'prompt', 'rejected'])" + MAP_HINT),
+    ({"prompt": "q", "chosen": "a", "rejected": None}, "pair_missing_side",
+     "a preference row needs 'chosen' and 'rejected'; it has chosen, and 'rejected' is null (keys ['chosen', "
+     "'prompt', 'rejected'])" + MAP_HINT),
     ({"prompt": "q", "completion": "a", "label": True}, "unpaired_preference",
      "an unpaired preference row (prompt, completion, label): train.method: kto trains it (data.objective: "
      "unpaired); dpo and orpo need a chosen and a rejected response to the same prompt"),
-    ({"prompt": "q", "chosen": 42, "rejected": "b"}, "bad_content_type",
-     "chosen: expected a string or a list of messages, got int"),
+    ({"prompt": "q", "chosen": True, "rejected": "b"}, "bad_content_type", "chosen: messages[0]: content of type bool"),
+    ({"prompt": "q", "chosen": float("nan"), "rejected": "b"}, "bad_content_type",
+     "chosen: messages[0]: content nan is not a finite number"),
+    ({"prompt": [{"role": "user", "content": None}], "chosen": "a", "rejected": "b"}, "empty_user_turn",
+     "prompt: messages[0]: a user turn without content (nothing for a response to answer)"),
+    ({"prompt": None, "chosen": "a", "rejected": "b"}, "empty_user_turn",
+     "prompt: messages[0]: a user turn without content (nothing for a response to answer)"),
+    ({"chosen": "\n\nHuman:  \n\nAssistant: a", "rejected": "\n\nHuman:\n\nAssistant: b"}, "empty_user_turn",
+     "chosen: messages[0]: a user turn without content (nothing for a response to answer)"),
+    ({"prompt": "q", "chosen": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}, "pair_prompt_differs",
+     "chosen is a whole conversation that does not open with the row's prompt: its first user turn is 'other', the "
+     "prompt 'q'"),
+    ({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+      "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}, "pair_prompt_differs",
+     "chosen is a whole conversation that does not open with the row's prompt: its first 2 messages are not the "
+     "prompt's 2 messages"),
     ({"prompt": "q", "chosen": [{"role": "assistant", "content": True}], "rejected": "b"}, "bad_content_type",
      "chosen: messages[0]: content of type bool"),
     ({"prompt": "q", "chosen": "", "rejected": "b"}, "pair_empty_response", "chosen[0]: empty assistant turn"),

@@ -89,6 +89,23 @@ def test_advice_thresholds():
     assert advice(group_stats(calm, max_length=100), max_length=100) == []
 
 
+def test_pair_advice_with_no_pair_kept_says_how_long_the_first_refused_one_was():
+    from qlora_train.diagnostics.stats import pair_lines
+
+    detail = ("f.jsonl:1: chosen: 497 tokens > max_length=256 (fit_pair drops prompt exchanges and trims reasoning "
+              "first; data.max_response_length would cut the response)")
+    cols = columns([0, 0], [0, 0], [0, 0], reasons=["too_long"] * 2, drop_detail=[detail, detail],
+                   prompt_length=[0, 0], chosen_tokens=[0, 0], rejected_tokens=[0, 0])
+    stats = group_stats(cols, max_length=256, pairs=True)
+    assert advice(stats, max_length=256)[0] == (
+        "100% of pairs are over a limit (max_length=256; more than 30%: 0 truncated, 2 refused as too_long): raise "
+        "data.max_length (no pair was kept; the first refused: chosen: 497 tokens > max_length=256) or the "
+        "per-side limits, or pre-filter long pairs")
+    assert pair_lines(stats["pairs"], 256)[1:5] == [
+        "  prompt (shared)    none (no rows)", "  chosen response    none (no rows)",
+        "  rejected response  none (no rows)", "  longer side        none (no rows)"]
+
+
 def test_stats_only_counts_add_up_and_match_the_rows(dataset, qwen3_tok, capsys):
     cfg_path, a, b = dataset
     out = cfg_path.parent / "stats"

@@ -328,3 +328,29 @@ def test_the_documented_chunk_size_is_the_one_used():
     docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text().split())
     assert CHUNK_TOKENS == 1024
     assert "1,024" in TrainConfig.model_fields["fused_loss"].description and "1,024 trained tokens" in docs
+
+
+def test_the_fused_forward_reads_no_deprecated_output_name(lora_model, examples):
+    """transformers 5.2x renamed ``past_key_values`` to ``cache`` and warns on the old name: the fused forward
+    reads the name this version has (the warning printed once per run, from our code, not the user's)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    class Seen(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    seen, root = Seen(), logging.getLogger("transformers")
+    hf_logging.warning_once.cache_clear()  # said once per process: the test must not miss it for an earlier one
+    root.addHandler(seen)
+    try:
+        with torch.no_grad():
+            fused_copy(lora_model)(**packed_batches(examples)[0])
+    finally:
+        root.removeHandler(seen)
+    assert [m for m in seen.messages if "deprecated" in m] == []
