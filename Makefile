@@ -73,11 +73,12 @@ audit-pairs: vocab
 $(TINY)/config.json:
 	$(PYTHON) -m qlora_train.tiny --out $(TINY)
 
-# the SFT demo's finished run (its marker is written last); `make demo` runs it again, `make demo-dpo` only without it
+# the SFT demo's finished run (its marker is written last): `make demo`, `make demo-dpo` and `make demo-kto` train
+# it only where it is not there (a finished run is not trained into again: --overwrite starts over)
 DEMO_RUN = outputs/quickstart/training_complete.json
 
-demo: $(TINY)/config.json
-	qlora-train --config configs/quickstart.yaml
+demo: $(DEMO_RUN)
+	@echo "the SFT demo's finished run is in outputs/quickstart (again from step 0: qlora-train --config configs/quickstart.yaml --overwrite)"
 
 $(DEMO_RUN): $(TINY)/config.json
 	qlora-train --config configs/quickstart.yaml
