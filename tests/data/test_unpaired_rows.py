@@ -60,8 +60,10 @@ BAD = [  # lines 6-10: each refused for one reason
      "no prompt: an unpaired row needs 'prompt' (or 'question', or 'instruction') beside its completion (keys "
      "['completion', 'label'])"),
     ({"prompt": "q", "completion": "", "label": True}, "pair_empty_response", "completion[0]: empty assistant turn"),
-    ({"prompt": "q", "completion": 42, "label": True}, "bad_content_type",
-     "completion: expected a string or a list of messages, got int"),
+    ({"prompt": "q", "completion": True, "label": True}, "bad_content_type",
+     "completion: messages[0]: content of type bool"),
+    ({"prompt": [{"role": "user", "content": None}], "completion": "a", "label": True}, "empty_user_turn",
+     "prompt: messages[0]: a user turn without content (nothing for a response to answer)"),
     ({"prompt": "q", "completion": [{"role": "user", "content": "a"}], "label": True}, "pair_bad_response",
      "completion[0]: a 'user' message inside the response (a response holds assistant turns and tool results "
      "only)"),
