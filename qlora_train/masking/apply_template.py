@@ -28,9 +28,12 @@ import logging
 import weakref
 from types import BuiltinMethodType, FunctionType, MethodType
 
+from jinja2 import TemplateError
 from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
+
+from qlora_train.masking.messages import RowRejected
 
 try:  # how jinja marks a callable that takes the context (jinja 3.x); without it every call takes the sandbox's way
     from jinja2.utils import _PassArg
@@ -49,6 +52,57 @@ try:  # transformers' own steps of apply_chat_template (5.x), so that the render
     )
 except ImportError:  # pragma: no cover - another transformers: apply_chat_template itself
     _alias_reasoning_fields = _compile_jinja_template = _plain_template_data = None
+
+
+class TemplateRaised(TemplateError):
+    """An exception the chat template's own code raised while it rendered, whatever its type (``{{ 1 / 0 }}``'s
+    ZeroDivisionError, the RecursionError of a macro that calls itself without end, ``'a'.index('b')``'s
+    ValueError): the template's refusal of that render, as ``raise_exception``'s ``TemplateError`` is (a row's
+    ``template_error``, an unknown fact to the layout probe), never a bug of ours. It keeps the original's type
+    name, message (``DETAIL_MAX`` characters at most) and the template line it was raised at, not its traceback
+    (a deep recursion's frames, the row's data)."""
+
+    DETAIL_MAX = 300
+
+    def __init__(self, kind: str, message: str, line: int):
+        self.kind, self.line = kind, line
+        if len(message) > self.DETAIL_MAX:
+            message = f"{message[:self.DETAIL_MAX]}... ({len(message)} characters)"
+        super().__init__(f"{kind}: {message} (line {line} of the template)" if message else
+                         f"{kind} (line {line} of the template)")
+
+
+def call_template(render, *args, **kwargs):
+    """``render(*args, **kwargs)``, a call that runs a chat template's code (``tokenizer.apply_chat_template``);
+    what the template's code raises comes out as a ``TemplateError``: jinja's own (``raise_exception``, undefined
+    values, the sandbox's refusals) as raised, any other type as ``TemplateRaised``. An exception raised where no
+    template code runs (transformers' checks of its arguments, our code) comes out as it was raised, and so does
+    a ``RowRejected`` raised from within the render (our refusal, not the template's)."""
+    try:
+        return render(*args, **kwargs)
+    except TemplateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the template's, whatever its type; re-raised where it is not
+        raised = _template_raised(exc)
+        if raised is None:
+            raise
+    raise raised  # outside the except: the original and its frames are freed now
+
+
+def _template_raised(exc: Exception) -> TemplateRaised | None:
+    """``exc`` as the template's ``TemplateRaised`` when a frame of template code raised it or is on its way
+    (the innermost one gives the line), else None."""
+    if isinstance(exc, RowRejected):
+        return None
+    line, tb = None, exc.__traceback__
+    while tb is not None:
+        names = tb.tb_frame.f_globals
+        if "__jinja_template__" in names:  # compiled template code: its Python line mapped to the template's
+            line = names["__jinja_template__"].get_corresponding_lineno(tb.tb_lineno)
+        elif "__jinja_exception__" in names:  # a frame jinja rewrote (``handle_exception``): the template's line
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return None if line is None else TemplateRaised(type(exc).__name__, str(exc), line)
 
 
 class _DirectRender:
@@ -178,8 +232,13 @@ def _render(template: str, variables: dict) -> str:
     context = env.context_class(env, {**flat, **variables}, compiled.name, compiled.blocks, globals=flat)
     try:
         return env.concat(compiled.root_render_func(context))
-    except Exception:  # noqa: BLE001 - re-raised by jinja with the template's lines in the traceback
+    except TemplateError:  # re-raised by jinja with the template's lines in the traceback
         env.handle_exception()
+    except Exception as exc:  # noqa: BLE001 - the template's (``call_template``), whatever its type
+        raised = _template_raised(exc)
+        if raised is None:
+            raise
+    raise raised
 
 
 _RENDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> _DirectRender
@@ -188,7 +247,7 @@ _RENDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -
 def apply_template(messages: list[dict], tokenizer, *, tools=None, add_generation_prompt: bool = False) -> str:
     """Exactly ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
     add_generation_prompt=add_generation_prompt)`` for messages and tools of plain JSON data; raises what it
-    raises (a template's own errors)."""
+    raises, what the template's code raises as a ``TemplateError`` (``TemplateRaised``: see ``call_template``)."""
     direct, special_tokens = _RENDERS.get(tokenizer), tokenizer.special_tokens_map
     if direct is None or direct.source is not tokenizer.chat_template or direct.special_tokens != special_tokens:
         if _compile_jinja_template is None or not tokenizer.chat_template:
@@ -213,5 +272,5 @@ def apply_template(messages: list[dict], tokenizer, *, tools=None, add_generatio
 
 
 def _reference(messages, tokenizer, tools, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return call_template(tokenizer.apply_chat_template, messages, tools=tools, tokenize=False,
+                         add_generation_prompt=add_generation_prompt)
