@@ -25,6 +25,7 @@ through ``apply_chat_template`` from then on, with a warning.
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from types import BuiltinMethodType, FunctionType, MethodType
 
@@ -132,9 +133,18 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
     below those answers depend on the object's type and the name alone, so they are worked out on the first read
     and looked up after it: the same values, the same refusals, two fifths less time a render. Anything else (another
     type, a private name, a ``str.format`` method, which the sandbox wraps) takes the sandbox's own path; so
-    does a read the decision does not fit (an attribute the object lacks)."""
+    does a read the decision does not fit (an attribute the object lacks).
+
+    Decisions are kept only for names a template's source spells (``message.content``: ``content``), never for a
+    name made of row data (``('{0.' ~ content ~ '}').format(m)``, ``m | attr(content)``): such a name is decided on
+    each read, so what is kept is bounded by the templates' words (and ``DECIDED_MAX``), not by the data."""
 
     FIXED_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None), LoopContext})
+    spelled: frozenset[str] = frozenset()  # the words of the templates compiled in this environment (``_parse``)
+
+    def _parse(self, source, name, filename):
+        self.spelled = self.spelled | frozenset(_WORD.findall(source))
+        return super()._parse(source, name, filename)
 
     def getattr(self, obj, attribute):
         how = _DECIDED.get((type(obj), attribute))
@@ -164,7 +174,8 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
                     how = _ATTRIBUTE
             elif kind is not LoopContext:  # builtins have no attributes of their own; a loop may (depth0)
                 how = _ITEM
-        _DECIDED[(kind, attribute)] = how
+        if attribute in self.spelled and len(_DECIDED) < DECIDED_MAX:  # a name from the data: decided, not kept
+            _DECIDED[(kind, attribute)] = how
         return how
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's names (kwargs cannot clash)
@@ -204,7 +215,9 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
 
 
 _SANDBOX, _ATTRIBUTE, _ITEM = 0, 1, 2  # how a (type, name) is read: the sandbox's way, as an attribute, as a key
-_DECIDED: dict[tuple[type, str], int] = {}
+_DECIDED: dict[tuple[type, str], int] = {}  # (type, a name some template spells) -> how; at most DECIDED_MAX
+DECIDED_MAX = 4096  # a template reads tens of names of a few types; past this, reads are decided each time
+_WORD = re.compile(r"\w+")  # a name a template's source spells: a run of word characters in it
 _GLOBALS: dict[str, tuple] = {}  # template text -> (its compiled template, its globals as one dict)
 
 

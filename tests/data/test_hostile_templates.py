@@ -1,6 +1,6 @@
 """Hostile chat templates: an exception of the template's own code, whatever its type, is that template's refusal
 of the row (``template_error``, counted, the run goes on) or, at probe time, a layout fact left unknown; an
-exception of our code stays loud."""
+exception of our code stays loud. The sandbox's decided-once reads keep no name made of row data."""
 
 from __future__ import annotations
 
@@ -138,3 +138,34 @@ def test_stats_only_counts_the_templates_refusals_and_exits_0(tmp_path, qwen_tok
     refused = len(REFUSED[name][0])
     assert stats["dropped"] == ({"template_error": refused} if refused else {}), stats["dropped"]
     assert stats["rows_in"] == len(ROWS) and stats["rows_kept"] == len(ROWS) - refused
+
+
+# --- the decided-once cache: names a template spells, never the data's ---
+
+FORMATTING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+              "{{ ('{0.' ~ m.content ~ '}').format(m) }}{{ m | attr(m.content) }}<|im_end|>\n{% endfor %}")
+
+
+def test_names_made_of_row_data_are_decided_not_kept(qwen3_tok):
+    """A template that reads an attribute named by each row's content (``str.format``, ``attr``): 300 distinct
+    names leave the cache as one row left it, and render what ``apply_chat_template`` renders."""
+    tok = with_template(qwen3_tok, FORMATTING)
+    for i in range(at.CHECKED_RENDERS + 1):  # past the checked renders: the direct render alone
+        at.apply_template([{"role": "user", "content": f"warmup{i}"}], tok)
+    kept = dict(at._DECIDED)
+    assert kept[dict, "content"] == at._ITEM and kept[dict, "role"] == at._ITEM  # spelled: kept
+    for i in range(300):
+        messages = [{"role": "user", "content": f"name{i}_" + "x" * 1000}]
+        assert at.apply_template(messages, tok) == tok.apply_chat_template(messages, tokenize=False)
+    assert at._DECIDED == kept
+    assert not [name for _, name in at._DECIDED if not isinstance(name, str) or "warmup" in name or "name" in name]
+
+
+def test_the_cache_stops_at_its_size(monkeypatch):
+    """Past ``DECIDED_MAX`` entries a read is decided on each read, with the same outcome."""
+    env = at._compile("{{ {'a': 1}.brand_new_name }}{{ 'x'.upper() }}").environment
+    monkeypatch.setattr(at, "_DECIDED", {})
+    monkeypatch.setattr(at, "DECIDED_MAX", 1)
+    template = env.from_string("{{ {'a': 1}.brand_new_name }}|{{ {'brand_new_key': 2}.brand_new_key }}")
+    assert template.render() == "|2" and template.render() == "|2"
+    assert list(at._DECIDED) == [(dict, "brand_new_name")]
