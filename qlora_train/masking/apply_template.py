@@ -66,11 +66,14 @@ class TemplateRaised(TemplateError):
     DETAIL_MAX = 300
 
     def __init__(self, kind: str, message: str, line: int):
-        self.kind, self.line = kind, line
         if len(message) > self.DETAIL_MAX:
             message = f"{message[:self.DETAIL_MAX]}... ({len(message)} characters)"
+        self.kind, self.original, self.line = kind, message, line
         super().__init__(f"{kind}: {message} (line {line} of the template)" if message else
                          f"{kind} (line {line} of the template)")
+
+    def __reduce__(self):  # pickled with its own arguments (a datasets worker's exception reaches the parent)
+        return type(self), (self.kind, self.original, self.line)
 
 
 def call_template(render, *args, **kwargs):

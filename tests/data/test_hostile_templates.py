@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 
 import pytest
 import yaml
@@ -100,6 +101,12 @@ def test_call_template_wraps_what_the_templates_code_raises_whatever_its_type(ki
         call_template(template.render)
     assert str(err.value) == f"{kind.__name__}: {kind('from a global')} (line 2 of the template)"
     assert err.value.kind == kind.__name__ and err.value.line == 2
+    assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
+
+
+def test_a_long_message_is_cut():
+    raised = TemplateRaised("KeyError", "x" * 1000, 3)
+    assert str(raised) == f"KeyError: {'x' * TemplateRaised.DETAIL_MAX}... (1000 characters) (line 3 of the template)"
 
 
 def test_call_template_leaves_what_no_template_raised_loud(hostile_tokenizers):
