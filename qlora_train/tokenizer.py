@@ -15,7 +15,7 @@ from pathlib import Path
 from qlora_train.chat_templates import get_chat_template
 from qlora_train.config import ModelConfig
 from qlora_train.errors import ConfigError, ModelLoadError
-from qlora_train.masking import TEMPLATE_ERRORS, check_declaration, template_layout
+from qlora_train.masking import TEMPLATE_ERRORS, call_template, check_declaration, template_layout
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ def check_special_tokens(tokenizer, name: str) -> None:
 
     for messages in _PROBE_ROWS:
         try:
-            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=len(messages) == 1)
+            call_template(tokenizer.apply_chat_template, messages, tokenize=False,
+                          add_generation_prompt=len(messages) == 1)
         except UndefinedError as exc:
             found = _UNDEFINED.search(str(exc))
             token = found.group(1) if found else ""

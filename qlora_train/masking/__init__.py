@@ -41,9 +41,10 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
                  agree, undecided where the template is not prefix-stable, disagree).
 
 **A refusal** is chosen, never a guess: a row neither path verifies is ``mask_unverified`` (the general path's
-reason, then the layout's), a template that raises is ``template_error``; a part the template does not write
-(a call, the content) refuses the row; reasoning it does not render is trained without it and counted
-(``TurnSpan.reasoning_dropped``).
+reason, then the layout's), a template that raises is ``template_error`` (whatever it raises: an exception of the
+template's code is its refusal, ``TemplateRaised``; to the layout probe, an unknown fact); a part the template
+does not write (a call, the content) refuses the row; reasoning it does not render is trained without it and
+counted (``TurnSpan.reasoning_dropped``).
 
 **To add a layout class**: give ``TemplateLayout`` the part it lacks (a field with its default "unknown"), let
 ``probe_layout`` find it from its probe texts (never from added-token boundaries: plain-text markers must probe
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qlora_train.masking.apply_template import TemplateRaised, call_template
 from qlora_train.masking.check import AGREE, DISAGREE, UNDECIDED, Masked, RuleCheck, check_with_rule
 from qlora_train.masking.count import count_tokens
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, template_layout, tool_block
@@ -95,6 +97,8 @@ __all__ = [
     # the template's layout: probed, declared (model.template_layout), printed
     "TEMPLATE_ERRORS", "TemplateLayout", "check_declaration", "layout_dict", "layout_yaml", "probe_layout",
     "resolve_layout", "template_layout", "tool_block",
+    # a render of the template: what its code raises is a TemplateError (TemplateRaised: any other type)
+    "TemplateRaised", "call_template",
     # facts the readers of rows share with the engine: drop reasons, roles, reasoning tags, the policy's choices
     "CONFIGURED_DROPS", "KNOWN_ROLES", "THINK_CLOSE", "THINK_OPEN", "BadRowError", "DropReason", "ReasoningHistory",
     "ThinkLoss", "TrainOnEos", "check_unicode",

@@ -25,12 +25,16 @@ through ``apply_chat_template`` from then on, with a warning.
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from types import BuiltinMethodType, FunctionType, MethodType
 
+from jinja2 import TemplateError
 from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
+
+from qlora_train.masking.messages import RowRejected
 
 try:  # how jinja marks a callable that takes the context (jinja 3.x); without it every call takes the sandbox's way
     from jinja2.utils import _PassArg
@@ -49,6 +53,60 @@ try:  # transformers' own steps of apply_chat_template (5.x), so that the render
     )
 except ImportError:  # pragma: no cover - another transformers: apply_chat_template itself
     _alias_reasoning_fields = _compile_jinja_template = _plain_template_data = None
+
+
+class TemplateRaised(TemplateError):
+    """An exception the chat template's own code raised while it rendered, whatever its type (``{{ 1 / 0 }}``'s
+    ZeroDivisionError, the RecursionError of a macro that calls itself without end, ``'a'.index('b')``'s
+    ValueError): the template's refusal of that render, as ``raise_exception``'s ``TemplateError`` is (a row's
+    ``template_error``, an unknown fact to the layout probe), never a bug of ours. It keeps the original's type
+    name, message (``DETAIL_MAX`` characters at most) and the template line it was raised at, not its traceback
+    (a deep recursion's frames, the row's data)."""
+
+    DETAIL_MAX = 300
+
+    def __init__(self, kind: str, message: str, line: int):
+        if len(message) > self.DETAIL_MAX:
+            message = f"{message[:self.DETAIL_MAX]}... ({len(message)} characters)"
+        self.kind, self.original, self.line = kind, message, line
+        super().__init__(f"{kind}: {message} (line {line} of the template)" if message else
+                         f"{kind} (line {line} of the template)")
+
+    def __reduce__(self):  # pickled with its own arguments (a datasets worker's exception reaches the parent)
+        return type(self), (self.kind, self.original, self.line)
+
+
+def call_template(render, *args, **kwargs):
+    """``render(*args, **kwargs)``, a call that runs a chat template's code (``tokenizer.apply_chat_template``);
+    what the template's code raises comes out as a ``TemplateError``: jinja's own (``raise_exception``, undefined
+    values, the sandbox's refusals) as raised, any other type as ``TemplateRaised``. An exception raised where no
+    template code runs (transformers' checks of its arguments, our code) comes out as it was raised, and so does
+    a ``RowRejected`` raised from within the render (our refusal, not the template's)."""
+    try:
+        return render(*args, **kwargs)
+    except TemplateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the template's, whatever its type; re-raised where it is not
+        raised = _template_raised(exc)
+        if raised is None:
+            raise
+    raise raised  # outside the except: the original and its frames are freed now
+
+
+def _template_raised(exc: Exception) -> TemplateRaised | None:
+    """``exc`` as the template's ``TemplateRaised`` when a frame of template code raised it or is on its way
+    (the innermost one gives the line), else None."""
+    if isinstance(exc, RowRejected):
+        return None
+    line, tb = None, exc.__traceback__
+    while tb is not None:
+        names = tb.tb_frame.f_globals
+        if "__jinja_template__" in names:  # compiled template code: its Python line mapped to the template's
+            line = names["__jinja_template__"].get_corresponding_lineno(tb.tb_lineno)
+        elif "__jinja_exception__" in names:  # a frame jinja rewrote (``handle_exception``): the template's line
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return None if line is None else TemplateRaised(type(exc).__name__, str(exc), line)
 
 
 class _DirectRender:
@@ -78,9 +136,18 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
     below those answers depend on the object's type and the name alone, so they are worked out on the first read
     and looked up after it: the same values, the same refusals, two fifths less time a render. Anything else (another
     type, a private name, a ``str.format`` method, which the sandbox wraps) takes the sandbox's own path; so
-    does a read the decision does not fit (an attribute the object lacks)."""
+    does a read the decision does not fit (an attribute the object lacks).
+
+    Decisions are kept only for names a template's source spells (``message.content``: ``content``), never for a
+    name made of row data (``('{0.' ~ content ~ '}').format(m)``, ``m | attr(content)``): such a name is decided on
+    each read, so what is kept is bounded by the templates' words (and ``DECIDED_MAX``), not by the data."""
 
     FIXED_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None), LoopContext})
+    spelled: frozenset[str] = frozenset()  # the words of the templates compiled in this environment (``_parse``)
+
+    def _parse(self, source, name, filename):
+        self.spelled = self.spelled | frozenset(_WORD.findall(source))
+        return super()._parse(source, name, filename)
 
     def getattr(self, obj, attribute):
         how = _DECIDED.get((type(obj), attribute))
@@ -110,7 +177,8 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
                     how = _ATTRIBUTE
             elif kind is not LoopContext:  # builtins have no attributes of their own; a loop may (depth0)
                 how = _ITEM
-        _DECIDED[(kind, attribute)] = how
+        if attribute in self.spelled and len(_DECIDED) < DECIDED_MAX:  # a name from the data: decided, not kept
+            _DECIDED[(kind, attribute)] = how
         return how
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's names (kwargs cannot clash)
@@ -150,7 +218,9 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
 
 
 _SANDBOX, _ATTRIBUTE, _ITEM = 0, 1, 2  # how a (type, name) is read: the sandbox's way, as an attribute, as a key
-_DECIDED: dict[tuple[type, str], int] = {}
+_DECIDED: dict[tuple[type, str], int] = {}  # (type, a name some template spells) -> how; at most DECIDED_MAX
+DECIDED_MAX = 4096  # a template reads tens of names of a few types; past this, reads are decided each time
+_WORD = re.compile(r"\w+")  # a name a template's source spells: a run of word characters in it
 _GLOBALS: dict[str, tuple] = {}  # template text -> (its compiled template, its globals as one dict)
 
 
@@ -178,8 +248,13 @@ def _render(template: str, variables: dict) -> str:
     context = env.context_class(env, {**flat, **variables}, compiled.name, compiled.blocks, globals=flat)
     try:
         return env.concat(compiled.root_render_func(context))
-    except Exception:  # noqa: BLE001 - re-raised by jinja with the template's lines in the traceback
+    except TemplateError:  # re-raised by jinja with the template's lines in the traceback
         env.handle_exception()
+    except Exception as exc:  # noqa: BLE001 - the template's (``call_template``), whatever its type
+        raised = _template_raised(exc)
+        if raised is None:
+            raise
+    raise raised
 
 
 _RENDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> _DirectRender
@@ -188,7 +263,7 @@ _RENDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -
 def apply_template(messages: list[dict], tokenizer, *, tools=None, add_generation_prompt: bool = False) -> str:
     """Exactly ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
     add_generation_prompt=add_generation_prompt)`` for messages and tools of plain JSON data; raises what it
-    raises (a template's own errors)."""
+    raises, what the template's code raises as a ``TemplateError`` (``TemplateRaised``: see ``call_template``)."""
     direct, special_tokens = _RENDERS.get(tokenizer), tokenizer.special_tokens_map
     if direct is None or direct.source is not tokenizer.chat_template or direct.special_tokens != special_tokens:
         if _compile_jinja_template is None or not tokenizer.chat_template:
@@ -213,5 +288,5 @@ def apply_template(messages: list[dict], tokenizer, *, tools=None, add_generatio
 
 
 def _reference(messages, tokenizer, tools, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return call_template(tokenizer.apply_chat_template, messages, tools=tools, tokenize=False,
+                         add_generation_prompt=add_generation_prompt)

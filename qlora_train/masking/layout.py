@@ -43,12 +43,14 @@ from typing import NamedTuple
 
 from jinja2 import TemplateError
 
+from qlora_train.masking.apply_template import call_template
 from qlora_train.masking.messages import THINK_CLOSE, THINK_OPEN, WHITESPACE
 
 log = logging.getLogger(__name__)
 
 # what rendering a chat template raises for conversations it does not take (jinja's raise_exception and undefined
-# fields, Python errors of its expressions, transformers' checks); anything else is a bug and stays loud
+# fields, any other exception of its code as TemplateRaised (call_template), transformers' checks); anything
+# else is a bug and stays loud
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # keys templates read reasoning from
@@ -117,13 +119,14 @@ class TemplateLayout:
 
 
 def _render(tokenizer, messages, *, tools=None, gen=False) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+    return call_template(tokenizer.apply_chat_template, messages, tools=tools, tokenize=False,
+                         add_generation_prompt=gen)
 
 
 def _try(tokenizer, messages, **kw) -> str | None:
     try:
         return _render(tokenizer, messages, **kw)
-    except TEMPLATE_ERRORS:  # a probe the template refuses (roles, tools): that layout fact stays unknown
+    except TEMPLATE_ERRORS:  # a probe the template refuses (roles, tools) or raises on: that fact stays unknown
         return None
 
 

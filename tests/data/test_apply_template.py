@@ -23,15 +23,17 @@ def reference(messages, tok, tools=None, gen=False):
     try:
         return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
     except Exception as exc:  # noqa: BLE001 - a template's own error is an outcome too
-        return type(exc)
+        return ("raised", type(exc).__name__)
 
 
 def direct(messages, tok, tools=None, gen=False):
     """The direct render alone, never checked against the reference (what renders after the first ones do)."""
     try:
         return at._DirectRender(tok, tok.special_tokens_map).render(tok, messages, tools, gen)
+    except at.TemplateRaised as exc:  # the template's own exception, of the type it names
+        return ("raised", exc.kind)
     except Exception as exc:  # noqa: BLE001
-        return type(exc)
+        return ("raised", type(exc).__name__)
 
 
 EDGES = [  # keys transformers treats specially: None values dropped, reasoning under any of its names aliased
