@@ -267,7 +267,7 @@ def apply_template(messages: list[dict], tokenizer, *, tools=None, add_generatio
     the default budget for this render alone): over it, ``budget.RowOverBudget`` (in a row) or ``RowRejected``
     (``over_budget``, outside)."""
     spending = budget._current
-    if spending is None:
+    if spending is budget.UNMETERED:
         with budget.RowSpending():
             return apply_template(messages, tokenizer, tools=tools, add_generation_prompt=add_generation_prompt)
     spending.render_started()

@@ -136,12 +136,26 @@ class RowSpending:
             raise RowOverBudget("render_chars", what, n, self.budget.render_chars)
 
 
-_current: RowSpending | None = None
+class _Unmetered(RowSpending):
+    """The hooks' spending where a template of ours is rendered other than through ``apply_template`` (jinja's
+    own ``render``: tests, a caller's own use): sizes checked against the default budget, steps and time not."""
+
+    __slots__ = ()
+
+    def step(self, n: int = 1) -> None:
+        pass
+
+    def clock(self) -> None:
+        pass
+
+
+UNMETERED = _Unmetered()
+_current: RowSpending = UNMETERED  # the spending in force: a row's (RowSpending entered), else UNMETERED
 
 
 def current() -> RowSpending | None:
     """The spending of the row being processed, if any."""
-    return _current
+    return None if _current is UNMETERED else _current
 
 
 def loop_items(iterable):

@@ -162,3 +162,29 @@ def test_the_run_completes_with_the_over_budget_row_counted(tmp_path, qwen_token
     assert main(["--config", str(cfg), "--stats-only", "--stats-dir", str(tmp_path / "stats")]) == 0
     stats = json.loads((tmp_path / "stats" / "stats.json").read_text())["overall"]
     assert stats["rows_kept"] == 2 and stats["dropped"] == {DropReason.OVER_BUDGET: 2}
+
+
+def test_a_long_ordinary_row_checked_by_the_rule_is_far_inside_the_defaults(qwen3_tok, monkeypatch):
+    """60 turns with reasoning on Qwen3's own template, masked by the layout and again by the rule (2 prefix
+    renders per trained turn), truncated: kept, at a tenth of each default or less (docs/masking.md#budgets
+    measures 200 turns)."""
+    import qlora_train.data.pipeline as pipeline
+
+    spent = []
+
+    class Recorded(RowSpending):
+        def __exit__(self, *exc):
+            spent.append((self.renders, self.chars, self.steps))
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(pipeline, "RowSpending", Recorded)
+    messages = []
+    for i in range(60):
+        messages += [{"role": "user", "content": f"question {i}: " + "lorem ipsum " * 20},
+                     {"role": "assistant", "content": f"answer {i}: " + "dolor sit " * 20,
+                      "reasoning_content": "hmm " * 20}]
+    out = process_rows([{"messages": messages}], qwen3_tok, DataConfig(rule_check="all", max_length=4096))
+    assert out["drop_reason"] == [""] and out["num_tokens_before"][0] > 4096  # truncated
+    renders, chars, steps = max(spent)
+    default = RowBudget()
+    assert 120 < renders < default.renders / 10 and chars < default.row_chars / 10 and steps < default.steps / 100
