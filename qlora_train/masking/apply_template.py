@@ -98,12 +98,14 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
 
     def _parse(self, source, name, filename):
         """The template's tree with each ``{% for %}``'s iterable put through ``budget.loop_items`` and each
-        ``{% set %}``'s value through ``budget.checked_value`` (as filters, which the compiler looks up once)."""
+        ``{% set %}``'s value that can build something through ``budget.checked_value`` (as filters, which the
+        compiler looks up once)."""
         tree = super()._parse(source, name, filename)
         for node in tree.find_all(nodes.For):
             node.iter = nodes.Filter(node.iter, _LOOP_FILTER, [], [], None, None, lineno=node.lineno)
         for node in tree.find_all(nodes.Assign):
-            node.node = nodes.Filter(node.node, _SET_FILTER, [], [], None, None, lineno=node.lineno)
+            if isinstance(node.node, _BUILDS) or next(node.node.find_all(_BUILDS), None) is not None:
+                node.node = nodes.Filter(node.node, _SET_FILTER, [], [], None, None, lineno=node.lineno)
         for node in tree.find_all(nodes.AssignBlock):  # the block's text, then its own filter, then ours
             node.filter = nodes.Filter(node.filter, _SET_FILTER, [], [], None, None, lineno=node.lineno)
         return tree
@@ -183,6 +185,8 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
 
 
 _LOOP_FILTER, _SET_FILTER = "_budget_loop_items", "_budget_checked_value"
+# what in a value can build a longer string or list than those it reads (``{% set c = m.content %}`` cannot)
+_BUILDS = (nodes.Concat, nodes.Add, nodes.Mul, nodes.Pow, nodes.Mod, nodes.Call, nodes.Filter)
 _GROWING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join"})
 
 

@@ -17,7 +17,7 @@ naming the budget and the amount) and counted; the run goes on.
 Where it is counted: ``apply_template`` counts each render and its characters against the row's ``RowSpending``
 (the one in force, or a fresh one with the default budget for a render outside any row: the layout probe,
 diagnostics), and the template sandbox (``apply_template._DecidedOnceSandbox``) checks, while the template runs,
-its steps (loop iterations, macro and method calls) and the clock, and the size of what it builds before it builds
+its steps (loop iterations, macro calls) and the clock, and the size of what it builds before it builds
 it where one step can build much (``*``, ``**``, ``%``, a width or a count given to ``center``, ``ljust``, ``indent``,
 ``replace``, ``join``, ``format``), and after it where it grows by the sizes of its parts (a ``set``, a render's
 output). What it does not see: one step of C that serializes a structure of shared references (``[x, x]``, nested
@@ -35,6 +35,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from itertools import islice
 
 from qlora_train.masking.messages import DropReason, RowRejected
 
@@ -158,10 +159,26 @@ def current() -> RowSpending | None:
     return None if _current is UNMETERED else _current
 
 
+_SIZED = frozenset({list, tuple, dict, str, range})
+
+
 def loop_items(iterable):
     """A template's ``{% for %}`` iterable (``_DecidedOnceSandbox`` puts every loop's through it): the same items,
-    counted as steps, the clock looked at every ``_CLOCK_EVERY``."""
-    return _counted(iter(iterable), _current)
+    counted as steps. A list, tuple, dict, string or range is counted whole when the loop starts and, where it
+    is longer than ``_CLOCK_EVERY``, given out in runs between which the clock is looked at; another iterable
+    item by item."""
+    spending = _current
+    if type(iterable) in _SIZED:
+        n = len(iterable)
+        spending.step(n)
+        return iterable if n <= _CLOCK_EVERY else _runs(iter(iterable), n, spending)
+    return _counted(iter(iterable), spending)
+
+
+def _runs(items, n: int, spending: RowSpending):
+    for _ in range(0, n, _CLOCK_EVERY):
+        spending.clock()
+        yield from islice(items, _CLOCK_EVERY)
 
 
 def _counted(items, spending: RowSpending):

@@ -78,13 +78,14 @@ def test_a_template_building_too_much_refuses_the_row_and_the_next_renders(hosti
     assert tok.decode(out["input_ids"][1]) == apply_template(row("fine")["messages"], tok)
 
 
-@pytest.mark.parametrize("payload", ["loop", "recurse"])
-def test_a_template_that_runs_on_is_stopped_by_its_steps(hostile_tok, payload):
-    out = process_rows([row(payload), row("fine")], hostile_tok, DataConfig(row_budget=SMALL))
-    assert out["drop_reason"] == [DropReason.OVER_BUDGET, ""]
-    steps = re.fullmatch(r"row 0: template steps in one render ([\d,]+) > row_budget.steps=10,000",
-                         out["drop_detail"][0])
-    assert steps and 10_000 < int(steps.group(1).replace(",", "")) <= 10_000 + 64 + 64  # looked at every 64
+def test_a_template_that_runs_on_is_stopped_by_its_steps(hostile_tok):
+    out = process_rows([row("loop"), row("recurse"), row("fine")], hostile_tok, DataConfig(row_budget=SMALL))
+    assert out["drop_reason"] == [DropReason.OVER_BUDGET, DropReason.OVER_BUDGET, ""]
+    # a range's iterations are counted when its loop starts: the outer loop's 100,000
+    assert out["drop_detail"][0] == "row 0: template steps in one render 100,000 > row_budget.steps=10,000"
+    steps = re.fullmatch(r"row 1: template steps in one render ([\d,]+) > row_budget.steps=10,000",
+                         out["drop_detail"][1])  # macro calls, counted one by one, the budget looked at every 64
+    assert steps and 10_000 < int(steps.group(1).replace(",", "")) <= 10_000 + 64
 
 
 def test_a_template_that_runs_on_is_stopped_by_the_clock(hostile_tok):
@@ -139,9 +140,8 @@ def test_a_render_outside_any_row_has_the_default_budget(hostile_tok):
     big[0]["content"] = "x" * 17_000_000
     with pytest.raises(RowRejected) as refused:
         render_conversation(mark(big), tok)
-    assert (refused.value.reason, refused.value.detail) == (
-        DropReason.OVER_BUDGET, "characters (or items) in a value the template sets 17,000,000 > "
-        "row_budget.render_chars=16,000,000")  # HOSTILE's first line: ``set c = messages[0].content``
+    assert (refused.value.reason, refused.value.detail) == (  # the content and ChatML's 63 characters around it
+        DropReason.OVER_BUDGET, "characters in one render 17,000,063 > row_budget.render_chars=16,000,000")
     assert render_conversation(mark(row("fine")["messages"]), tok).text.startswith("<|im_start|>user\nfine")
 
 
