@@ -12,7 +12,9 @@ as jinja's ``Template.render`` does but with the template's globals flattened on
 transformers' sandbox that makes each of its per-read safety decisions once per type and name, and calls the
 template's macros, builtin methods and plain functions without the per-call lookups whose answers are fixed
 (``_DecidedOnceSandbox``): about 25 us a short chat row instead of 71, which matters because the render is a
-third of a row's cost.
+third of a row's cost. The same sandbox checks the row's budget while the template runs (``budget``,
+``data.row_budget``: its loops and macro calls counted, what ``*``, ``**``, ``%``, widths, joins and replaces
+would build measured before they build it), and each render is counted against it.
 
 It is checked, not assumed: the first ``CHECKED_RENDERS`` renders of each tokenizer and template are made both
 ways and compared; on a difference (or where transformers' internals it uses are missing) that tokenizer renders

@@ -44,7 +44,7 @@ from qlora_train.masking.messages import DropReason, RowRejected
 class RowBudget:
     """The most one row may cost (``data.row_budget``; defaults measured in docs/masking.md#budgets)."""
 
-    renders: int = 4096  # chat-template renders of the row, all paths and checks together
+    renders: int = 2048  # chat-template renders of the row, all paths and checks together
     row_chars: int = 256_000_000  # characters those renders write, together
     render_chars: int = 16_000_000  # characters of one render, and of any string or list its template builds
     steps: int = 4_000_000  # loop iterations and macro calls of one render's template
