@@ -18,7 +18,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from qlora_train.chat_templates import ALIASES, shipped_templates, template_kwargs_problems
 from qlora_train.errors import ConfigError
 from qlora_train.locations import is_glob, looks_like_hub_id
-from qlora_train.masking import ReasoningHistory, ThinkLoss, TrainOnEos
+from qlora_train.masking import DEFAULT_BUDGET, ReasoningHistory, ThinkLoss, TrainOnEos
 
 DEFAULT_REASONING_KEYS = ("reasoning", "reasoning_content", "thinking", "reason")
 DEFAULT_TOOLS_COLUMNS = ("tools", "tool_schemas", "functions", "function_schemas")
@@ -108,6 +108,32 @@ class MixingConfig(_Section):
         description="`all_exhausted` oversamples until every source is used up; `first_exhausted` stops at the "
         "first source used up; `all_exhausted_without_replacement` uses every row once (the mix drifts from the "
         "weights as sources run out).",
+    )
+
+
+class RowBudgetConfig(_Section):
+    """What one row may cost (``data.row_budget``): a row over any of these is refused (`over_budget`, the detail
+    naming the budget and the amount) and counted; the run goes on. The defaults are far above what real long rows
+    need (docs/masking.md#budgets)."""
+
+    renders: int = Field(
+        DEFAULT_BUDGET.renders, ge=1, description="Chat-template renders of one row: the general path and the "
+        "rule check render 2 per trained turn, truncation and `reasoning_history: expand` a few more.",
+    )
+    row_chars: int = Field(
+        DEFAULT_BUDGET.row_chars, ge=1, description="Characters those renders write together (the general path's "
+        "cost grows with the square of a row's length).",
+    )
+    render_chars: int = Field(
+        DEFAULT_BUDGET.render_chars, ge=1, description="Characters of one render, and of any string or list its "
+        "template builds (measured before `*`, `**`, `%`, a width or a join builds it, after a `set`).",
+    )
+    steps: int = Field(
+        DEFAULT_BUDGET.steps, ge=1, description="Loop iterations and macro calls of one render's template.",
+    )
+    seconds: float = Field(
+        DEFAULT_BUDGET.seconds, gt=0, description="Wall-clock seconds of one row's rendering and masking (the only "
+        "budget that depends on the machine: a backstop for a template that runs on).",
     )
 
 
@@ -237,6 +263,10 @@ class DataConfig(_Section):
     on_too_long: Literal["truncate", "drop"] = Field(
         "truncate", description="Rows over `max_length`: `truncate` (structured, then token-level) or `drop` "
         "(reason `too_long`).",
+    )
+    row_budget: RowBudgetConfig = Field(
+        default_factory=RowBudgetConfig, description="What one row may cost: renders, characters, template steps, "
+        "seconds; a row over it is `over_budget`.",
     )
     rule_check: RuleCheckMode = Field(
         "sample", description="Rows whose mask the layout made (the fast path) also masked by the rule (per-turn "
@@ -743,7 +773,7 @@ def config_reference_markdown() -> str:
     lines = ["# Config reference", "", "Generated from `qlora_train/config.py` "
              "(`python -m qlora_train.config > docs/config.md`).", ""]
     sections = [("model", ModelConfig), ("lora", LoraSettings), ("data", DataConfig),
-                ("data.mixing", MixingConfig), ("data.datasets[]", DatasetSource),
+                ("data.mixing", MixingConfig), ("data.row_budget", RowBudgetConfig), ("data.datasets[]", DatasetSource),
                 ("data.datasets[].handlers[]", RowHandlerSpec), ("train", TrainConfig)]
     for name, model in sections:
         lines += [f"## `{name}`", "", model.__doc__.strip(), "", "| key | type | default | meaning |",

@@ -51,7 +51,9 @@ from qlora_train.masking import (
     DropReason,
     LossPolicy,
     RenderedConversation,
+    RowBudget,
     RowRejected,
+    RowSpending,
     check_unicode,
     count_tokens,
     encode_rendered,
@@ -223,8 +225,9 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
 
     No exception from a row escapes: a stage that refuses a row, or fails on it
     unexpectedly, sets that row's ``drop_reason`` (a ``DropReason``) and
-    ``drop_detail`` (its location and why). ``locations`` name the rows in drop
-    details (default: ``row <index in batch>``). ``data.rule_check`` picks rows by
+    ``drop_detail`` (its location and why); each row's work is bounded by ``data.row_budget``
+    (``masking.RowSpending``: renders, characters, template steps, seconds; over it: ``over_budget``).
+    ``locations`` name the rows in drop details (default: ``row <index in batch>``). ``data.rule_check`` picks rows by
     ``positions``, their indices in their source (default: in the batch), and
     ``texts``, the rows as read (default: their canonical JSON, ``rule_check.row_text``).
     """
@@ -233,6 +236,8 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
     positions = positions or range(len(rows))
     outs = [empty_output() for _ in rows]
     policy = LossPolicy.of(cfg)
+    budget = RowBudget(**cfg.row_budget.model_dump())
+    spendings = [RowSpending(budget) for _ in rows]  # each row's, entered for each part of its work
     layout = template_layout(tokenizer)  # probed once, before the rows (facts it cannot find stay unknown)
     first = rule_check.first_rows(layout)  # data.rule_check: sample checks the first rows of a source
 
@@ -241,19 +246,22 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
         return rule_check.selected(cfg.rule_check, positions[i], text, first)
 
     def refuse(i: int, rej: RowRejected) -> None:
+        if rej.reason == DropReason.OVER_BUDGET:  # also after an example of the row was filled
+            outs[i].update(empty_output())
         outs[i].update(drop_reason=rej.reason, drop_detail=f"{where[i]}: {rej.detail}", error_traceback=rej.traceback)
 
     if cfg.objective in ("preference", "unpaired"):
         one_row = _pair_row if cfg.objective == "preference" else _unpaired_row
         for i, row in enumerate(rows):
             try:
-                one_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i], layout=layout,
-                        checked=checked(i, row))
+                with spendings[i]:
+                    one_row(row, tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i], layout=layout,
+                            checked=checked(i, row))
             except RowRejected as rej:
                 refuse(i, rej)
         return {col: [o[col] for o in outs] for col in OUTPUT_COLUMNS}
-    # (a render or a template-free text, what fills its row once it is tokenized), for one call
-    waiting: list[tuple[RenderedConversation | str, Callable]] = []
+    # (a render or a template-free text, its row, what fills the row once it is tokenized), for one call
+    waiting: list[tuple[RenderedConversation | str, int, Callable]] = []
     dropped_reasoning: list[tuple[int, str]] = []  # (row index, reasoning trained without being rendered)
     reports: dict[int, ParseReport] = {}  # chat rows
 
@@ -270,47 +278,55 @@ def process_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | No
 
     for i, row in enumerate(rows):
         try:
-            schema = guarded(resolve_schema, row, cfg) if isinstance(row, (dict, list)) else "unknown"
-            if schema in CHAT_SCHEMAS or schema == "unknown":
-                canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer, policy=policy)
-                reports[i] = canon.report  # written once, after the batch (the render and tokens add to it)
-                _check_length(content_chars(canon.messages), cfg)
+            with spendings[i]:
+                schema = guarded(resolve_schema, row, cfg) if isinstance(row, (dict, list)) else "unknown"
+                if schema in CHAT_SCHEMAS or schema == "unknown":
+                    canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer, policy=policy)
+                    reports[i] = canon.report  # written once, after the batch (the render and tokens add to it)
+                    _check_length(content_chars(canon.messages), cfg)
+                    if cfg.dedup:
+                        outs[i]["content_hash"] = guarded(_hash, [canon.messages, canon.tools])
+                    rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools,
+                                       policy=policy, layout=layout)
+                    check_unicode(rendered.text, rendered.message_ends)
+                    staged = _stage_chat_row(i, canon, rendered, tokenizer, policy, dropped_reasoning)
+                    if checked(i, row):
+                        examples = [(st.messages, st.tools, st.rendered) for st in staged]
+                        check = guarded(rule_check.check_examples, examples, tokenizer, policy=policy, layout=layout)
+                        rule_check.count(canon.report, check)
+                        if check.outcome == DISAGREE:
+                            raise rule_check.refusal(check)
+                    for st in staged:
+                        if st.extra:  # refused alone, without refusing its row
+                            finish = partial(_extra_example, st, tokenizer=tokenizer, cfg=cfg, policy=policy,
+                                             out=outs[i], report=canon.report)
+                        else:
+                            finish = fill(i, partial(_example, st.messages, st.tools, st.rendered,
+                                                     tokenizer=tokenizer, cfg=cfg, policy=policy, out=outs[i]))
+                        waiting.append((st.rendered, i, finish))
+                    continue
+                outs[i]["parse_report"] = _report_json(ParseReport(schema, {schema: 1}, rows=1))
+                text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
                 if cfg.dedup:
-                    outs[i]["content_hash"] = guarded(_hash, [canon.messages, canon.tools])
-                rendered = guarded(render_conversation, canon.messages, tokenizer, tools=canon.tools, policy=policy,
-                                   layout=layout)
-                check_unicode(rendered.text, rendered.message_ends)
-                staged = _stage_chat_row(i, canon, rendered, tokenizer, policy, dropped_reasoning)
-                if checked(i, row):
-                    check = guarded(rule_check.check_examples, [(st.messages, st.tools, st.rendered) for st in staged],
-                                    tokenizer, policy=policy, layout=layout)
-                    rule_check.count(canon.report, check)
-                    if check.outcome == DISAGREE:
-                        raise rule_check.refusal(check)
-                for st in staged:
-                    if st.extra:  # refused alone, without refusing its row
-                        finish = partial(_extra_example, st, tokenizer=tokenizer, cfg=cfg, policy=policy,
-                                         out=outs[i], report=canon.report)
-                    else:
-                        finish = fill(i, partial(_example, st.messages, st.tools, st.rendered, tokenizer=tokenizer,
-                                                 cfg=cfg, policy=policy, out=outs[i]))
-                    waiting.append((st.rendered, finish))
-                continue
-            outs[i]["parse_report"] = _report_json(ParseReport(schema, {schema: 1}, rows=1))
-            text, mask = guarded(_template_free, row, schema, tokenizer, cfg)
-            if cfg.dedup:
-                outs[i]["content_hash"] = guarded(_hash, [schema, text, mask.tolist()])
-            if schema == "pretokenized":
-                guarded(_template_free_example, outs[i], text, token_offsets(len(text)), mask=mask, cfg=cfg,
-                        max_length=cfg.max_length)
-            else:  # text rows keep every token: they are cut into blocks, not truncated
-                check_unicode(text)
-                waiting.append((text, fill(i, partial(_template_free_example, outs[i], mask=mask, cfg=cfg,
-                                                      max_length=None if schema == "text" else cfg.max_length))))
+                    outs[i]["content_hash"] = guarded(_hash, [schema, text, mask.tolist()])
+                if schema == "pretokenized":
+                    guarded(_template_free_example, outs[i], text, token_offsets(len(text)), mask=mask, cfg=cfg,
+                            max_length=cfg.max_length)
+                else:  # text rows keep every token: they are cut into blocks, not truncated
+                    check_unicode(text)
+                    limit = None if schema == "text" else cfg.max_length
+                    waiting.append((text, i, fill(i, partial(_template_free_example, outs[i], mask=mask, cfg=cfg,
+                                                             max_length=limit))))
         except RowRejected as rej:
             refuse(i, rej)
-    for (_, finish), enc in zip(waiting, _encode_each([render for render, _ in waiting], tokenizer)):
-        finish(enc)
+    for (_, i, finish), enc in zip(waiting, _encode_each([render for render, _, _ in waiting], tokenizer)):
+        if outs[i]["drop_reason"] == DropReason.OVER_BUDGET:
+            continue  # an earlier example of the row went over its budget
+        try:
+            with spendings[i]:  # truncation renders again
+                finish(enc)
+        except RowRejected as rej:
+            refuse(i, rej)
     for (i, _), n in zip(dropped_reasoning, count_tokens([r for _, r in dropped_reasoning], tokenizer)):
         reports[i].reasoning_dropped_tokens += n
     for i, report in reports.items():

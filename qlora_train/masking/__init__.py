@@ -35,6 +35,9 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
                  span) -> ``RenderedConversation`` (text, char mask, ``TurnSpan`` per trained turn);
 - ``prefix``     **the general path**, for rows the layout cannot verify: the rule itself, by per-turn prefix
                  renders, verified the same way (``verified_by="prefix_renders"``);
+- ``budget``     ``RowBudget`` (``data.row_budget``): what one row may cost in renders, characters, template steps
+                 and seconds, counted by ``apply_template`` and checked by its sandbox while a template runs; a row
+                 over it is ``over_budget`` (``RowSpending``, entered around each part of a row's work);
 - ``tokenize``   one batched tokenizer call with offsets (``encode_rendered``: the one encode step of a render,
                  cut at its trained turns' starts), the char mask projected onto tokens, labels;
 - ``check``      the fast path checked against the rule on a conversation, token by token (``check_with_rule``:
@@ -59,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qlora_train.masking.apply_template import TemplateRaised, call_template
+from qlora_train.masking.budget import DEFAULT_BUDGET, RowBudget, RowOverBudget, RowSpending
 from qlora_train.masking.check import AGREE, DISAGREE, UNDECIDED, Masked, RuleCheck, check_with_rule
 from qlora_train.masking.count import count_tokens
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, template_layout, tool_block
@@ -104,6 +108,8 @@ __all__ = [
     "ThinkLoss", "TrainOnEos", "check_unicode",
     # text and token helpers (text blocks, counting dropped reasoning, rendering without a mask)
     "OffsetArray", "Offsets", "count_tokens", "render_text",
+    # what one row may cost (data.row_budget)
+    "DEFAULT_BUDGET", "RowBudget", "RowOverBudget", "RowSpending",
 ]
 
 

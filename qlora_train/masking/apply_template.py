@@ -12,7 +12,9 @@ as jinja's ``Template.render`` does but with the template's globals flattened on
 transformers' sandbox that makes each of its per-read safety decisions once per type and name, and calls the
 template's macros, builtin methods and plain functions without the per-call lookups whose answers are fixed
 (``_DecidedOnceSandbox``): about 25 us a short chat row instead of 71, which matters because the render is a
-third of a row's cost.
+third of a row's cost. The same sandbox checks the row's budget while the template runs (``budget``,
+``data.row_budget``: its loops and macro calls counted, what ``*``, ``**``, ``%``, widths, joins and replaces
+would build measured before they build it), and each render is counted against it.
 
 It is checked, not assumed: the first ``CHECKED_RENDERS`` renders of each tokenizer and template are made both
 ways and compared; on a difference (or where transformers' internals it uses are missing) that tokenizer renders
@@ -27,9 +29,11 @@ from __future__ import annotations
 import logging
 import re
 import weakref
+from functools import update_wrapper
+from itertools import islice
 from types import BuiltinMethodType, FunctionType, MethodType
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
 from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
@@ -40,6 +44,8 @@ try:  # how jinja marks a callable that takes the context (jinja 3.x); without i
     from jinja2.utils import _PassArg
 except ImportError:  # pragma: no cover - another jinja
     _PassArg = None
+
+from qlora_train.masking import budget  # noqa: E402 - after jinja's optional parts
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +151,29 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
     FIXED_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None), LoopContext})
     spelled: frozenset[str] = frozenset()  # the words of the templates compiled in this environment (``_parse``)
 
+    # The row budget (``budget``, ``data.row_budget``), checked while the template runs: its loops' iterations and
+    # its calls are counted as steps (and the clock looked at), what ``*``, ``**``, ``%`` and the growing string
+    # methods and filters would build is measured before they build it, and what ``{% set %}`` stores after.
+    intercepted_binops = frozenset({"*", "**", "%"})  # compiled as call_binop: only where a template uses them
+
+    def call_binop(self, context, operator, left, right):
+        budget.check_binop(operator, left, right)
+        return self.binop_table[operator](left, right)
+
     def _parse(self, source, name, filename):
+        """The template's tree with each ``{% for %}``'s iterable put through ``budget.loop_items`` and each
+        ``{% set %}``'s value that can build something through ``budget.checked_value`` (as filters, which the
+        compiler looks up once); the source's words are kept in ``spelled`` (the decided-once cache's names)."""
         self.spelled = self.spelled | frozenset(_WORD.findall(source))
-        return super()._parse(source, name, filename)
+        tree = super()._parse(source, name, filename)
+        for node in tree.find_all(nodes.For):
+            node.iter = nodes.Filter(node.iter, _LOOP_FILTER, [], [], None, None, lineno=node.lineno)
+        for node in tree.find_all(nodes.Assign):
+            if isinstance(node.node, _BUILDS) or next(node.node.find_all(_BUILDS), None) is not None:
+                node.node = nodes.Filter(node.node, _SET_FILTER, [], [], None, None, lineno=node.lineno)
+        for node in tree.find_all(nodes.AssignBlock):  # the block's text, then its own filter, then ours
+            node.filter = nodes.Filter(node.filter, _SET_FILTER, [], [], None, None, lineno=node.lineno)
+        return tree
 
     def getattr(self, obj, attribute):
         how = _DECIDED.get((type(obj), attribute))
@@ -193,16 +219,23 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
         if _PassArg is None:
             return super().call(__context, __obj, *args, **kwargs)
         if kind is Macro:
+            budget._current.step()  # a call of the template's own is a step (a macro can recurse, twice a level)
             pass_arg = _PassArg.eval_context
         elif kind is BuiltinMethodType:
+            if __obj.__name__ in _GROWING_METHODS:
+                budget.check_method(__obj, args)
             pass_arg = None
         else:
             func = __obj.__func__ if kind is MethodType else __obj
             marks = func.__dict__ if type(func) is FunctionType else None
+            if marks is not None and "__wrapped__" in marks:  # the sandbox's str.format (``wrap_str_format``)
+                _check_str_format(marks["__wrapped__"], args, kwargs)
             if marks is None or marks.get("unsafe_callable") or marks.get("alters_data"):
+                budget._current.step()  # a loop's own call (a recursive loop), a class, an extension's method
                 return super().call(__context, __obj, *args, **kwargs)
             pass_arg = marks.get("jinja_pass_arg")
             if pass_arg is _PassArg.context:
+                budget._current.step()
                 return super().call(__context, __obj, *args, **kwargs)
         if pass_arg is _PassArg.eval_context:
             args = (__context.eval_ctx, *args)
@@ -215,6 +248,29 @@ class _DecidedOnceSandbox(ImmutableSandboxedEnvironment):
         except StopIteration:
             return __context.environment.undefined("value was undefined because a callable raised a StopIteration "
                                                    "exception")
+
+
+_LOOP_FILTER, _SET_FILTER = "_budget_loop_items", "_budget_checked_value"
+# what in a value can build a longer string or list than those it reads (``{% set c = m.content %}`` cannot)
+_BUILDS = (nodes.Concat, nodes.Add, nodes.Mul, nodes.Pow, nodes.Mod, nodes.Call, nodes.Filter)
+_GROWING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join"})
+
+
+def _check_str_format(method, args, kwargs) -> None:
+    fmt = getattr(method, "__self__", None)
+    if isinstance(fmt, str) and getattr(method, "__name__", None) in ("format", "format_map"):
+        budget.check_format(fmt, (*args, *kwargs.values()), percent=False)
+
+
+def _checked_filter(run, check):
+    """A jinja filter that can build more than it is given, ``check``ed (with its arguments, less the context
+    or environment it may take first) before it runs."""
+    skip = 0 if _PassArg is None or _PassArg.from_obj(run) is None else 1
+
+    def checked(*args, **kwargs):
+        check(*args[skip:], **kwargs)
+        return run(*args, **kwargs)
+    return update_wrapper(checked, run)  # its jinja marks (``jinja_pass_arg``) with it
 
 
 _SANDBOX, _ATTRIBUTE, _ITEM = 0, 1, 2  # how a (type, name) is read: the sandbox's way, as an attribute, as a key
@@ -231,6 +287,9 @@ def _compile(template: str):
     if type(compiled.environment) is ImmutableSandboxedEnvironment:
         env = compiled.environment.overlay()
         env.__class__ = _DecidedOnceSandbox
+        env.filters = {**env.filters, _LOOP_FILTER: budget.loop_items, _SET_FILTER: budget.checked_value,
+                       **{name: _checked_filter(env.filters[name], check)
+                          for name, check in budget.GROWING_FILTERS.items() if name in env.filters}}
         compiled = env.from_string(template)
     return compiled
 
@@ -247,7 +306,7 @@ def _render(template: str, variables: dict) -> str:
     env = compiled.environment
     context = env.context_class(env, {**flat, **variables}, compiled.name, compiled.blocks, globals=flat)
     try:
-        return env.concat(compiled.root_render_func(context))
+        return env.concat(_output(compiled.root_render_func(context)))
     except TemplateError:  # re-raised by jinja with the template's lines in the traceback
         env.handle_exception()
     except Exception as exc:  # noqa: BLE001 - the template's (``call_template``), whatever its type
@@ -257,13 +316,44 @@ def _render(template: str, variables: dict) -> str:
     raise raised
 
 
+def _output(pieces) -> list[str]:
+    """A render's pieces of text, measured (``budget``: ``render_chars``) before they are joined into one."""
+    out = list(islice(pieces, _PIECES))
+    n = sum(map(len, out))
+    while True:
+        budget._current.size(n)
+        if len(out) % _PIECES:
+            return out
+        more = list(islice(pieces, _PIECES))
+        if not more:
+            return out
+        out += more
+        n += sum(map(len, more))
+
+
+_PIECES = 4096
+
+
 _RENDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> _DirectRender
 
 
 def apply_template(messages: list[dict], tokenizer, *, tools=None, add_generation_prompt: bool = False) -> str:
     """Exactly ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
     add_generation_prompt=add_generation_prompt)`` for messages and tools of plain JSON data; raises what it
-    raises, what the template's code raises as a ``TemplateError`` (``TemplateRaised``: see ``call_template``)."""
+    raises, what the template's code raises as a ``TemplateError`` (``TemplateRaised``: see ``call_template``).
+    Counted against the row's budget (``budget.RowSpending``; outside a row, the default budget for this render
+    alone): over it, ``budget.RowOverBudget`` (in a row) or ``RowRejected`` (``over_budget``, outside)."""
+    spending = budget._current
+    if spending is budget.UNMETERED:
+        with budget.RowSpending():
+            return apply_template(messages, tokenizer, tools=tools, add_generation_prompt=add_generation_prompt)
+    spending.render_started()
+    text = _apply(messages, tokenizer, tools, add_generation_prompt)
+    spending.render_done(len(text))
+    return text
+
+
+def _apply(messages: list[dict], tokenizer, tools, add_generation_prompt: bool) -> str:
     direct, special_tokens = _RENDERS.get(tokenizer), tokenizer.special_tokens_map
     if direct is None or direct.source is not tokenizer.chat_template or direct.special_tokens != special_tokens:
         if _compile_jinja_template is None or not tokenizer.chat_template:
@@ -273,12 +363,12 @@ def apply_template(messages: list[dict], tokenizer, *, tools=None, add_generatio
         return _reference(messages, tokenizer, tools, add_generation_prompt)
     if direct.checked >= CHECKED_RENDERS:
         return direct.render(tokenizer, messages, tools, add_generation_prompt)
-    want = _reference(messages, tokenizer, tools, add_generation_prompt)  # raises as the template does
     direct.checked += 1
-    try:
+    try:  # first, within the budget: a render over it is not made again without it (RowOverBudget is no Exception)
         got = direct.render(tokenizer, messages, tools, add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 - any difference means: not this way
         got = f"<raised {type(exc).__name__}: {exc}>"
+    want = _reference(messages, tokenizer, tools, add_generation_prompt)  # raises as the template does
     if got != want:
         direct.exact = False
         log.warning("chat template: rendering it without transformers' copies gave another text than "

@@ -32,7 +32,6 @@ last and an earlier turn are the probe's, never a declared one (``probed_end_mar
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -40,7 +39,7 @@ import numpy as np
 from qlora_train.masking.layout import TemplateLayout, probe_key, template_layout
 from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
-from qlora_train.masking.prefix import PrefixRenderer, prefix_turn, render_by_prefixes
+from qlora_train.masking.prefix import PrefixRenderer, common_prefix_length, prefix_turn, render_by_prefixes
 from qlora_train.masking.render import (  # noqa: F401 (render_conversation: the doctest)
     RenderedConversation,
     TurnSpan,
@@ -121,7 +120,7 @@ def _prompt_moves(renders: PrefixRenderer, i: int) -> bool:
         prompt, bare, q = renders.render(i, True), renders.render(i, False), renders.render(i + 1, False)
     except RowRejected:
         return True
-    return len(os.path.commonprefix([prompt, q])) < len(os.path.commonprefix([bare, prompt]))
+    return common_prefix_length(prompt, q) < common_prefix_length(bare, prompt)
 
 
 def _token_difference(fast: Masked, rule: Masked, tokenizer) -> str:

@@ -59,6 +59,7 @@ class DropReason:
     DUPLICATE = "duplicate"
     INVALID_UNICODE = "invalid_unicode"
     TOO_LONG = "too_long"
+    OVER_BUDGET = "over_budget"  # the row's renders, characters, template steps or seconds over data.row_budget
     # preference pairs (data/pairs.py)
     PAIR_MISSING_SIDE = "pair_missing_side"
     UNPAIRED_PREFERENCE = "unpaired_preference"

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from qlora_train.data import DataConfig, RowRejected, process_rows
 from qlora_train.diagnostics.stats import compute_stats
 from qlora_train.masking.layout import probe_layout
 from qlora_train.masking.policy import LossPolicy
-from qlora_train.masking.prefix import render_by_prefixes
+from qlora_train.masking.prefix import common_prefix_length, render_by_prefixes
 from qlora_train.masking.render import render_conversation
 
 mark = LossPolicy().mark
@@ -155,3 +159,11 @@ def test_what_the_template_writes_only_where_the_conversation_ends_is_never_trai
         ids, labels = ex[f"{side}_input_ids"], ex[f"{side}_labels"]
         assert tok.decode(ids).endswith(answer + "\n<|endoftext|>")
         assert tok.decode([t for t, lab in zip(ids, labels) if lab != -100]) == answer
+
+
+@given(st.text("ab\U0001f600", max_size=12), st.text("ab\U0001f600", max_size=12))
+@example("", "")
+@example("ab", "ab")
+@example("abab", "abaa")
+def test_common_prefix_length_is_os_path_commonprefix(a, b):
+    assert common_prefix_length(a, b) == len(os.path.commonprefix([a, b]))
