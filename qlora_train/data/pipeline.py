@@ -185,8 +185,10 @@ def _labels(out: dict, ids, offsets, char_mask, cfg: DataConfig, *, max_length: 
 
 
 def _hash(obj: Any) -> str:
-    """Stable hash of a row's canonical content (``content_hash``, computed only with ``dedup``)."""
-    return hashlib.blake2b(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).hexdigest()
+    """Stable hash of a row's canonical content (``content_hash``, computed only with ``dedup``). A lone surrogate
+    (an undecodable byte in a field the template does not write) is hashed as it is, not refused here."""
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False)
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def content_chars(messages: list[dict]) -> int:
