@@ -51,34 +51,34 @@ from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, to
 
 # ---------------------------------------------------------------------------------------------- run length
 # FUZZ_SECONDS (make fuzz): the whole budget, shared out over the fuzz tests and the xdist workers; each test
-# draws examples until its share is spent. Without it: the CI slice, a few examples per test.
+# draws chunks of new examples until its share is spent. Without it: the CI slice, a few examples per test
+# (derandomized under CI by the ``ci`` profile of tests/conftest.py).
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS") or 0)
-FUZZ_TESTS = 4  # the @fuzz tests below, each x TARGETS
+FUZZ_TESTS = 4  # the tests below that call ``explore``, each x TARGETS
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+CHUNK = 20  # examples per hypothesis run in a FUZZ_SECONDS run (the budget is looked at between runs)
 
 
-def fuzz(slice_examples: int):
-    """Settings for one fuzz test: ``slice_examples`` in the CI slice (derandomized there by the ``ci`` profile);
-    with FUZZ_SECONDS, as many as its share of the time allows, on new examples (FUZZ_NO_SHRINK=1: failures
-    reported as found, not shrunk: faster to read while exploring)."""
-    common = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+def explore(body, slice_examples: int) -> None:
+    """Run ``body(data)`` (a hypothesis ``st.data()`` draw) as a property: ``slice_examples`` examples in the CI
+    slice; with FUZZ_SECONDS, runs of ``CHUNK`` new examples until this test's share of the time is spent.
+    FUZZ_NO_SHRINK=1 reports a failure as found, unshrunk (faster while exploring)."""
+    common = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True, database=None)
     if os.environ.get("FUZZ_NO_SHRINK"):
         common["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
     if not FUZZ_SECONDS:
-        return settings(max_examples=slice_examples, **common)
-    return settings(max_examples=1_000_000, derandomize=False, **common)
+        settings(max_examples=slice_examples, **common)(given(data=st.data())(_fresh(body)))()
+        return
+    end = time.monotonic() + FUZZ_SECONDS * WORKERS / (FUZZ_TESTS * len(TARGETS))
+    while time.monotonic() < end:
+        settings(max_examples=CHUNK, derandomize=False, **common)(given(data=st.data())(_fresh(body)))()
 
 
-_started: dict[str, float] = {}
-
-
-def time_left(test: str) -> bool:
-    """Whether ``test`` (a test x target) still has budget in a FUZZ_SECONDS run (always in the CI slice)."""
-    if not FUZZ_SECONDS:
-        return True
-    start = _started.setdefault(test, time.monotonic())
-    share = FUZZ_SECONDS * WORKERS / (FUZZ_TESTS * len(TARGETS))
-    return time.monotonic() - start < share
+def _fresh(body):
+    """``body`` as a new function: each hypothesis run gets its own (settings attach to the function)."""
+    def prop(data):
+        body(data)
+    return prop
 
 
 # ---------------------------------------------------------------------------------------------- targets
@@ -299,7 +299,8 @@ def source_file(draw, rows):
         try:
             n = {len(json.loads(body.decode("utf-8", "surrogateescape")))}
         except json.JSONDecodeError:  # a cut or edited row: the file as one unreadable row
-            n = {1}
+            # (or as JSON lines of bare lists, where its first line ends like one: the reader cannot tell)
+            n = {1, len(lines)} if lines[0].rstrip().endswith(b"]") else {1}
         except (ValueError, RecursionError):  # a huge integer, deep nesting: the file, or each row counted
             n = {1, len(lines)}
         return "rows.json", body, n
@@ -401,10 +402,9 @@ def check_pair_masks(out: dict[str, list], tok, cfg: DataConfig, ends) -> None:
             assert check.wrong == 0 and check.weak == 0, f"{where}: {check} (tokens trained the rule does not)"
 
 
-def run_file(target, cfg, name, data, written, test):
-    tname, tok, ends, _ = target
-    if not time_left(f"{test}[{tname}]"):
-        return
+def run_file(target, cfg, name, data, written):
+    """One drawn file through the row path, and every check."""
+    _, tok, ends, _ = target
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / name
         path.write_bytes(data)
@@ -417,58 +417,55 @@ def run_file(target, cfg, name, data, written, test):
 
 
 # ---------------------------------------------------------------------------------------------- the tests
-@fuzz(slice_examples=12)
-@given(data=st.data())
-def test_sft_files_through_the_row_path(target, data):
-    markers = target[3]
-    name, body, written = data.draw(source_file(sft_rows(markers)))
-    run_file(target, data.draw(configs["sft"]), name, body, written, "sft")
+def test_sft_files_through_the_row_path(target):
+    def body(data):
+        name, raw, written = data.draw(source_file(sft_rows(target[3])), label="file")
+        run_file(target, data.draw(configs["sft"], label="config"), name, raw, written)
+
+    explore(body, slice_examples=12)
 
 
-@fuzz(slice_examples=8)
-@given(data=st.data())
-def test_preference_files_through_the_pair_path(target, data):
-    markers = target[3]
-    name, body, written = data.draw(source_file(pair_rows(markers)))
-    run_file(target, data.draw(configs["preference"]), name, body, written, "pairs")
+def test_preference_files_through_the_pair_path(target):
+    def body(data):
+        name, raw, written = data.draw(source_file(pair_rows(target[3])), label="file")
+        run_file(target, data.draw(configs["preference"], label="config"), name, raw, written)
+
+    explore(body, slice_examples=8)
 
 
-@fuzz(slice_examples=12)
-@given(data=st.data())
-def test_well_formed_hostile_rows_are_masked_by_the_rule(target, data):
+def test_well_formed_hostile_rows_are_masked_by_the_rule(target):
     """Rows that parse (no garbage, plain JSON lines): most are kept, so the oracle check has rows to judge."""
-    markers = target[3]
-    msgs = [data.draw(conversation(markers)) for _ in range(data.draw(st.integers(1, 4)))]
-    body = b"".join(json.dumps({"messages": m, **({"tools": t} if t else {})}).encode() + b"\n"
-                    for m, t in msgs)
-    run_file(target, SFT, "rows.jsonl", body, {len(msgs)}, "wellformed")
+    def body(data):
+        convs = [data.draw(conversation(target[3])) for _ in range(data.draw(st.integers(1, 4)))]
+        raw = b"".join(json.dumps({"messages": m, **({"tools": t} if t else {})}).encode() + b"\n" for m, t in convs)
+        run_file(target, SFT, "rows.jsonl", raw, {len(convs)})
+
+    explore(body, slice_examples=12)
 
 
-@fuzz(slice_examples=2)
-@given(data=st.data())
-def test_sources_end_to_end(target, data):
+def test_sources_end_to_end(target):
     """Two sources read by ``load_and_process_sources`` (``datasets`` builds and maps them, as a run does):
     every row of each source accounted for under that source's label."""
     from qlora_train.data.dataset import load_and_process_sources
 
-    tname, tok, _, markers = target
-    if not time_left(f"e2e[{tname}]"):
-        return
-    files = [data.draw(source_file(sft_rows(markers))) for _ in range(2)]
-    with tempfile.TemporaryDirectory() as tmp:
-        sources = []
-        for k, (name, body, _) in enumerate(files):
-            path = Path(tmp) / f"{k}-{name}"
-            path.write_bytes(body)
-            sources.append(DatasetSource(path=str(path)))
-        cfg = DataConfig(datasets=sources, cache_dir=str(Path(tmp) / "cache"), batch_size=4)
-        _, processed = load_and_process_sources(sources, cfg, tok)
-        cols = processed.select_columns(["source", *(c for c in OUTPUT_COLUMNS if c in processed.column_names)]
-                                        ).to_dict()
-    for k, (name, _, written) in enumerate(files):
-        label = f"{k}:{sources[k].path}"
-        mine = {col: [v for v, s in zip(values, cols["source"]) if s == label] for col, values in cols.items()}
-        check_accounting(mine, written, f"{k}-{name}")
+    def body(data):
+        files = [data.draw(source_file(sft_rows(target[3])), label=f"file {k}") for k in range(2)]
+        with tempfile.TemporaryDirectory() as tmp:
+            sources = []
+            for k, (name, raw, _) in enumerate(files):
+                path = Path(tmp) / f"{k}-{name}"
+                path.write_bytes(raw)
+                sources.append(DatasetSource(path=str(path)))
+            cfg = DataConfig(datasets=sources, cache_dir=str(Path(tmp) / "cache"), batch_size=4)
+            _, processed = load_and_process_sources(sources, cfg, target[1])
+            cols = processed.select_columns(["source", *(c for c in OUTPUT_COLUMNS if c in processed.column_names)]
+                                            ).to_dict()
+        for k, (name, _, written) in enumerate(files):
+            label = f"{k}:{sources[k].path}"
+            mine = {col: [v for v, s in zip(values, cols["source"]) if s == label] for col, values in cols.items()}
+            check_accounting(mine, written, f"{k}-{name}")
+
+    explore(body, slice_examples=2)
 
 
 # ---------------------------------------------------------------------------------------------- found by the fuzz
@@ -525,3 +522,65 @@ def test_item1_json_inside_a_field_is_refused_as_the_rows_fault(qwen3_tok, bomb)
                         {"role": "tool", "content": "x"}, {"role": "assistant", "content": "ok"}]}
     out = _one_file(qwen3_tok, "rows.jsonl", json.dumps(row).encode() + b"\n")
     check_accounting(out, {1}, "rows.jsonl")
+
+
+ROW = b'{"messages": [{"role": "user", "content": "hi"}, ' + ANSWER + b"]}"
+READER = pytest.mark.xfail(strict=True, reason="accounting gap in the JSON reader (sources._json_rows, issue 35: "
+                                               "branch i35-rows): when this passes, drop the xfail")
+
+
+@READER
+def test_accounting_gap_a_json_array_file_with_a_bom_is_read_as_its_rows(qwen3_tok):
+    """A UTF-8 BOM before a ``.json`` array (Windows editors write one): the file is taken for JSON lines, and
+    its two rows come out as four (``[``, ``{..},`` and ``]`` unparseable)."""
+    out = _one_file(qwen3_tok, "rows.json", b"\xef\xbb\xbf[\n" + ROW + b",\n" + ROW + b"\n]")
+    check_accounting(out, {2}, "rows.json")
+    assert out["drop_reason"] == ["", ""]
+
+
+@READER
+def test_accounting_gap_a_bom_before_the_first_json_line(qwen3_tok):
+    """A UTF-8 BOM before the first JSON line makes that row ``unparseable_json``."""
+    out = _one_file(qwen3_tok, "rows.jsonl", b"\xef\xbb\xbf" + ROW + b"\n" + ROW + b"\n")
+    assert out["drop_reason"] == ["", ""]
+
+
+@READER
+def test_accounting_gap_a_carriage_return_inside_a_json_line(qwen3_tok):
+    """JSON lines end at ``\\n`` (``\\r\\n`` included); a stray ``\\r`` inside a line (invalid JSON there) is read as
+    a line break: one row written, two counted."""
+    out = _one_file(qwen3_tok, "rows.jsonl", ROW[:20] + b"\r" + ROW[20:] + b"\n")
+    check_accounting(out, {1}, "rows.jsonl")
+
+
+@READER
+@pytest.mark.parametrize("line", [b"\xc2\x85", b"\x0c\x1c", b"\xe2\x80\xa8"], ids=["NEL", "FF-FS", "LS"])
+def test_accounting_gap_a_line_of_unicode_whitespace_is_counted(qwen3_tok, line):
+    """A line holding only characters ``str.strip`` takes for whitespace but JSON does not (NEL, form feed, file
+    separator, line separator) is skipped as blank: neither read nor counted."""
+    out = _one_file(qwen3_tok, "rows.jsonl", ROW + b"\n" + line + b"\n" + ROW + b"\n")
+    check_accounting(out, {3}, "rows.jsonl")
+    assert out["drop_reason"] == ["", "unparseable_json", ""]
+
+
+def test_a_lone_surrogate_in_reasoning_the_template_drops_is_counted_not_a_crash(llama3_vocab_tok):
+    """Llama 3's template does not write reasoning: the row is trained without it and the dropped reasoning's
+    tokens are counted. A lone surrogate there once escaped ``process_rows`` (UnicodeEncodeError from the
+    counter's probe): the whole run stopped on one row."""
+    from qlora_train.data import process_rows
+
+    rows = [{"messages": [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "ok", "reasoning_content": "r\udcff"}]}]
+    out = process_rows(rows, llama3_vocab_tok, DataConfig(reasoning_history="drop"))
+    assert out["drop_reason"] == [""]
+    assert json.loads(out["parse_report"][0])["reasoning_dropped_tokens"] == 2  # 'r' and the surrogate as '?'
+
+
+def test_a_pair_with_a_lone_surrogate_checked_by_the_rule_is_invalid_unicode(llama3_vocab_tok):
+    """``data.rule_check`` checks a source's first pairs before ``fit_pair``; a side whose render holds a lone
+    surrogate once reached the tokenizer there (an unexpected TypeError, counted as our bug)."""
+    from qlora_train.data import process_rows
+
+    out = process_rows([{"prompt": "hi", "chosen": "a\udcffb", "rejected": "no"}], llama3_vocab_tok,
+                       DataConfig(objective="preference", rule_check="all"))
+    assert out["drop_reason"] == ["invalid_unicode"] and not out["error_traceback"][0]
