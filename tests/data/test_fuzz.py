@@ -607,10 +607,9 @@ def test_an_expanded_example_with_a_lone_surrogate_is_left_out_not_a_crash(qwen3
         assert json.loads(out["parse_report"][0])["reasoning_dropped_turns"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="a source without rows stops the run with datasets' ValueError (exit 70, a "
-                                       "traceback), not a data error naming the source (sources.py, issue 35: "
-                                       "branch i35-rows or the lead); when this passes, drop the xfail and the "
-                                       "assume in test_sources_end_to_end")
+@pytest.mark.xfail(strict=True, reason="a source without rows stops the run with a traceback (datasets' "
+                   "ValueError), not a data error naming the source (sources.py, issue 35: branch i35-rows or the "
+                   "lead); when this passes, drop the xfail and the assume in test_sources_end_to_end")
 @pytest.mark.parametrize("body", [b"\n", b"[]"], ids=["blank-jsonl", "empty-array"])
 def test_accounting_gap_a_source_without_rows(qwen3_tok, tmp_path, body):
     from qlora_train.data.dataset import load_and_process_sources
