@@ -60,7 +60,7 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 CHUNK = 20  # examples per hypothesis run in a FUZZ_SECONDS run (the budget is looked at between runs)
 
 
-def explore(body, slice_examples: int) -> None:
+def explore(body, slice_examples: int, chunk: int = CHUNK) -> None:
     """Run ``body(data)`` (a hypothesis ``st.data()`` draw) as a property: ``slice_examples`` examples in the CI
     slice; with FUZZ_SECONDS, runs of ``CHUNK`` new examples until this test's share of the time is spent.
     FUZZ_NO_SHRINK=1 reports a failure as found, unshrunk (faster while exploring)."""
@@ -72,7 +72,7 @@ def explore(body, slice_examples: int) -> None:
         return
     end = time.monotonic() + FUZZ_SECONDS * WORKERS / (FUZZ_TESTS * len(TARGETS))
     while time.monotonic() < end:
-        settings(max_examples=CHUNK, derandomize=False, **common)(given(data=st.data())(_fresh(body)))()
+        settings(max_examples=chunk, derandomize=False, **common)(given(data=st.data())(_fresh(body)))()
 
 
 def _fresh(body):
@@ -425,7 +425,7 @@ def test_sft_files_through_the_row_path(target):
         name, raw, written = data.draw(source_file(sft_rows(target[3])), label="file")
         run_file(target, data.draw(configs["sft"], label="config"), name, raw, written)
 
-    explore(body, slice_examples=12)
+    explore(body, slice_examples=8)
 
 
 def test_preference_files_through_the_pair_path(target):
@@ -433,7 +433,7 @@ def test_preference_files_through_the_pair_path(target):
         name, raw, written = data.draw(source_file(pair_rows(target[3])), label="file")
         run_file(target, data.draw(configs["preference"], label="config"), name, raw, written)
 
-    explore(body, slice_examples=8)
+    explore(body, slice_examples=6)
 
 
 def test_well_formed_hostile_rows_are_masked_by_the_rule(target):
@@ -443,13 +443,16 @@ def test_well_formed_hostile_rows_are_masked_by_the_rule(target):
         raw = b"".join(json.dumps({"messages": m, **({"tools": t} if t else {})}).encode() + b"\n" for m, t in convs)
         run_file(target, SFT, "rows.jsonl", raw, {len(convs)})
 
-    explore(body, slice_examples=12)
+    explore(body, slice_examples=8)
 
 
 def test_sources_end_to_end(target):
     """Two sources read by ``load_and_process_sources`` (``datasets`` builds and maps them, as a run does):
     every row of each source accounted for under that source's label."""
     from qlora_train.data.dataset import load_and_process_sources
+
+    if not FUZZ_SECONDS and target[0] != "qwen3":
+        pytest.skip("the CI slice reads sources end to end on one vocabulary (make fuzz: on each)")
 
     def body(data):
         files = [data.draw(source_file(sft_rows(target[3])), label=f"file {k}") for k in range(2)]
@@ -469,7 +472,7 @@ def test_sources_end_to_end(target):
             mine = {col: [v for v, s in zip(values, cols["source"]) if s == label] for col, values in cols.items()}
             check_accounting(mine, written, f"{k}-{name}")
 
-    explore(body, slice_examples=2)
+    explore(body, slice_examples=2, chunk=4)
 
 
 # ---------------------------------------------------------------------------------------------- found by the fuzz
