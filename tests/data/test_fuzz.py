@@ -373,6 +373,8 @@ def check_sft_masks(out: dict[str, list], tok, cfg: DataConfig, ends) -> None:
         if out["num_tokens_before"][i] != len(ids) or cfg is not SFT:
             continue  # truncated, or a policy the oracle does not apply
         canon = canonicalize_row(json.loads(out["row"][i]), cfg, tokenizer=tok, policy=policy)
+        if canon.messages[0]["role"] == "assistant":
+            continue  # the oracle renders the empty prompt before it, which apply_chat_template refuses
         verdict = prefix_oracle(tok, canon.messages, tools=canon.tools, end_markers=ends)
         check = check_kept_row(tok, verdict, canon.messages, ids, _trained(labels))
         where = out["location"][i]
@@ -392,6 +394,8 @@ def check_pair_masks(out: dict[str, list], tok, cfg: DataConfig, ends) -> None:
         if reason or cfg is not PAIRS or out["num_tokens_before"][i] != out["num_tokens"][i]:
             continue
         pair = canonicalize_pair(json.loads(out["row"][i]), cfg, tokenizer=tok)
+        if not pair.prompt:
+            continue  # the oracle renders the empty prompt before the response, which apply_chat_template refuses
         for side, response in (("chosen", pair.chosen), ("rejected", pair.rejected)):
             msgs = pair.prompt + response
             trained_range = range(len(pair.prompt), len(msgs))
