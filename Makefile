@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto docs vocab audit audit-pairs
+.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -28,6 +28,15 @@ test:
 
 test-fast:
 	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_PAR)
+
+# the whole row path fuzzed (tests/data/test_fuzz.py: hostile files -> readers -> rows and pairs -> trained tokens
+# against the prefix-render oracle) for FUZZ_MINUTES on new examples, one worker per core (at most 2); CI runs a
+# small derandomized slice of the same tests. `make fuzz FUZZ_MINUTES=3`
+FUZZ_MINUTES ?= 10
+FUZZ_WORKERS ?= 2
+fuzz: vocab
+	FUZZ_SECONDS=$$(( $(FUZZ_MINUTES) * 60 )) $(PYTHON) -m pytest -q -p no:logging --show-capture=no \
+		-n $(FUZZ_WORKERS) --dist load tests/data/test_fuzz.py -k "through or well_formed or end_to_end"
 
 lint:
 	$(PYTHON) -m ruff check qlora_train tests benchmarks scripts

@@ -191,8 +191,10 @@ def _labels(out: dict, ids, offsets, char_mask, cfg: DataConfig, *, max_length: 
 
 
 def _hash(obj: Any) -> str:
-    """Stable hash of a row's canonical content (``content_hash``, computed only with ``dedup``)."""
-    return hashlib.blake2b(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).hexdigest()
+    """Stable hash of a row's canonical content (``content_hash``, computed only with ``dedup``). A lone surrogate
+    (an undecodable byte in a field the template does not write) is hashed as it is, not refused here."""
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False)
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def content_chars(messages: list[dict]) -> int:
@@ -421,18 +423,25 @@ def _stage_chat_row(i: int, canon, rendered, tokenizer, policy: LossPolicy,
         report.prefix_renders = rendered.renders
     staged = [_Staged(i, messages, canon.tools, rendered)]
     if any(t.reasoning_dropped for t in rendered.turns):
+        left_out = 0  # turns of extra examples left out before they are tokenized
         if policy.reasoning_history == "expand" and policy.reasoning_history_max_examples:
             ex = guarded(expand_dropped_reasoning, messages, rendered, tokenizer, tools=canon.tools, policy=policy)
             staged = [_Staged(i, ex.messages, canon.tools, ex.primary)]
-            staged += [_Staged(i, m, canon.tools, r, extra=True) for m, r in ex.extra]
+            for m, r in ex.extra:
+                try:  # reasoning only an extra example writes, with a lone surrogate: left out like a refused one
+                    check_unicode(r.text, r.message_ends)
+                except RowRejected:
+                    left_out += len(r.turns)
+                    continue
+                staged.append(_Staged(i, m, canon.tools, r, extra=True))
             report.reasoning_expanded_turns = len(ex.moved)
             report.expanded_examples = len(ex.extra)
             still = ex.still_dropped
         else:
             still = tuple(t.index for t in rendered.turns if t.reasoning_dropped)
-        if still:
+        if still or left_out:
             report.reasoning_dropped_rows = 1
-            report.reasoning_dropped_turns = len(still)
+            report.reasoning_dropped_turns = len(still) + left_out
             dropped_reasoning += [(i, messages[j]["reasoning_content"]) for j in still]
     return staged
 

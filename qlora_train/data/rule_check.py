@@ -37,6 +37,7 @@ from qlora_train.masking import (
     RowRejected,
     RuleCheck,
     TemplateLayout,
+    check_unicode,
     check_with_rule,
     render_conversation,
 )
@@ -122,6 +123,7 @@ def check_pair(pair: CanonicalPair, tokenizer, *, policy: LossPolicy, layout: Te
         messages = mark_side(pair.prompt, response, side_policy)
         try:
             rendered = render_conversation(messages, tokenizer, tools=pair.tools, policy=side_policy, layout=layout)
+            check_unicode(rendered.text, rendered.message_ends)  # as build_preference_example does, before tokens
         except RowRejected:
             return None
         check = check_with_rule(messages, rendered, tokenizer, tools=pair.tools, policy=side_policy, layout=layout)

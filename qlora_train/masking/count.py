@@ -30,6 +30,7 @@ import weakref
 import regex
 from tokenizers import Tokenizer
 
+from qlora_train.masking.messages import _SURROGATE
 from qlora_train.masking.tokenize import _UNICODE_FORMS, _flatten, _rust_backend, _spec, per_vocabulary
 
 # GPT-2's expression, which ByteLevel(use_regex=True) runs itself
@@ -232,9 +233,11 @@ def _make_counter(backend: Tokenizer) -> PieceCounter | None:
 
 def count_tokens(texts: list[str], tokenizer) -> list[int]:
     """Tokens of each text (``add_special_tokens=False``): by ``PieceCounter`` where it applies (module
-    docstring), else by one batched call of the tokenizer asked for ids only."""
+    docstring), else by one batched call of the tokenizer asked for ids only. A lone surrogate counts as ``?``."""
     if not texts:
         return []
+    # a lone surrogate (an undecodable byte in reasoning the template drops) cannot be encoded: counted as a '?'
+    texts = [t if t.isascii() or not _SURROGATE.search(t) else t.encode("utf-8", "replace").decode() for t in texts]
     counter = piece_counter(tokenizer)
     counts = counter.count(texts) if counter is not None else [None] * len(texts)
     rest = [i for i, n in enumerate(counts) if n is None]
