@@ -92,7 +92,8 @@ def _builder(file: Path, src: DatasetSource) -> str:
 def _json_rows(files: list[str], stamps: list[str]):
     """Rows of JSON-array or JSON-lines files (``stamps`` only feed the cache fingerprint)."""
     for file in files:
-        with open(file, encoding="utf-8-sig", errors="surrogateescape") as fh:  # a BOM skipped; bad bytes counted
+        # a BOM skipped; bad bytes counted; lines end at "\n" alone (a stray "\r" in a row is the row's, not a break)
+        with open(file, encoding="utf-8-sig", errors="surrogateescape", newline="\n") as fh:
             head = fh.read(4096).lstrip()
             fh.seek(0)
             if not (head.startswith("[") and not file.endswith(".jsonl")):  # a .jsonl file is lines even of lists
@@ -105,7 +106,7 @@ def _json_rows(files: list[str], stamps: list[str]):
         except json.JSONDecodeError:
             first = head.split("\n", 1)
             if len(first) > 1 and first[0].rstrip().endswith("]"):  # JSON lines whose rows are bare lists
-                with open(file, encoding="utf-8-sig", errors="surrogateescape") as fh:
+                with open(file, encoding="utf-8-sig", errors="surrogateescape", newline="\n") as fh:
                     yield from _json_lines(fh, file)
                 continue
             rows = _array_rows(text, file)
@@ -199,12 +200,15 @@ def _raw_row(text: str, location: str) -> dict:
     return {"row": text, "location": location, "load_error": ""}
 
 
+JSON_SPACE = " \t\r\n"
+
+
 def _json_lines(fh, file: str):
     """Each non-blank line as it is, parsed later, once (``batches.parse_readable``, which names a line that does
     not parse). A line Arrow cannot store (a lone surrogate from undecodable bytes) is parsed here and stored
     escaped by ``row_json``."""
     for lineno, line in enumerate(fh, 1):
-        text = line.strip()
+        text = line.strip(JSON_SPACE)  # JSON's whitespace: a line of other blanks (NEL, U+2028) is a bad row
         if text:
             yield _raw_row(text, f"{file}:{lineno}")
 
@@ -255,6 +259,11 @@ def _load_path(path: str, src: DatasetSource, cache_dir: str | None) -> list[dat
             if isinstance(exc.__cause__, SourceError):
                 raise exc.__cause__ from None
             raise
+        except ValueError as exc:  # datasets' "corresponds to no data": not one row in the files
+            if "no data" not in str(exc):
+                raise
+            raise SourceError(f"{', '.join(map(str, json_files))}: no rows (the file is empty, blank lines only, or "
+                              "an empty array)") from None
     for file in files:
         if builders[file] == "json":
             continue

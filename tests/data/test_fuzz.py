@@ -23,8 +23,7 @@ real Llama 3 vocabulary with the template it ships, and the real Llama 3 vocabul
 
 CI runs a small derandomized slice (the ``ci`` profile of tests/conftest.py). ``make fuzz`` runs the same
 tests for ``FUZZ_SECONDS`` (shared out over the tests and the xdist workers), on new examples each time. Each
-failure found is kept at the end of this file as its minimal example: a regression test where it is fixed here,
-an ``xfail(strict=True)`` test named for its issue item where another branch of issue 35 fixes it.
+failure found is kept at the end of this file as its minimal example, a regression test once it is fixed.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
@@ -45,7 +44,7 @@ from qlora_train.data.dataset import _process_raw_batch, summarize_columns
 from qlora_train.data.pairs import canonicalize_pair
 from qlora_train.data.parse import canonicalize_row
 from qlora_train.data.processed import OUTPUT_COLUMNS
-from qlora_train.data.sources import _json_rows
+from qlora_train.data.sources import SourceError, _json_rows
 from qlora_train.masking import IGNORE_INDEX, LossPolicy
 from qlora_train.masking.messages import KNOWN_DROP_REASONS
 from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens, weak_violations
@@ -124,9 +123,9 @@ RAW = {json.dumps(HUGE_INT): "9" * 5000, json.dumps(DEEP): "[" * 5000 + "]" * 50
        json.dumps(BIG_FLOAT): "1e999"}
 # JSON inside a string (tool-call arguments, tool_calls, tools): parsed again by the parse stage
 JSON_BOMBS = {"huge_int": '{"a": ' + "9" * 5000 + "}", "deep": "[" * 5000 + "]" * 5000}
-# crashes other branches of issue 35 fix (item 1, i35-rows): left out of the fuzz until they are merged, each
-# kept as an xfail(strict=True) test below; when one passes, its entry goes and the fuzz draws it again
-KNOWN_CRASHES = {HUGE_INT: "item 1", DEEP: "item 1"}
+# values a crash found by the fuzz was seen with, left out of the fuzz until it is fixed (each kept as an
+# xfail(strict=True) test below; when one passes, its entry goes and the fuzz draws it again): none now
+KNOWN_CRASHES: dict = {}
 SENTINELS = [v for v in (HUGE_INT, DEEP, BIG_FLOAT) if v not in KNOWN_CRASHES]
 BOMBS = [v for k, v in JSON_BOMBS.items() if {"huge_int": HUGE_INT, "deep": DEEP}[k] not in KNOWN_CRASHES]
 PIECES = ["{{", "{%", "}}", "\n", " ", "\t", "\ud800", "\udcff", "é", "🙂", "\x00", "\x1b]0;x\x07\x1b[2J", "\\u",
@@ -299,9 +298,10 @@ def source_file(draw, rows):
         body = b"[" + b",\n".join(lines) + b"]"
         try:
             n = {len(json.loads(body.decode("utf-8", "surrogateescape")))}
-        except json.JSONDecodeError:  # a cut or edited row: the file as one unreadable row
+        except json.JSONDecodeError:  # a cut or edited row: its elements counted one by one, or where the
+            # array's frame itself is broken (a string or bracket never closed) a SourceError naming the file
             # (or as JSON lines of bare lists, where its first line ends like one: the reader cannot tell)
-            n = {1, len(lines)} if lines[0].rstrip().endswith(b"]") else {1}
+            n = {1, len(lines), SOURCE_ERROR}
         except (ValueError, RecursionError):  # a huge integer, deep nesting: the file, or each row counted
             n = {1, len(lines)}
         return "rows.json", body, n
@@ -409,13 +409,20 @@ def check_pair_masks(out: dict[str, list], tok, cfg: DataConfig, ends) -> None:
             assert check.wrong == 0 and check.weak == 0, f"{where}: {check} (tokens trained the rule does not)"
 
 
+SOURCE_ERROR = -1  # in a drawn file's row counts: the reader may stop with a SourceError naming the file
+
+
 def run_file(target, cfg, name, data, written):
     """One drawn file through the row path, and every check."""
     _, tok, ends, _ = target
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / name
         path.write_bytes(data)
-        out = process_file(path, tok, cfg)
+        try:
+            out = process_file(path, tok, cfg)
+        except SourceError as err:  # a .json array whose frame is broken: the run stops, naming the file
+            assert SOURCE_ERROR in written and str(path) in str(err), f"{written} rows written: {err}"
+            return
     check_accounting(out, written, name)
     if cfg.objective == "preference":
         check_pair_masks(out, tok, cfg, ends)
@@ -460,7 +467,6 @@ def test_sources_end_to_end(target):
 
     def body(data):
         files = [data.draw(source_file(sft_rows(target[3])), label=f"file {k}") for k in range(2)]
-        assume(all(0 not in written for _, _, written in files))  # test_accounting_gap_a_source_without_rows
         with tempfile.TemporaryDirectory() as tmp:
             sources = []
             for k, (name, raw, _) in enumerate(files):
@@ -468,7 +474,12 @@ def test_sources_end_to_end(target):
                 path.write_bytes(raw)
                 sources.append(DatasetSource(path=str(path)))
             cfg = DataConfig(datasets=sources, cache_dir=str(Path(tmp) / "cache"), batch_size=4)
-            _, processed = load_and_process_sources(sources, cfg, target[1])
+            try:
+                _, processed = load_and_process_sources(sources, cfg, target[1])
+            except SourceError as err:  # a file without rows, or a .json array whose frame is broken: named
+                assert any(({0, SOURCE_ERROR} & written) and f"{k}-{name}" in str(err)
+                           for k, (name, _, written) in enumerate(files)), str(err)
+                return
             cols = processed.select_columns(["source", *(c for c in OUTPUT_COLUMNS if c in processed.column_names)]
                                             ).to_dict()
         for k, (name, _, written) in enumerate(files):
@@ -500,11 +511,8 @@ def test_dedup_hash_of_a_row_with_a_lone_surrogate_where_the_template_does_not_w
     assert out["drop_reason"] == [""] and out["content_hash"][0]
 
 
-ITEM1 = pytest.mark.xfail(strict=True, reason="issue 35 item 1 (branch i35-rows): a huge integer or deep "
-                          "nesting stops the run; when this passes, drop the xfail and KNOWN_CRASHES' entry")
 
 
-@ITEM1
 @pytest.mark.parametrize("line", [b'{"a": ' + b"9" * 5000 + b"}", b"[" * 5000 + b"]" * 5000,
                                   b'{"a": ' + b"9" * 5000 + b', "b": "\xff"}'],
                          ids=["huge-int", "deep", "huge-int-and-undecodable-byte"])
@@ -515,7 +523,6 @@ def test_item1_a_json_line_is_counted(qwen3_tok, line):
     assert out["drop_reason"] == ["unparseable_json", ""]
 
 
-@ITEM1
 @pytest.mark.parametrize("item", [b"9" * 5000, b"[" * 5000 + b"]" * 5000], ids=["huge-int", "deep"])
 def test_item1_a_json_array_file_is_counted(qwen3_tok, item):
     out = _one_file(qwen3_tok, "rows.json", b"[" + item + b"]")
@@ -523,7 +530,6 @@ def test_item1_a_json_array_file_is_counted(qwen3_tok, item):
     assert out["drop_reason"] == ["unparseable_json"]
 
 
-@ITEM1
 @pytest.mark.parametrize("bomb", list(JSON_BOMBS.values()), ids=list(JSON_BOMBS))
 def test_item1_json_inside_a_field_is_refused_as_the_rows_fault(qwen3_tok, bomb):
     """Tool-call arguments (and tools) given as JSON text are parsed by the parse stage: an integer of more than
@@ -536,11 +542,8 @@ def test_item1_json_inside_a_field_is_refused_as_the_rows_fault(qwen3_tok, bomb)
 
 
 ROW = b'{"messages": [{"role": "user", "content": "hi"}, ' + ANSWER + b"]}"
-READER = pytest.mark.xfail(strict=True, reason="accounting gap in the JSON reader (sources._json_rows, issue 35: "
-                                               "branch i35-rows): when this passes, drop the xfail")
 
 
-@READER
 def test_accounting_gap_a_json_array_file_with_a_bom_is_read_as_its_rows(qwen3_tok):
     """A UTF-8 BOM before a ``.json`` array (Windows editors write one): the file is taken for JSON lines, and
     its two rows come out as four (``[``, ``{..},`` and ``]`` unparseable)."""
@@ -549,14 +552,12 @@ def test_accounting_gap_a_json_array_file_with_a_bom_is_read_as_its_rows(qwen3_t
     assert out["drop_reason"] == ["", ""]
 
 
-@READER
 def test_accounting_gap_a_bom_before_the_first_json_line(qwen3_tok):
     """A UTF-8 BOM before the first JSON line makes that row ``unparseable_json``."""
     out = _one_file(qwen3_tok, "rows.jsonl", b"\xef\xbb\xbf" + ROW + b"\n" + ROW + b"\n")
     assert out["drop_reason"] == ["", ""]
 
 
-@READER
 def test_accounting_gap_a_carriage_return_inside_a_json_line(qwen3_tok):
     """JSON lines end at ``\\n`` (``\\r\\n`` included); a stray ``\\r`` inside a line (invalid JSON there) is read as
     a line break: one row written, two counted."""
@@ -564,7 +565,6 @@ def test_accounting_gap_a_carriage_return_inside_a_json_line(qwen3_tok):
     check_accounting(out, {1}, "rows.jsonl")
 
 
-@READER
 @pytest.mark.parametrize("line", [b"\xc2\x85", b"\x0c\x1c", b"\xe2\x80\xa8"], ids=["NEL", "FF-FS", "LS"])
 def test_accounting_gap_a_line_of_unicode_whitespace_is_counted(qwen3_tok, line):
     """A line holding only characters ``str.strip`` takes for whitespace but JSON does not (NEL, form feed, file
@@ -614,9 +614,6 @@ def test_an_expanded_example_with_a_lone_surrogate_is_left_out_not_a_crash(qwen3
         assert json.loads(out["parse_report"][0])["reasoning_dropped_turns"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="a source without rows stops the run with a traceback (datasets' "
-                   "ValueError), not a data error naming the source (sources.py, issue 35: branch i35-rows or the "
-                   "lead); when this passes, drop the xfail and the assume in test_sources_end_to_end")
 @pytest.mark.parametrize("body", [b"\n", b"[]"], ids=["blank-jsonl", "empty-array"])
 def test_accounting_gap_a_source_without_rows(qwen3_tok, tmp_path, body):
     from qlora_train.data.dataset import load_and_process_sources
