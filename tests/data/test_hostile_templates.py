@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import re
 
 import pytest
 import yaml
@@ -165,7 +166,8 @@ def test_names_made_of_row_data_are_decided_not_kept(qwen3_tok):
         messages = [{"role": "user", "content": f"name{i}_" + "x" * 1000}]
         assert at.apply_template(messages, tok) == tok.apply_chat_template(messages, tokenize=False)
     assert at._DECIDED == kept
-    assert not [name for _, name in at._DECIDED if not isinstance(name, str) or "warmup" in name or "name" in name]
+    assert not [name for _, name in at._DECIDED if not isinstance(name, str) or "warmup" in name
+                or re.fullmatch(r"name\d+_x+", name)]  # ``name`` itself a template may spell (``tool.name``)
 
 
 def test_the_cache_stops_at_its_size(monkeypatch):

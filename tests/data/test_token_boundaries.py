@@ -96,13 +96,14 @@ def test_the_generate_prompt_is_the_piece_before_the_cut(qa):
 # ------------------------------------------------------------------ the property, on random conversations
 
 WORD = st.text(alphabet="abc <>\n.é", min_size=1, max_size=12).filter(lambda s: s.strip())
+USER = st.text(alphabet="XYZ ?\n", min_size=1, max_size=8).filter(lambda s: s.strip())  # blank: empty_user_turn
 
 
 @st.composite
 def conversations(draw):
     msgs = []
     for _ in range(draw(st.integers(1, 3))):
-        msgs.append({"role": "user", "content": draw(st.text(alphabet="XYZ ?\n", min_size=1, max_size=8))})
+        msgs.append({"role": "user", "content": draw(USER)})
         msgs.append({"role": "assistant", "content": draw(WORD)})
     return msgs
 

@@ -26,7 +26,8 @@ def row(source="0:a", *, reason="", detail="", tokens=100, trained=20, parse=Non
             "dropped_turns": 0, "reasoning_trimmed_tokens": 0, "token_fallback": "", "straddling_tokens": 0,
             "parse_report": json.dumps(parse) if parse else "{}", "expanded_tokens": extra_tokens,
             "expanded_trained_tokens": extra_trained, "tool_schema_tokens": 0, "source": source,
-            "prompt_length": 0, "chosen_tokens": 0, "rejected_tokens": 0}  # pair columns: SFT rows leave them 0
+            "prompt_length": 0, "chosen_tokens": 0, "rejected_tokens": 0,  # pair columns: SFT rows leave them 0
+            "desirable": 0}  # an unpaired (KTO) row's label: SFT rows leave it 0
 
 
 def columns(rows: list[dict]) -> dict[str, list]:
