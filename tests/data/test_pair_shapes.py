@@ -94,11 +94,12 @@ def test_each_shape_keeps_every_row_and_trains_only_the_responses(shape, tmp_pat
             assert texts == expected_trained_text(response), (shape, i, side)
 
 
-def test_an_ultrafeedback_row_whose_prompt_column_disagrees_is_refused_with_its_reason(tmp_path, qwen3_tok):
+def test_an_ultrafeedback_row_whose_prompt_column_disagrees_is_refused_with_its_reason(tmp_path, qwen_tokenizer_dir,
+                                                                                    qwen3_tok):
     row = json.loads((SHAPES / "ultrafeedback.jsonl").read_text().splitlines()[0])
     row["prompt"] = "Another question?"
-    out = process_rows([row], qwen3_tok, load_config(QUICKSTART, ["model.adapter_path=null"]).data,
-                       locations=["uf:1"])
+    cfg = load_config(QUICKSTART, [f"model.name_or_path={qwen_tokenizer_dir}", "model.adapter_path=null"])
+    out = process_rows([row], qwen3_tok, cfg.data, locations=["uf:1"])
     assert out["drop_reason"] == ["pair_prompt_differs"]
     assert out["drop_detail"] == ["uf:1: chosen is a whole conversation that does not open with the row's prompt: "
                                   "its first user turn is 'How many legs does a spider have?', the prompt "
