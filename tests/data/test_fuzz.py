@@ -300,8 +300,10 @@ def source_file(draw, rows):
             n = {len(json.loads(body.decode("utf-8", "surrogateescape")))}
         except json.JSONDecodeError:  # a cut or edited row: its elements counted one by one, or where the
             # array's frame itself is broken (a string or bracket never closed) a SourceError naming the file
-            # (or as JSON lines of bare lists, where its first line ends like one: the reader cannot tell)
-            n = {1, len(lines), SOURCE_ERROR}
+            # (or as JSON lines of bare lists, where its first line ends like one: the reader cannot tell). A row
+            # cut inside a string runs on into the rows after it until a quote closes it: the elements found (each
+            # counted, a bad one as unparseable_json naming its line) may be fewer than the rows written
+            n = {*range(1, len(lines) + 1), SOURCE_ERROR}
         except (ValueError, RecursionError):  # a huge integer, deep nesting: the file, or each row counted (or,
             n = {1, len(lines), SOURCE_ERROR}  # with a cut besides, a frame the reader cannot find: named)
         return "rows.json", body, n
