@@ -97,8 +97,9 @@ class RowRejected(Exception):
         """An exception nobody foresaw, on one row -> its refusal (``bad_row``) with the exception's traceback: a
         bug in our code or an input nobody foresaw, counted like a bad row (``pipeline.guarded``).
 
-        >>> RowRejected.unexpected(ValueError("x" * 300)).detail[-8:]
-        'xxxxxx…'
+        >>> rej = RowRejected.unexpected(ValueError("x" * 300))
+        >>> rej.reason, len(rej.detail), rej.detail[:30]
+        ('bad_row', 224, 'unexpected ValueError: xxxxxxx')
         """
         msg = " ".join(str(exc).split())
         msg = msg[:200] + "…" if len(msg) > 200 else msg  # rows can hold huge strings
