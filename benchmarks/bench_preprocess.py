@@ -303,13 +303,13 @@ def main_tables(args) -> None:
 
 
 STAGES = {  # what process_rows does, timed inside it: (module, name) of each stage
-    "canonicalize": ("pipeline", "canonicalize_row"),
-    "render": ("pipeline", "render_conversation"),  # the template render + locating and verifying the spans
+    "canonicalize": ("sft", "canonicalize_row"),
+    "render": ("example", "render_conversation"),  # the template render + locating and verifying the spans
     "template": ("render", "render_text"),  # the template render alone (the floor's first part, made cheaper)
-    "tokenize": ("pipeline", "_encode_each"),  # the batched call with offsets (the floor's second part)
-    "labels": ("pipeline", "_example"),  # projection to tokens, labels, tool block count
-    "count": ("pipeline", "count_tokens"),  # tokens of the reasoning the template drops
-    "dedup": ("pipeline", "_hash"),  # data.dedup's content hash (timed with dedup on)
+    "tokenize": ("example", "_encode_each"),  # the batched call with offsets (the floor's second part)
+    "labels": ("sft", "_fit_chat"),  # projection to tokens, labels, tool block count
+    "count": ("sft", "count_tokens"),  # tokens of the reasoning the template drops
+    "dedup": ("sft", "content_hash"),  # data.dedup's content hash (timed with dedup on)
 }
 
 
@@ -320,10 +320,11 @@ def stage_seconds(rows: list[dict], tok, cfg: DataConfig, args) -> dict[str, flo
     (``floor``, interleaved with them, the base of the shares). The rest of
     ``process_rows`` (``other``) is its bookkeeping: per-row guards and outputs, schema detection, the unicode
     check, the parse report."""
-    from qlora_train.data import pipeline as pipeline_module
+    from qlora_train.data import sft as sft_module
+    from qlora_train.masking import example as example_module
     from qlora_train.masking import render as render_module
 
-    modules = {"pipeline": pipeline_module, "render": render_module}
+    modules = {"sft": sft_module, "example": example_module, "render": render_module}
     spent = dict.fromkeys(STAGES, 0.0)
 
     def timed(key, fn):

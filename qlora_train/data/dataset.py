@@ -33,19 +33,10 @@ from qlora_train.data.batches import merge_back, parse_readable
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
 from qlora_train.data.parse import ParseReport
-from qlora_train.data.pipeline import process_rows
+from qlora_train.data.pipeline import objective, process_rows
 from qlora_train.data.processed import (
-    EXPANDED_COLUMNS,
-    INT_LIST_COLUMNS,
-    MODEL_COLUMNS,
-    OUTPUT_COLUMNS,
-    REPORT_COLUMNS,
+    SFT_ROW,
     arrow_lists,
-    empty_output,
-    kept_columns,
-    model_columns,
-    processed_features,
-    processed_schema,
 )
 from qlora_train.data.sources import SourceError, load_labelled_source, source_label
 from qlora_train.errors import DataError, InternalError
@@ -171,34 +162,35 @@ def pipeline_code_hash() -> str:
 
 
 def _process_raw_batch(batch: dict, indices: list[int], tokenizer, cfg: DataConfig, code: str = "") -> pa.Table:
-    """datasets.map function: JSON-text rows (+ load errors, source) at ``indices`` of their source -> OUTPUT_COLUMNS
-    + source, location, domain, as an Arrow table of ``processed_features`` (written as it is; the int lists made by
-    ``arrow_lists``).
+    """datasets.map function: JSON-text rows (+ load errors, source) at ``indices`` of their source -> the
+    objective's row type (``pipeline.objective(cfg).row_type``: the pipeline's columns + source, location, domain),
+    as an Arrow table of its schema (written as it is; the int lists made by ``arrow_lists``).
 
     ``code`` (``pipeline_code_hash``) only feeds the cache fingerprint."""
     n = len(batch["load_error"])
+    row_type = objective(cfg).row_type
     ok, rows, errors = parse_readable(batch)
     good = process_rows(rows, tokenizer, cfg, locations=[batch["location"][i] for i in ok],
                         positions=[indices[i] for i in ok], texts=[batch["row"][i] for i in ok])
 
     def unreadable(i: int) -> dict:  # dropped with its location
-        return {**empty_output(), "drop_reason": DropReason.UNPARSEABLE_JSON,
+        return {**row_type.empty(), "drop_reason": DropReason.UNPARSEABLE_JSON,
                 "drop_detail": f"{batch['location'][i]}: {errors[i]}"}
 
     if len(ok) == n:  # every row read: the columns as they are
         out = dict(good)
     else:
-        merged = merge_back(n, ok, [{col: good[col][j] for col in OUTPUT_COLUMNS} for j in range(len(ok))],
-                            unreadable)
-        out = {col: [row[col] for row in merged] for col in OUTPUT_COLUMNS}
+        columns = row_type.output_columns
+        merged = merge_back(n, ok, [{col: good[col][j] for col in columns} for j in range(len(ok))], unreadable)
+        out = {col: [row[col] for row in merged] for col in columns}
     out["source"] = list(batch["source"])
     out["location"] = list(batch["location"])
     out["domain"] = merge_back(n, ok, [_domain(r, cfg.domain_key) for r in rows], lambda i: "")
     if cfg.on_bad_row == "error":
         stop_at_first_bad_row(out["drop_reason"], out["drop_detail"])
-    for name, dtype in INT_LIST_COLUMNS:
+    for name, dtype in row_type.int_list_columns:
         out[name] = arrow_lists(out[name], dtype)
-    return pa.Table.from_pydict(out, schema=processed_schema())
+    return pa.Table.from_pydict(out, schema=row_type.schema)
 
 
 def stop_at_first_bad_row(reasons: list[str], details: list[str]) -> None:
@@ -217,7 +209,7 @@ KEPT_PARSE_COUNTS = tuple(sorted(({f.name for f in fields(ParseReport)} & {f.nam
 
 
 def summarize_columns(cols: dict[str, list]) -> DatasetReport:
-    """Counts over processed rows given as columns (at least ``REPORT_COLUMNS``)."""
+    """Counts over processed rows given as columns (at least their row type's ``report_columns``)."""
     report = DatasetReport(rows_in=len(cols["drop_reason"]))
     dropped: Counter = Counter()
     for reason, detail in zip(cols["drop_reason"], cols["drop_detail"]):
@@ -230,8 +222,9 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
     report.trained_tokens = sum(cols["num_trained_tokens"])
     report.rows_turns_dropped = sum(1 for n in cols["dropped_turns"] if n)
     report.rows_reasoning_trimmed = sum(1 for n in cols["reasoning_trimmed_tokens"] if n)
-    report.rows_token_fallback = dict(Counter(s for s in cols["token_fallback"] if s))
-    report.straddling_tokens = sum(cols["straddling_tokens"])
+    cut = cols["token_fallback"] if "token_fallback" in cols else cols["cut_sides"]  # a pair's: its sides cut
+    report.rows_token_fallback = dict(Counter(s for s in cut if s))
+    report.straddling_tokens = sum(cols.get("straddling_tokens", ()))
     kept_counts = {name: Counter() for name in KEPT_PARSE_COUNTS}  # a count, or role -> count (unrendered_messages)
 
     def row_reports():  # every row's report, for ``parse``; kept rows' counts summed on the way
@@ -251,15 +244,17 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
     report = replace(report, **{name: c[""] if isinstance(getattr(report, name), int) else dict(c)
                                 for name, c in kept_counts.items()})
     kept = [not r for r in cols["drop_reason"]]
-    report.expanded_tokens = sum(n for n, k in zip(cols["expanded_tokens"], kept) if k)
-    report.expanded_trained_tokens = sum(n for n, k in zip(cols["expanded_trained_tokens"], kept) if k)
+    report.expanded_tokens = sum(n for n, k in zip(cols.get("expanded_tokens", ()), kept) if k)
+    report.expanded_trained_tokens = sum(n for n, k in zip(cols.get("expanded_trained_tokens", ()), kept) if k)
     report.desirable_rows = sum(n for n, k in zip(cols.get("desirable", ()), kept) if k)
     return report
 
 
-def summarize(processed: datasets.Dataset) -> DatasetReport:
+def summarize(processed: datasets.Dataset, cfg: DataConfig) -> DatasetReport:
     """Counts over the processed (not yet filtered) dataset."""
-    return summarize_columns(processed.select_columns(list(REPORT_COLUMNS)).to_dict())
+    report = summarize_columns(processed.select_columns(list(objective(cfg).row_type.report_columns)).to_dict())
+    report.objective = cfg.objective
+    return report
 
 
 def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datasets.Dataset:
@@ -267,7 +262,7 @@ def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datase
     return raw.map(
         _process_raw_batch, batched=True, with_indices=True, batch_size=cfg.batch_size, num_proc=cfg.num_proc,
         fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "code": pipeline_code_hash()}, remove_columns=raw.column_names,
-        features=processed_features(), desc="preprocessing",
+        features=objective(cfg).row_type.features(), desc="preprocessing",
     )
 
 
@@ -368,7 +363,7 @@ def mark_duplicates(processed: datasets.Dataset) -> tuple[datasets.Dataset, int]
 def _blocks(batch: dict, max_length: int) -> dict:
     out = {k: [] for k in batch}
     for j in range(len(batch["input_ids"])):
-        model = {k: batch[k][j] for k in MODEL_COLUMNS}
+        model = {k: batch[k][j] for k in SFT_ROW.model_columns}
         for block in split_into_blocks(model, max_length):
             for k in batch:
                 out[k].append(block[k] if k in block else batch[k][j])
@@ -386,10 +381,11 @@ def split_long_texts(kept: datasets.Dataset, max_length: int) -> tuple[datasets.
 
 
 def _explode(batch: dict) -> dict:
-    """datasets.map function: each row -> its primary example, then its extra examples (``EXPANDED_COLUMNS``),
-    each with ``num_tokens`` its own length and the row's other columns."""
-    carried = [k for k in batch if k not in (*MODEL_COLUMNS, *EXPANDED_COLUMNS, "num_tokens")]
-    out: dict[str, list] = {k: [] for k in (*MODEL_COLUMNS, "num_tokens", *carried)}
+    """datasets.map function: each SFT row -> its primary example, then its extra examples (``SFT_ROW``'s
+    ``expanded_columns``), each with ``num_tokens`` its own length and the row's other columns."""
+    model, expanded = SFT_ROW.model_columns, SFT_ROW.expanded_columns
+    carried = [k for k in batch if k not in (*model, *expanded, "num_tokens")]
+    out: dict[str, list] = {k: [] for k in (*model, "num_tokens", *carried)}
     for j, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"])):
         examples = [(ids, labels), *zip(batch["expanded_input_ids"][j], batch["expanded_labels"][j])]
         for ids, labels in examples:
@@ -416,10 +412,11 @@ def explode_examples(kept: datasets.Dataset) -> tuple[datasets.Dataset, int]:
     Returns the dataset and the number of rows added. Runs after the eval split, so that one conversation's
     examples never land on both sides.
     """
+    expanded = list(SFT_ROW.expanded_columns)
     if expanded_count(kept) == 0:
-        return kept.remove_columns(list(EXPANDED_COLUMNS)), 0
-    features = datasets.Features({k: v for k, v in kept.features.items() if k not in EXPANDED_COLUMNS})
-    out = kept.map(_explode, batched=True, remove_columns=list(EXPANDED_COLUMNS), features=features,
+        return kept.remove_columns(expanded), 0
+    features = datasets.Features({k: v for k, v in kept.features.items() if k not in expanded})
+    out = kept.map(_explode, batched=True, remove_columns=expanded, features=features,
                    desc="one row per example (reasoning_history: expand)")
     return out, len(out) - len(kept)
 
@@ -477,41 +474,38 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datase
 def datasets_from_processed(processed: datasets.Dataset, cfg: DataConfig, tokenizer,
                             ) -> tuple[datasets.Dataset, datasets.Dataset | None, DatasetReport]:
     """``load_and_process``'s processed rows -> (train, eval or None, report): the rest of ``build_datasets``."""
-    report = summarize(processed)
-    report.objective = cfg.objective
+    row_type = objective(cfg).row_type
+    report = summarize(processed, cfg)
     report.duplicates = report.dropped.get(DropReason.DUPLICATE, 0)
     if report.rows_kept == 0:
         reasons = ", ".join(f"{r}: {n}" for r, n in report.dropped.items())
         raise EmptyDatasetError(f"all {report.rows_in} rows were dropped ({reasons}); first: "
                                 + "; ".join(report.first_dropped.values()))
-    carry = list(kept_columns(cfg.objective))
+    carry = list(row_type.kept_columns)
     kept = _kept_rows(processed).select_columns(carry)
     if cfg.domain_key:
         report.domains = _domain_stats(_kept_rows(processed))
     eval_ds = None
     if cfg.eval_datasets:
         _, eval_processed = load_and_process_sources(cfg.eval_datasets, cfg, tokenizer)
-        report.eval_dropped = summarize(eval_processed).dropped
+        report.eval_dropped = summarize(eval_processed, cfg).dropped
         eval_ds = _kept_rows(eval_processed).select_columns(carry)
     elif cfg.eval_fraction > 0 and len(kept) >= 2:
         split = kept.train_test_split(test_size=cfg.eval_fraction, seed=cfg.shuffle_seed)
         kept, eval_ds = split["train"], split["test"]
     # examples and blocks after the split, so that one conversation or long text never lands on both sides
-    # (pairs and unpaired rows have neither: a pair's num_tokens count both sides, each within max_length already)
-    pairs = cfg.objective != "sft"
-    kept, _ = explode_examples(kept)
-    if not pairs:
+    # (only SFT rows have them: a pair's num_tokens count both sides, each within max_length already)
+    if row_type.expanded_columns:
+        kept, _ = explode_examples(kept)
         kept, report.text_blocks_added = split_long_texts(kept, cfg.max_length)
-    if eval_ds is not None:
-        eval_ds, _ = explode_examples(eval_ds)
-        if not pairs:
-            eval_ds, _ = split_long_texts(eval_ds, cfg.max_length)
+        if eval_ds is not None:
+            eval_ds, _ = split_long_texts(explode_examples(eval_ds)[0], cfg.max_length)
     train = mix_sources(kept, cfg, report)
     if cfg.shuffle:
         train = train.shuffle(seed=cfg.shuffle_seed)
     if cfg.max_samples is not None and len(train) > cfg.max_samples:
         train = train.select(range(cfg.max_samples))
-    fed = list(model_columns(cfg.objective))
+    fed = list(row_type.model_columns)
     train = train.select_columns(fed)
     eval_ds = eval_ds.select_columns(fed) if eval_ds is not None else None
     report.train_rows, report.eval_rows = len(train), len(eval_ds) if eval_ds is not None else 0

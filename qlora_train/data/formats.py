@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from qlora_train.masking import IGNORE_INDEX, DropReason, OffsetArray, RowRejected
+from qlora_train.masking import IGNORE_INDEX, DropReason, RowRejected
 
 TEXT_KEYS = ("text", "completion")
 
@@ -94,12 +94,6 @@ def pretokenized_ids_and_mask(row: dict, *, vocab_size: int) -> tuple[list[int],
         raise RowRejected(DropReason.BAD_PRETOKENIZED,
                           f"labels[{wrong}]={labels[wrong]} is neither -100 nor input_ids[{wrong}]={ids[wrong]}")
     return ids[:n], (np.asarray(labels[:n]) != IGNORE_INDEX).astype(np.uint8)
-
-
-def token_offsets(n: int) -> OffsetArray:
-    """Offsets of a text of one character per token: token i covers character i."""
-    starts = np.arange(n, dtype=np.int64)
-    return OffsetArray(np.stack([starts, starts + 1], axis=1))
 
 
 def split_into_blocks(example: dict[str, list[int]], max_length: int) -> list[dict[str, list[int]]]:

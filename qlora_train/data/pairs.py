@@ -9,35 +9,20 @@
     >>> tok.decode([t for t in ex["rejected_labels"] if t != -100])
     '<think>\\n\\n</think>\\n\\n5<|im_end|>'
 
-A side is exactly what SFT trains for the conversation ``prompt + response`` with only the response's
-assistant turns marked trained (``mark_side``): the same parse (``parse.canonical_messages``), the same one
-render and verified walk (``render.render_conversation``, the general path behind it), the same tokenization and
-labels (``tokenize.encode_rendered``, ``make_labels``). Nothing here finds a turn: the boundary between prompt and
-response is where ``render_conversation`` says the response's first turn starts its generated part
-(``TurnSpan.start``: after the header, ``[/INST]`` or whatever the template's prompt side writes).
-
-The shared prompt (``shared_prompt_length``), checked on every pair:
-
-- the two renders are identical up to that boundary (else ``pair_prompt_differs``);
-- the tokens wholly before the boundary are the same ids on both sides (else ``pair_prompt_differs``); their
-  count (the fewer of the two sides') is ``prompt_length``. Each side's render is cut at the boundary before it is
-  tokenized (it is where a trained turn begins, as in SFT), so the prompt is the same piece tokenized alone on
-  both sides, as at inference: the same ids, none crossing the boundary (ChatML's header ``\\n`` stays a token of
-  the prompt beside content `` \\nx``, whose `` \\n`` is trained);
-- with a tokenizer that is not cut (``tokenize.cuttable``: one that writes a prefix before every text), one
-  boundary token per side may differ: where the tokenizer merged the prompt's last characters with the response's
-  first ones. It starts in the prompt, so SFT's first-character rule leaves it untrained on both sides; it is not
-  counted in ``prompt_length``; ``boundary_merges`` says on how many sides a token straddles the boundary (0 where
-  the render is cut). More than one differing token starting in the prompt is ``pair_prompt_differs``.
+The pair's two sides and their shared prompt are the engine's (``masking.mask_pair``: each side exactly what SFT
+trains for ``prompt + response`` with only the response's assistant turns trained, the prompt checked shared on
+both sides). Here: the row's formats (``canonicalize_pair``), its filters (``check_score_margin``), the pair cut to
+its limits (``build_preference_example``, ``fit_pair``), and the pipeline (``process_pair_rows``).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from qlora_train.config import DataConfig
+from qlora_train.data import rule_check
 from qlora_train.data.parse import (
     ParseReport,
     canonical_messages,
@@ -48,23 +33,23 @@ from qlora_train.data.parse import (
     map_fields,
     row_tools,
 )
+from qlora_train.data.processed import PAIR_ROW
+from qlora_train.data.rows import Batch, check_length, content_chars, content_hash, guarded, report_json
 from qlora_train.data.truncate import exchanges_to_fit, measure, middle_exchanges, trim_reasoning
 from qlora_train.masking import (
     DEFAULT_POLICY,
+    DISAGREE,
     IGNORE_INDEX,
+    SIDES,
     DropReason,
     LossPolicy,
     Message,
-    RenderedConversation,
     RowRejected,
-    check_unicode,
-    encode_rendered,
-    make_labels,
-    project_char_mask,
-    render_conversation,
+    mark_side,
+    mask_pair,
+    pair_policy,
 )
 
-SIDES = ("chosen", "rejected")
 # the layouts of a preference row canonicalize_pair reads (CanonicalPair.format)
 PAIR_FORMATS = ("prompt_chosen_rejected", "instruction", "implicit_prompt", "hh_rlhf")
 PROMPT_KEYS = ("prompt", "question")  # an explicit prompt: a string or a message list
@@ -320,22 +305,6 @@ def _unmarked(messages: list[Message]) -> list[dict]:
 # ------------------------------------------------------------------------------------------- the pair's two sides
 
 
-def pair_policy(policy: LossPolicy) -> LossPolicy:
-    """The policy a pair's sides are rendered with: ``policy``'s ``think_loss`` and ``train_on_eos``, except that
-    ``all`` trains only the response's end markers (``turn``: a prompt message's marker is never trained), and no
-    ``last_turn_only`` (every assistant turn of a response is trained). Which messages are trained is not the
-    role rules' to decide: ``mark_side`` marks them."""
-    return replace(policy, last_turn_only=False,
-                   train_on_eos="turn" if policy.train_on_eos == "all" else policy.train_on_eos)
-
-
-def mark_side(prompt: list[Message], response: list[Message], policy: LossPolicy) -> list[Message]:
-    """``prompt + response`` with their ``train`` flags: no prompt message trained, every assistant turn of the
-    response trained, its tool results not (a message's own ``training`` flag is not read for a pair)."""
-    flagged = [{**m, "train": False} for m in prompt] + [{**m, "train": m["role"] == "assistant"} for m in response]
-    return policy.mark(flagged)
-
-
 def _check_messages(messages, where: str) -> None:
     """Messages handed to ``build_preference_example`` directly: a list of mappings with a string role and
     string content."""
@@ -385,29 +354,21 @@ def build_preference_example(
     for where, messages in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         _check_messages(messages, where)
     check_pair(prompt, chosen, rejected)
-    side_policy = pair_policy(policy)
-    rendered = {side: _render_side(side, mark_side(prompt, response, side_policy), tokenizer, tools, side_policy)
-                for side, response in zip(SIDES, (chosen, rejected))}
-    boundary = {side: next(t.start for t in r.turns if t.index == len(prompt)) for side, r in rendered.items()}
-    encoded = dict(zip(SIDES, encode_rendered([rendered[side] for side in SIDES], tokenizer)))
-    if encoded["chosen"][0] == encoded["rejected"][0]:
-        raise RowRejected(DropReason.PAIR_IDENTICAL, "chosen and rejected render to the same tokens")
-    prompt_length, merges = shared_prompt_length(rendered, boundary, encoded)
-    out = {"prompt_length": prompt_length, "boundary_merges": merges,
-           "reasoning_dropped_turns": sum(t.reasoning_dropped for r in rendered.values() for t in r.turns),
-           "cut_sides": []}
+    pair = mask_pair(prompt, chosen, rejected, tokenizer, tools=tools, policy=policy)
+    prompt_length = pair.prompt_length
+    out = {"prompt_length": prompt_length, "boundary_merges": pair.boundary_merges,
+           "reasoning_dropped_turns": pair.reasoning_dropped_turns, "cut_sides": []}
     limit = side_limit(prompt_length, max_length, max_response_length)
     for side in SIDES:
-        ids, offsets = encoded[side]
-        token_mask = project_char_mask(offsets, rendered[side].char_mask)
-        if len(ids) > limit:
+        masked = pair.side(side)
+        if masked.num_tokens > limit:
             if max_response_length is None:
-                raise RowRejected(DropReason.TOO_LONG, f"{side}: {len(ids)} tokens > max_length={max_length} "
-                                  "(fit_pair drops prompt exchanges and trims reasoning first; "
+                raise RowRejected(DropReason.TOO_LONG, f"{side}: {masked.num_tokens} tokens > max_length="
+                                  f"{max_length} (fit_pair drops prompt exchanges and trims reasoning first; "
                                   "data.max_response_length would cut the response)")
-            if any(end > limit for _, end in token_mask.runs):  # else only the template's untrained tail goes
+            if masked.trains_past(limit):  # else only the template's untrained tail goes
                 out["cut_sides"].append(side)
-        example = make_labels(ids, token_mask, max_length=limit, truncate_side="right")
+        example = masked.example(max_length=limit, truncate_side="right")
         if side in out["cut_sides"] and example["labels"].count(IGNORE_INDEX) == len(example["labels"]):
             raise RowRejected(DropReason.TOO_LONG, f"{side}: nothing of the response is trained within {limit} "
                               f"tokens (the shared prompt has {prompt_length}; max_length={max_length}, "
@@ -428,48 +389,6 @@ def side_limit(prompt_length: int, max_length: int | None, max_response_length: 
     """
     limits = [n for n in (max_length, max_response_length and prompt_length + max_response_length) if n]
     return min(limits, default=math.inf)
-
-
-def _render_side(side: str, messages: list[Message], tokenizer, tools, policy: LossPolicy) -> RenderedConversation:
-    try:
-        rendered = render_conversation(messages, tokenizer, tools=tools, policy=policy)
-        check_unicode(rendered.text, rendered.message_ends)
-        return rendered
-    except RowRejected as rej:
-        raise RowRejected(rej.reason, f"{side}: {rej.detail} (messages counted over prompt + response)") from None
-
-
-def shared_prompt_length(rendered: dict[str, RenderedConversation], boundary: dict[str, int],
-                         encoded: dict[str, tuple]) -> tuple[int, int]:
-    """The prompt both sides share -> ``(prompt_length, boundary_merges)``, or ``pair_prompt_differs``.
-
-    ``boundary[side]`` is where the side's response starts its generated part in its render (a cut of
-    ``encode_rendered``: no token crosses it). The renders must be the same text before it. ``prompt_length`` is
-    the fewer of the two sides' tokens wholly before it; those ids must be the same on both sides. After them, each
-    side may have at most one more token starting in the prompt (only where the tokenizer is not cut): the
-    boundary token, which either straddles the boundary (the tokenizer merged the prompt's end with the response's
-    start; counted in ``boundary_merges``) or ends at it where the other side merged it. It starts in the prompt,
-    so the first-character rule leaves it untrained on both sides.
-    """
-    chosen, rejected = (rendered[side].text[:boundary[side]] for side in SIDES)
-    if chosen != rejected:
-        k = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
-        raise RowRejected(DropReason.PAIR_PROMPT_DIFFERS, f"the template renders the prompt differently for chosen "
-                          f"and rejected (first difference at char {k}: {chosen[k:k + 20]!r} vs "
-                          f"{rejected[k:k + 20]!r})")
-    before = {side: encoded[side][1].tokens_before(boundary[side], len(rendered[side].text)) for side in SIDES}
-    prompt_length = min(whole for whole, _ in before.values())
-    ids_c, ids_r = encoded["chosen"][0], encoded["rejected"][0]
-    if ids_c[:prompt_length] != ids_r[:prompt_length]:
-        k = next(i for i, (a, b) in enumerate(zip(ids_c, ids_r)) if a != b)
-        raise RowRejected(DropReason.PAIR_PROMPT_DIFFERS, f"the prompt tokenizes differently for chosen and rejected "
-                          f"(token {k} of the {prompt_length} before the boundary differs)")
-    unshared = {side: starting - prompt_length for side, (_, starting) in before.items()}
-    if max(unshared.values()) > 1:
-        raise RowRejected(DropReason.PAIR_PROMPT_DIFFERS, f"the prompt's last tokens differ between chosen and "
-                          f"rejected beyond one boundary token (tokens starting in the prompt after the shared "
-                          f"{prompt_length}: {unshared['chosen']} and {unshared['rejected']})")
-    return prompt_length, sum(starting - whole for whole, starting in before.values())
 
 
 # ------------------------------------------------------------------------------- filters and truncation of a pair
@@ -654,3 +573,55 @@ def _reasoning_of(trimmed: list[Message], originals: list[Message]) -> list[Mess
             m["reasoning_content"] = t["reasoning_content"]
         out.append(m)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ the pipeline
+
+
+def process_pair_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | None = None,
+                      positions: list[int] | None = None, texts: list[str] | None = None) -> dict[str, list]:
+    """A batch of raw preference rows (``data.objective: preference``) -> ``processed.PAIR_ROW``'s pipeline columns
+    (``rows.Batch.of`` says what the keywords name), a pair or a refusal per row.
+
+    Each row: ``canonicalize_pair`` -> ``data.min_score_margin`` (``check_score_margin``) -> ``min_chars`` /
+    ``max_chars`` over prompt and both responses -> ``data.rule_check`` on a sample (both sides) -> the dedup hash
+    -> ``fit_pair`` (both sides within ``max_length`` and the per-side limits). ``num_tokens_before`` /
+    ``num_tokens`` / ``num_trained_tokens`` / ``reasoning_trimmed_tokens`` count both sides; ``dropped_turns`` the
+    prompt exchanges dropped; ``cut_sides`` names the sides whose response was cut. A pair is built with its own
+    tokenizer call."""
+    b = Batch.of(batch, PAIR_ROW, tokenizer, cfg, locations=locations, positions=positions, texts=texts)
+
+    def pair_row(i: int, row) -> None:
+        out = b.outs[i]
+        pair = guarded(canonicalize_pair, row, cfg, tokenizer=tokenizer)
+        out["parse_report"] = report_json(pair.report)  # a pair refused from here on is counted as parsed
+        check_score_margin(pair, cfg.min_score_margin)
+        check_length(content_chars(pair.prompt + pair.chosen + pair.rejected), cfg)
+        if b.checked(i):
+            check = guarded(rule_check.check_responses, pair.prompt, {"chosen": pair.chosen, "rejected": pair.rejected},
+                            pair.tools, tokenizer, policy=b.policy, layout=b.layout)
+            if check is not None:
+                rule_check.count(pair.report, check)
+                out["parse_report"] = report_json(pair.report)
+                if check.outcome == DISAGREE:
+                    raise rule_check.refusal(check)
+        if cfg.dedup:
+            out["content_hash"] = guarded(content_hash, ["preference", pair.prompt, pair.chosen, pair.rejected,
+                                                         pair.tools])
+        fitted = guarded(fit_pair, pair, tokenizer, max_length=cfg.max_length, policy=b.policy,
+                         on_too_long=cfg.on_too_long, max_prompt_length=cfg.max_prompt_length,
+                         max_response_length=cfg.max_response_length)
+        ex = fitted.example
+        if ex["reasoning_dropped_turns"]:
+            pair.report.reasoning_dropped_rows = 1
+            pair.report.reasoning_dropped_turns = ex["reasoning_dropped_turns"]
+        lengths = side_lengths(ex)
+        out.update({f"{side}_{key}": ex[f"{side}_{key}"] for side in SIDES for key in ("input_ids", "labels")})
+        out.update(prompt_length=ex["prompt_length"], chosen_tokens=lengths["chosen"],
+                   rejected_tokens=lengths["rejected"], num_tokens_before=fitted.tokens_before,
+                   num_tokens=sum(lengths.values()), num_trained_tokens=trained_tokens(ex),
+                   dropped_turns=fitted.dropped_turns, reasoning_trimmed_tokens=fitted.reasoning_trimmed_tokens,
+                   cut_sides=",".join(fitted.cut_sides), parse_report=report_json(pair.report))
+
+    b.each(pair_row)
+    return b.columns()

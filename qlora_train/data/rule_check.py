@@ -22,10 +22,7 @@ import logging
 import zlib
 from collections.abc import Callable
 
-from qlora_train.config import DataConfig
-from qlora_train.data.pairs import SIDES, CanonicalPair, canonicalize_pair, mark_side, pair_policy
-from qlora_train.data.parse import ParseReport, canonicalize_row
-from qlora_train.data.unpaired import CanonicalUnpaired, canonicalize_unpaired
+from qlora_train.data.parse import ParseReport
 from qlora_train.errors import QloraError
 from qlora_train.masking import (
     AGREE,
@@ -37,9 +34,10 @@ from qlora_train.masking import (
     RowRejected,
     RuleCheck,
     TemplateLayout,
-    check_unicode,
     check_with_rule,
-    render_conversation,
+    mark_side,
+    pair_policy,
+    render_example,
 )
 
 log = logging.getLogger(__name__)
@@ -114,58 +112,34 @@ def check_examples(examples, tokenizer, *, policy: LossPolicy, layout: TemplateL
                   for messages, tools, rendered in examples])
 
 
-def check_pair(pair: CanonicalPair, tokenizer, *, policy: LossPolicy, layout: TemplateLayout) -> RuleCheck | None:
-    """A pair's two sides, each rendered as ``build_preference_example`` renders it -> the pair's outcome; None
-    where the fast path refuses a side (``fit_pair`` then refuses the pair with that reason)."""
+def check_responses(prompt: list, responses: dict[str, list], tools: list[dict] | None, tokenizer, *,
+                    policy: LossPolicy, layout: TemplateLayout) -> RuleCheck | None:
+    """A prompt and its responses (a pair's two sides, ``{"chosen": ..., "rejected": ...}``, or an unpaired row's
+    completion), each rendered as ``masking.mask_pair`` renders it -> the row's outcome; None where the fast path
+    refuses a side (the pipeline then refuses the row with that reason)."""
     side_policy = pair_policy(policy)
     checks = []
-    for side, response in zip(SIDES, (pair.chosen, pair.rejected)):
-        messages = mark_side(pair.prompt, response, side_policy)
+    for side, response in responses.items():
+        messages = mark_side(prompt, response, side_policy)
         try:
-            rendered = render_conversation(messages, tokenizer, tools=pair.tools, policy=side_policy, layout=layout)
-            check_unicode(rendered.text, rendered.message_ends)  # as build_preference_example does, before tokens
+            example = render_example(messages, tokenizer, tools=tools, policy=side_policy, layout=layout)
         except RowRejected:
             return None
-        check = check_with_rule(messages, rendered, tokenizer, tools=pair.tools, policy=side_policy, layout=layout)
-        checks.append(check._replace(detail=f"{side}: {check.detail}") if check.detail else check)
+        check = check_with_rule(messages, example.rendered, tokenizer, tools=tools, policy=side_policy, layout=layout)
+        named = len(responses) > 1 and check.detail
+        checks.append(check._replace(detail=f"{side}: {check.detail}") if named else check)
     return worst(checks)
 
 
-def check_unpaired(row: CanonicalUnpaired, tokenizer, *, policy: LossPolicy, layout: TemplateLayout
-                   ) -> RuleCheck | None:
-    """An unpaired row's sequence, rendered as ``build_unpaired_example`` renders it -> its outcome; None where
-    the fast path refuses it (``fit_unpaired`` then refuses the row with that reason)."""
-    side_policy = pair_policy(policy)
-    messages = mark_side(row.prompt, row.completion, side_policy)
-    try:
-        rendered = render_conversation(messages, tokenizer, tools=row.tools, policy=side_policy, layout=layout)
-    except RowRejected:
-        return None
-    return check_with_rule(messages, rendered, tokenizer, tools=row.tools, policy=side_policy, layout=layout)
-
-
-def both_masks(row, tokenizer, cfg: DataConfig) -> list[tuple[str, Masked]]:
-    """A row refused as ``mask_disagrees`` (as read, with its source's ``cfg``) -> its masks, ``(whose, tokens)``:
-    by the layout, then by the rule, for the conversation (each side of a pair) where they differ: what
-    ``--debug-samples`` shows. Empty where they no longer differ (a changed config) or only an extra example of
-    ``reasoning_history: expand`` differs (its detail names it)."""
-    policy = LossPolicy.of(cfg)
-    if cfg.objective == "preference":
-        pair = canonicalize_pair(row, cfg, tokenizer=tokenizer)
-        side_policy = pair_policy(policy)
-        convs = [(f"{side} ", mark_side(pair.prompt, response, side_policy), pair.tools, side_policy)
-                 for side, response in zip(SIDES, (pair.chosen, pair.rejected))]
-    elif cfg.objective == "unpaired":
-        unpaired = canonicalize_unpaired(row, cfg, tokenizer=tokenizer)
-        side_policy = pair_policy(policy)
-        convs = [("", mark_side(unpaired.prompt, unpaired.completion, side_policy), unpaired.tools, side_policy)]
-    else:
-        canon = canonicalize_row(row, cfg, tokenizer=tokenizer, policy=policy)
-        convs = [("", canon.messages, canon.tools, policy)]
+def both_masks(conversations, tokenizer) -> list[tuple[str, Masked]]:
+    """A row's conversations (``(label, marked messages, tools, policy)``: ``pipeline.Objective.conversations``)
+    -> its masks, ``(whose, tokens)``: by the layout, then by the rule, for each conversation where they differ:
+    what ``--debug-samples`` shows of a row refused as ``mask_disagrees``. Empty where they no longer differ (a
+    changed config) or only an extra example of ``reasoning_history: expand`` differs (its detail names it)."""
     out = []
-    for side, messages, tools, pol in convs:
-        rendered = render_conversation(messages, tokenizer, tools=tools, policy=pol)
-        check = check_with_rule(messages, rendered, tokenizer, tools=tools, policy=pol)
+    for side, messages, tools, pol in conversations:
+        example = render_example(messages, tokenizer, tools=tools, policy=pol)
+        check = check_with_rule(messages, example.rendered, tokenizer, tools=tools, policy=pol)
         if check.outcome == DISAGREE and check.fast is not None:
             out += [(f"{side}by the layout", check.fast), (f"{side}by the rule", check.rule)]
     return out

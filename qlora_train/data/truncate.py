@@ -27,31 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qlora_train.masking import (
-    DEFAULT_POLICY,
-    LossPolicy,
-    Message,
-    Offsets,
-    RenderedConversation,
-    encode_rendered,
-    render_conversation,
-)
+from qlora_train.masking import DEFAULT_POLICY, LossPolicy, MaskedConversation, Message, mask_conversation
 
 _TRIM_MARGIN = 2  # tokens of slack when trimming reasoning (BPE merges at the cut)
 _MAX_ROUNDS = 8
-
-
-@dataclass(frozen=True)
-class Measured:
-    """A render with its tokenization (what truncation counts on)."""
-
-    rendered: RenderedConversation
-    input_ids: list[int]
-    offsets: Offsets
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
 
 
 @dataclass
@@ -63,23 +42,22 @@ class TruncationResult:
     dropped_turns: int = 0
     reasoning_trimmed_tokens: int = 0
     needs_token_fallback: bool = False
-    final: Measured | None = field(default=None, repr=False)  # the render of ``messages``
+    final: MaskedConversation | None = field(default=None, repr=False)  # the example of ``messages``
 
 
-def measure(messages, tokenizer, *, tools=None, policy: LossPolicy = DEFAULT_POLICY) -> Measured:
-    rendered = render_conversation(messages, tokenizer, tools=tools, policy=policy)
-    (ids, offsets), = encode_rendered([rendered], tokenizer)
-    return Measured(rendered, ids, offsets)
+def measure(messages, tokenizer, *, tools=None, policy: LossPolicy = DEFAULT_POLICY) -> MaskedConversation:
+    """Marked messages -> their finished example, what truncation counts on (``masking.mask_conversation``)."""
+    return mask_conversation(messages, tokenizer, tools=tools, policy=policy)
 
 
-def _message_token_costs(m: Measured) -> np.ndarray:
+def _message_token_costs(m: MaskedConversation) -> np.ndarray:
     """Tokens starting inside each message's rendered segment (end of previous .. its end)."""
     starts = m.offsets.starts()
     bounds = np.searchsorted(starts, np.asarray((0,) + m.rendered.message_ends), side="left")
     return np.diff(bounds)
 
 
-def exchanges_to_fit(measured: Measured, groups: list[list[int]], max_length: int) -> int:
+def exchanges_to_fit(measured: MaskedConversation, groups: list[list[int]], max_length: int) -> int:
     """How many of ``groups`` (message index lists, oldest first) to drop so that ``measured`` fits
     ``max_length``, estimated from each message's tokens in the one render (a re-render confirms it)."""
     costs = _message_token_costs(measured)
@@ -124,7 +102,7 @@ def structured_truncate_messages(
     max_length: int,
     tools: list[dict] | None = None,
     policy: LossPolicy = DEFAULT_POLICY,
-    measured: Measured | None = None,
+    measured: MaskedConversation | None = None,
 ) -> TruncationResult:
     """Marked messages -> ``TruncationResult`` whose messages render to <= ``max_length`` tokens when possible.
 
@@ -166,9 +144,9 @@ def structured_truncate_messages(
     return result
 
 
-def trim_reasoning(messages: list[Message], measured: Measured, max_length: int, tokenizer, *,
+def trim_reasoning(messages: list[Message], measured: MaskedConversation, max_length: int, tokenizer, *,
                    tools: list[dict] | None = None, policy: LossPolicy = DEFAULT_POLICY,
-                   turns: range | None = None) -> tuple[list[Message], Measured, int]:
+                   turns: range | None = None) -> tuple[list[Message], MaskedConversation, int]:
     """Trim the rendered ``reasoning_content`` of ``messages`` (those with an index in ``turns``; all without
     it), the longest first, from its end, until ``measured`` (their render) fits ``max_length`` or no rendered
     reasoning is left -> ``(messages, their render, reasoning tokens trimmed)``.

@@ -15,7 +15,7 @@ turns and tool results), ``label`` true for a desirable completion, false for an
 
 The sequence is exactly one side of a preference pair (``pairs.build_preference_example``): SFT's render, verified
 walk, tokenization and labels for ``prompt + completion`` with only the completion's assistant turns trained
-(``pairs.mark_side``, ``pairs.pair_policy``); ``prompt_length`` is the count of tokens wholly before the boundary
+(``masking.mask_response``); ``prompt_length`` is the count of tokens wholly before the boundary
 where the completion's first turn starts its generated part (the render is cut there before it is tokenized, so the
 prompt's ids are the prompt tokenized alone, as at inference). The KL estimate pairs this prompt with another row's
 completion (``train.collator.UnpairedCollator``): the prompt's ids are ``input_ids[:prompt_length]`` and the
@@ -27,29 +27,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qlora_train.config import DataConfig
-from qlora_train.data.pairs import (
-    PROMPT_KEYS,
-    _check_messages,
-    _messages,
-    _render_side,
-    check_prompt,
-    check_response,
-    mark_side,
-    pair_policy,
-    side_limit,
-)
+from qlora_train.data import rule_check
+from qlora_train.data.pairs import PROMPT_KEYS, _check_messages, _messages, check_prompt, check_response, side_limit
 from qlora_train.data.parse import ParseReport, instruction_prompt, map_fields, row_tools
+from qlora_train.data.processed import UNPAIRED_ROW
+from qlora_train.data.rows import Batch, check_length, content_chars, content_hash, guarded, report_json
 from qlora_train.data.truncate import middle_exchanges
 from qlora_train.masking import (
     DEFAULT_POLICY,
+    DISAGREE,
     IGNORE_INDEX,
     DropReason,
     LossPolicy,
     Message,
     RowRejected,
-    encode_rendered,
-    make_labels,
-    project_char_mask,
+    mask_response,
 )
 
 UNPAIRED_FORMATS = ("prompt_completion", "instruction")  # CanonicalUnpaired.format
@@ -142,26 +134,23 @@ def build_unpaired_example(prompt: list[Message], completion: list[Message], tok
     for where, messages in (("prompt", prompt), ("completion", completion)):
         _check_messages(messages, where)
     check_unpaired(prompt, completion)
-    side_policy = pair_policy(policy)
-    rendered = _render_side("completion", mark_side(prompt, completion, side_policy), tokenizer, tools, side_policy)
-    boundary = next(t.start for t in rendered.turns if t.index == len(prompt))
-    ids, offsets = encode_rendered([rendered], tokenizer)[0]
-    prompt_length, starting = offsets.tokens_before(boundary, len(rendered.text))
-    token_mask = project_char_mask(offsets, rendered.char_mask)
+    masked = mask_response(prompt, completion, tokenizer, tools=tools, policy=policy)
+    sequence, prompt_length = masked.sequence, masked.prompt_length
     limit = side_limit(prompt_length, max_length, max_response_length)
     cut = False
-    if len(ids) > limit:
+    if sequence.num_tokens > limit:
         if max_response_length is None:
-            raise RowRejected(DropReason.TOO_LONG, f"{len(ids)} tokens > max_length={max_length} (fit_unpaired drops "
-                              "prompt exchanges first; data.max_response_length would cut the completion)")
-        cut = any(end > limit for _, end in token_mask.runs)
-    example = make_labels(ids, token_mask, max_length=limit, truncate_side="right")
+            raise RowRejected(DropReason.TOO_LONG, f"{sequence.num_tokens} tokens > max_length={max_length} "
+                              "(fit_unpaired drops prompt exchanges first; data.max_response_length would cut the "
+                              "completion)")
+        cut = sequence.trains_past(limit)
+    example = sequence.example(max_length=limit, truncate_side="right")
     if example["labels"].count(IGNORE_INDEX) == len(example["labels"]):
         raise RowRejected(DropReason.TOO_LONG if cut else DropReason.NO_TRAINED_TOKEN,
                           f"nothing of the completion is trained within {limit} tokens (the prompt has "
                           f"{prompt_length}; max_length={max_length}, max_response_length={max_response_length})")
-    return {**example, "prompt_length": prompt_length, "boundary_merges": starting - prompt_length,
-            "reasoning_dropped_turns": sum(t.reasoning_dropped for t in rendered.turns), "cut": cut}
+    return {**example, "prompt_length": prompt_length, "boundary_merges": masked.boundary_merges,
+            "reasoning_dropped_turns": masked.reasoning_dropped_turns, "cut": cut}
 
 
 @dataclass(frozen=True)
@@ -225,3 +214,49 @@ def fit_unpaired(row: CanonicalUnpaired, tokenizer, *, max_length: int, policy: 
         raise RowRejected(DropReason.TOO_LONG, f"{rej.detail}; with {dropped} of {len(groups)} middle prompt "
                           "exchanges dropped") from None
     return FittedUnpaired(example, before, dropped)
+
+
+def process_unpaired_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str] | None = None,
+                          positions: list[int] | None = None, texts: list[str] | None = None) -> dict[str, list]:
+    """A batch of raw unpaired rows (``data.objective: unpaired``, KTO) -> ``processed.UNPAIRED_ROW``'s pipeline
+    columns (``rows.Batch.of`` says what the keywords name), a sequence or a refusal per row.
+
+    Each row: ``canonicalize_unpaired`` -> ``min_chars`` / ``max_chars`` over prompt and completion ->
+    ``data.rule_check`` on a sample -> the dedup hash -> ``fit_unpaired`` (within ``max_length``,
+    ``max_prompt_length``, ``max_response_length``). ``prompt_length`` is its prompt's tokens, ``desirable`` its
+    label; ``dropped_turns`` the prompt exchanges dropped; ``token_fallback`` is ``"right"`` where the completion
+    was cut."""
+    b = Batch.of(batch, UNPAIRED_ROW, tokenizer, cfg, locations=locations, positions=positions, texts=texts)
+
+    def unpaired_row(i: int, row) -> None:
+        out = b.outs[i]
+        unpaired = guarded(canonicalize_unpaired, row, cfg, tokenizer=tokenizer)
+        out["parse_report"] = report_json(unpaired.report)  # a row refused from here on is counted as parsed
+        check_length(content_chars(unpaired.prompt + unpaired.completion), cfg)
+        if b.checked(i):
+            check = guarded(rule_check.check_responses, unpaired.prompt, {"completion": unpaired.completion},
+                            unpaired.tools, tokenizer, policy=b.policy, layout=b.layout)
+            if check is not None:
+                rule_check.count(unpaired.report, check)
+                out["parse_report"] = report_json(unpaired.report)
+                if check.outcome == DISAGREE:
+                    raise rule_check.refusal(check)
+        if cfg.dedup:
+            out["content_hash"] = guarded(content_hash, ["unpaired", unpaired.prompt, unpaired.completion,
+                                                         unpaired.desirable, unpaired.tools])
+        fitted = guarded(fit_unpaired, unpaired, tokenizer, max_length=cfg.max_length, policy=b.policy,
+                         on_too_long=cfg.on_too_long, max_prompt_length=cfg.max_prompt_length,
+                         max_response_length=cfg.max_response_length)
+        ex = fitted.example
+        if ex["reasoning_dropped_turns"]:
+            unpaired.report.reasoning_dropped_rows = 1
+            unpaired.report.reasoning_dropped_turns = ex["reasoning_dropped_turns"]
+        out.update({key: ex[key] for key in ("input_ids", "attention_mask", "labels", "prompt_length")})
+        out.update(desirable=int(unpaired.desirable), num_tokens_before=fitted.tokens_before,
+                   num_tokens=len(ex["input_ids"]),
+                   num_trained_tokens=len(ex["labels"]) - ex["labels"].count(IGNORE_INDEX),
+                   dropped_turns=fitted.dropped_turns, token_fallback="right" if ex["cut"] else "",
+                   parse_report=report_json(unpaired.report))
+
+    b.each(unpaired_row)
+    return b.columns()

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import TextIO
 
 from qlora_train.config import Config, DataConfig
+from qlora_train.data.pipeline import objective
 from qlora_train.data.prepared import diagnostic_rows
 from qlora_train.diagnostics.html import debug_html
 from qlora_train.diagnostics.samples import format_sample, legend, load_samples, select_indices
 from qlora_train.diagnostics.stats import (
-    STATS_COLUMNS,
     compute_stats,
     marker_stats,
     stats_lines,
@@ -57,7 +57,7 @@ def tool_tokens_per_row(raw, cols: dict[str, list], tokenizer, cfg: Config) -> d
     """Row index -> tokens its tool schemas take in its render: the pipeline's ``tool_schema_tokens`` column
     (the template's tool block located in the one render). Only rows whose block was not found where the
     probe put it (-1) are measured again, by rendering them without their tools."""
-    counts = cols["tool_schema_tokens"]
+    counts = cols.get("tool_schema_tokens", ())
     found = {i: n for i, n in enumerate(counts) if n > 0}
     missing = [i for i, n in enumerate(counts) if n < 0]
     if missing:
@@ -79,7 +79,7 @@ def layout_report(tokenizer, *, out_dir: Path, stream: TextIO) -> str:
 def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, stream: TextIO,
                  new_tokens: NewTokens = NO_NEW_TOKENS) -> dict:
     """Print the report; write ``stats.json`` and the histogram. Returns the stats."""
-    cols = processed.select_columns(list(STATS_COLUMNS)).to_dict()
+    cols = processed.select_columns(list(objective(cfg.data).row_type.stats_columns)).to_dict()
     tools = tool_tokens_per_row(raw, cols, tokenizer, cfg)
     markers = marker_stats(tokenizer, new_tokens, cfg.model.new_tokens)
     stats = compute_stats(cols, max_length=cfg.data.max_length, tool_tokens=tools, data=cfg.data, markers=markers)
@@ -90,7 +90,7 @@ def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, strea
         text = json.dumps(stats, indent=2)
     write_atomic(out_dir / STATS_FILE, text)
     write_histogram(cols, max_length=cfg.data.max_length, path=out_dir / HISTOGRAM_FILE,
-                    pairs=cfg.data.objective == "preference")
+                    pairs="chosen_tokens" in cols)
     print(visible("\n".join(stats_lines(stats))), file=stream)  # role names, refusal details: row text
     print(f"wrote {out_dir / STATS_FILE} and {out_dir / HISTOGRAM_FILE}", file=stream)
     return stats

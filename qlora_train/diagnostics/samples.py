@@ -23,7 +23,7 @@ from tokenizers.decoders import DecodeStream
 
 from qlora_train.config import DataConfig
 from qlora_train.data.batches import read_json
-from qlora_train.masking import IGNORE_INDEX, DropReason, RowRejected
+from qlora_train.masking import IGNORE_INDEX, SIDES, DropReason, RowRejected
 from qlora_train.terminal import visible
 
 OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦ trained ⟧ in the plain (no colour) form
@@ -126,22 +126,24 @@ def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig
     out = []
     for i in indices:
         p, r = processed[i], raw[i]
-        if p.get("chosen_input_ids"):  # a preference pair: each side shown as SFT's rows are
+        if p.get("chosen_input_ids"):  # a kept preference pair: each side shown as SFT's rows are
             out += [Sample(
                 index=i, location=r["location"], source=r["source"], input_ids=p[f"{side}_input_ids"],
                 labels=p[f"{side}_labels"], pieces=token_pieces(p[f"{side}_input_ids"], tokenizer),
                 num_tokens_before=p["num_tokens_before"], side=side, prompt_length=p["prompt_length"],
                 truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"], (
-                    p["token_fallback"].replace(",", " and ") + " response") if p["token_fallback"] else ""),
-            ) for side in ("chosen", "rejected")]
+                    p["cut_sides"].replace(",", " and ") + " response") if p["cut_sides"] else ""),
+            ) for side in SIDES]
             continue
         extras = list(zip(p.get("expanded_input_ids") or [], p.get("expanded_labels") or []))
         out.append(Sample(
-            index=i, location=r["location"], source=r["source"], input_ids=p["input_ids"], labels=p["labels"],
-            pieces=token_pieces(p["input_ids"], tokenizer), num_tokens_before=p["num_tokens_before"],
-            truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"], p["token_fallback"]),
+            index=i, location=r["location"], source=r["source"], input_ids=p.get("input_ids", []),  # not a pair's
+            labels=p.get("labels", []), pieces=token_pieces(p.get("input_ids", []), tokenizer),
+            num_tokens_before=p["num_tokens_before"],
+            truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"],
+                                          p.get("token_fallback", "")),
             drop_reason=p["drop_reason"], drop_detail=p["drop_detail"], raw=r["row"] or "", extras=len(extras),
-            **_unpaired_fields(p, data),
+            **_unpaired_fields(p),
         ))
         if p["drop_reason"] == DropReason.MASK_DISAGREES and data is not None:
             out += [Sample(index=i, location=r["location"], source=r["source"], input_ids=m.input_ids,
@@ -155,22 +157,24 @@ def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig
     return out
 
 
-def _unpaired_fields(p: dict, data: DataConfig | None) -> dict:
-    """A kept unpaired row's (``data.objective: unpaired``) label and prompt length, for its summary line."""
-    if data is None or data.objective != "unpaired" or p["drop_reason"]:
+def _unpaired_fields(p: dict) -> dict:
+    """A kept unpaired row's (``processed.UNPAIRED_ROW``) label and prompt length, for its summary line."""
+    if "desirable" not in p or p["drop_reason"]:
         return {}
     return {"label": "desirable" if p["desirable"] else "undesirable", "prompt_length": p["prompt_length"]}
 
 
 def _both_masks(raw_row: dict, tokenizer, data: DataConfig) -> list:
-    """``rule_check.both_masks`` of a raw row, with its source's options (``DataConfig.for_source``)."""
+    """``rule_check.both_masks`` of a raw row's conversations (``pipeline.Objective.conversations``), with its
+    source's options (``DataConfig.for_source``)."""
+    from qlora_train.data.pipeline import objective
     from qlora_train.data.rule_check import both_masks
     from qlora_train.data.sources import source_label
 
     cfg = next((data.for_source(s) for k, s in enumerate(data.datasets) if source_label(k, s) == raw_row["source"]),
                data)
     try:
-        return both_masks(read_json(raw_row["row"]), tokenizer, cfg)
+        return both_masks(objective(cfg).conversations(read_json(raw_row["row"]), tokenizer, cfg), tokenizer)
     except (RowRejected, ValueError):  # no longer refused this way (the config or data changed)
         return []
 

@@ -23,9 +23,8 @@ import numpy as np
 from qlora_train.config import DataConfig
 from qlora_train.data.dataset import DatasetReport, summarize_columns
 from qlora_train.data.parse import canonicalize_row
-from qlora_train.data.processed import STATS_COLUMNS
 from qlora_train.files import write_atomic
-from qlora_train.masking import DropReason, render_text
+from qlora_train.masking import SIDES, DropReason, render_text
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, template_markers, token_count
 
 PERCENTILES = (25, 50, 75, 90, 95, 99)
@@ -58,7 +57,7 @@ def reasoning_stats(cols: dict[str, list], report: DatasetReport) -> dict:
     trained tokens, examples per row = 1 + extra ones).
     """
     per_row = [json.loads(p).get("expanded_examples", 0)
-               for p, n, reason in zip(cols["parse_report"], cols["expanded_tokens"], cols["drop_reason"])
+               for p, n, reason in zip(cols["parse_report"], cols.get("expanded_tokens", ()), cols["drop_reason"])
                if n and not reason]
     rows = report.rows_kept
     return {
@@ -84,10 +83,10 @@ def pair_stats(cols: dict[str, list]) -> dict:
     measured (kept, or refused as ``too_long``); ``truncated_pairs`` are the kept ones truncated in any way."""
     kept = [i for i, r in enumerate(cols["drop_reason"]) if not r]
     prompt = [cols["prompt_length"][i] for i in kept]
-    sides = {side: [cols[f"{side}_tokens"][i] for i in kept] for side in ("chosen", "rejected")}
+    sides = {side: [cols[f"{side}_tokens"][i] for i in kept] for side in SIDES}
     truncated = sum(1 for i in kept if cols["dropped_turns"][i] or cols["reasoning_trimmed_tokens"][i]
-                    or cols["token_fallback"][i])
-    cut = Counter(side for i in kept for side in cols["token_fallback"][i].split(",") if side)
+                    or cols["cut_sides"][i])
+    cut = Counter(side for i in kept for side in cols["cut_sides"][i].split(",") if side)
     refused = Counter(r for r in cols["drop_reason"] if r)
     measured = len(kept) + refused.get(DropReason.TOO_LONG, 0)
     return {
@@ -100,7 +99,7 @@ def pair_stats(cols: dict[str, list]) -> dict:
         "prompt_exchanges_dropped": int(sum(cols["dropped_turns"][i] for i in kept)),
         "reasoning_trimmed_pairs": sum(1 for i in kept if cols["reasoning_trimmed_tokens"][i]),
         "reasoning_tokens_trimmed": int(sum(cols["reasoning_trimmed_tokens"][i] for i in kept)),
-        "responses_cut": {side: cut.get(side, 0) for side in ("chosen", "rejected")},
+        "responses_cut": {side: cut.get(side, 0) for side in SIDES},
         "too_long": refused.get(DropReason.TOO_LONG, 0),
         "share_over_max_length": _share(truncated + refused.get(DropReason.TOO_LONG, 0), measured),
         "refused": dict(sorted(refused.items(), key=lambda kv: -kv[1])),
@@ -109,7 +108,7 @@ def pair_stats(cols: dict[str, list]) -> dict:
 
 def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None,
                 pairs: bool = False) -> dict:
-    """Statistics of one group of processed rows (columns ``STATS_COLUMNS``); with ``pairs`` (preference
+    """Statistics of one group of processed rows (its row type's ``stats_columns``); with ``pairs`` (preference
     rows) also ``pairs`` (``pair_stats``), whose over-``max_length`` share the length advice reads."""
     report = summarize_columns(cols)
     kept = np.array([not r for r in cols["drop_reason"]], dtype=bool)
@@ -117,7 +116,7 @@ def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int
     tokenized = before[before > 0]  # rows that got as far as tokenization (kept or dropped later)
     after = np.asarray(cols["num_tokens"], dtype=np.int64)[kept]
     trained = np.asarray(cols["num_trained_tokens"], dtype=np.int64)[kept]
-    fallback = Counter(s for s in cols["token_fallback"] if s)
+    fallback = Counter(s for s in cols.get("token_fallback", ()) if s)
     tools = list((tool_tokens or {}).values())
     extra = {"pairs": pair_stats(cols)} if pairs else {}
     return {
@@ -363,13 +362,13 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, ma
 
 def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None,
                   data: DataConfig | None = None, markers: dict | None = None) -> dict:
-    """All processed rows (columns ``STATS_COLUMNS``) -> ``{"max_length", "overall", "sources", "markers",
-    "advice"}``.
+    """All processed rows (their row type's ``stats_columns``: a pair's have ``chosen_tokens``) -> ``{"max_length",
+    "overall", "sources", "markers", "advice"}``.
 
     ``data`` (the run's ``DataConfig``) names the options in the advice; ``markers`` is ``marker_stats``.
     """
     tool_tokens = tool_tokens or {}
-    pairs = data is not None and data.objective == "preference"
+    pairs = "chosen_tokens" in cols
     sources: dict[str, dict] = {}
     labels = cols["source"]
     overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens, pairs=pairs)
@@ -379,7 +378,7 @@ def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[i
             sources[label] = copy.deepcopy(overall)
             break
         idx = [i for i, s in enumerate(labels) if s == label]
-        sub = {k: [cols[k][i] for i in idx] for k in STATS_COLUMNS}
+        sub = {k: [v[i] for i in idx] for k, v in cols.items()}
         sub_tools = {j: tool_tokens[i] for j, i in enumerate(idx) if i in tool_tokens}
         sources[label] = group_stats(sub, max_length=max_length, tool_tokens=sub_tools, pairs=pairs)
     return {"max_length": max_length, "overall": overall, "sources": sources, "markers": markers or {},

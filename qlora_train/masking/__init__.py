@@ -8,6 +8,17 @@ datasets (``qlora_train.data`` does, through this API) and nothing imports ``dat
     >>> tok.decode([t for t in m.labels if t != IGNORE_INDEX])
     '<think>\\n\\n</think>\\n\\n4<|im_end|>'
 
+**The API** (stable; everything else here serves it, or is a fact the readers of rows share with it):
+
+- ``mask_conversation(messages, tokenizer, *, tools, policy, layout, expand) -> MaskedConversation``: canonical
+  messages in, a finished example out (``text``, ``input_ids``, ``labels``, ``example(max_length=,
+  truncate_side=)``; with ``expand``, its ``extra`` examples of ``reasoning_history: expand``), or ``RowRejected``;
+- ``mask_pair(prompt, chosen, rejected, tokenizer, *, tools, policy, layout) -> MaskedPair``: a preference pair's two
+  sides sharing ``prompt_length`` tokens, checked shared; ``mask_response(prompt, response, ...)``: one side (KTO);
+- the batch form, as the dataset pipeline runs it: ``render_example`` per conversation (each inside its row's
+  ``RowSpending``), then ``finish_examples`` for the batch: one tokenizer call (``text_example`` /
+  ``token_example``: template-free texts and token ids join it).
+
 **The rule** (what is trained). Of each trained message (``LossPolicy``: roles, per-message flags,
 ``last_turn_only``), the characters the model must generate: what ``render(messages[:i+1])`` adds after its common
 prefix with ``render(messages[:i], add_generation_prompt=True)``, through the turn's end marker: its reasoning block
@@ -19,6 +30,11 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
 
 **Modules**, in the order a row goes through them:
 
+- ``example``    **the product**: ``render_example`` -> ``finish_examples`` (``mask_conversation`` both), the one
+                 composition of render, encode, projection and labels;
+- ``pair``       a prompt and its responses: ``mask_pair`` / ``mask_response``, the pair's sides (``SIDES``,
+                 ``mark_side``, ``pair_policy``) and its shared prompt (``shared_prompt_length``);
+- ``expand``     ``reasoning_history: expand``: prefix examples for reasoning the full render drops;
 - ``messages``   the canonical ``Message``, ``DropReason`` (every reason a row is refused) and ``RowRejected``;
 - ``policy``     ``LossPolicy``: which messages are trained (``mark`` flags each one) and which parts;
 - ``layout``     ``TemplateLayout``, the template's facts as named parts (turn openers, end markers, reasoning
@@ -59,12 +75,19 @@ docs/masking.md is the long form.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qlora_train.masking.apply_template import TemplateRaised, call_template
 from qlora_train.masking.budget import DEFAULT_BUDGET, RowBudget, RowOverBudget, RowSpending
 from qlora_train.masking.check import AGREE, DISAGREE, UNDECIDED, Masked, RuleCheck, check_with_rule
 from qlora_train.masking.count import count_tokens
+from qlora_train.masking.example import (
+    MaskedConversation,
+    RenderedExample,
+    finish_examples,
+    mask_conversation,
+    render_example,
+    text_example,
+    token_example,
+)
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, template_layout, tool_block
 from qlora_train.masking.layout_declaration import check_declaration, layout_dict, layout_yaml, resolve_layout
 from qlora_train.masking.messages import (
@@ -76,63 +99,29 @@ from qlora_train.masking.messages import (
     DropReason,
     Message,
     RowRejected,
-    check_unicode,
 )
+from qlora_train.masking.pair import SIDES, MaskedPair, MaskedResponse, mark_side, mask_pair, mask_response, pair_policy
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, ReasoningHistory, ThinkLoss, TrainOnEos
-from qlora_train.masking.render import RenderedConversation, TurnSpan, render_conversation, render_text
-from qlora_train.masking.tokenize import (
-    IGNORE_INDEX,
-    OffsetArray,
-    Offsets,
-    encode_batch,
-    encode_rendered,
-    make_labels,
-    project_char_mask,
-)
+from qlora_train.masking.render import render_text
+from qlora_train.masking.tokenize import IGNORE_INDEX
 
 __all__ = [
-    # a conversation in, its mask out (mask_conversation; the batch form: render_conversation, encode_rendered,
-    # project_char_mask, make_labels; encode_batch for texts without a render)
-    "DEFAULT_POLICY", "IGNORE_INDEX", "LossPolicy", "MaskedConversation", "Message", "RenderedConversation",
-    "RowRejected", "TurnSpan", "encode_batch", "encode_rendered", "make_labels", "mask_conversation",
-    "project_char_mask", "render_conversation",
+    # THE API, stable: a conversation (a prompt and its responses) in, a finished example out, or RowRejected
+    "mask_conversation", "mask_pair", "mask_response", "MaskedConversation", "MaskedPair", "MaskedResponse",
+    # ... its batch form: each conversation rendered inside its row's budget, all finished in one tokenizer call
+    "render_example", "finish_examples", "RenderedExample", "text_example", "token_example",
+    # what goes in: canonical messages, the loss policy, a pair's sides
+    "Message", "LossPolicy", "DEFAULT_POLICY", "SIDES", "mark_side", "pair_policy",
+    # what comes out: labels, refusals and their reasons
+    "IGNORE_INDEX", "RowRejected", "DropReason",
     # the fast path checked against the rule (data.rule_check)
     "AGREE", "DISAGREE", "UNDECIDED", "Masked", "RuleCheck", "check_with_rule",
-    # the template's layout: probed, declared (model.template_layout), printed
+    # the template's layout: probed, declared (model.template_layout), printed; a render of the template
     "TEMPLATE_ERRORS", "TemplateLayout", "check_declaration", "layout_dict", "layout_yaml", "probe_layout",
-    "resolve_layout", "template_layout", "tool_block",
-    # a render of the template: what its code raises is a TemplateError (TemplateRaised: any other type)
-    "TemplateRaised", "call_template",
-    # facts the readers of rows share with the engine: drop reasons, roles, reasoning tags, the policy's choices
-    "CONFIGURED_DROPS", "KNOWN_ROLES", "THINK_CLOSE", "THINK_OPEN", "BadRowError", "DropReason", "ReasoningHistory",
-    "ThinkLoss", "TrainOnEos", "check_unicode",
-    # text and token helpers (text blocks, counting dropped reasoning, rendering without a mask)
-    "OffsetArray", "Offsets", "count_tokens", "render_text",
-    # what one row may cost (data.row_budget)
-    "DEFAULT_BUDGET", "RowBudget", "RowOverBudget", "RowSpending",
+    "resolve_layout", "template_layout", "tool_block", "TemplateRaised", "call_template", "render_text",
+    # facts the readers of rows share with the engine: roles, reasoning tags, the policy's choices
+    "CONFIGURED_DROPS", "KNOWN_ROLES", "THINK_CLOSE", "THINK_OPEN", "BadRowError", "ReasoningHistory", "ThinkLoss",
+    "TrainOnEos",
+    # counting dropped reasoning; what one row may cost (data.row_budget)
+    "count_tokens", "DEFAULT_BUDGET", "RowBudget", "RowOverBudget", "RowSpending",
 ]
-
-
-@dataclass(frozen=True)
-class MaskedConversation:
-    """A conversation's render with its verified mask, and its tokens with their labels."""
-
-    rendered: RenderedConversation  # text, char_mask, one TurnSpan per trained turn, which path verified it
-    input_ids: list[int]
-    labels: list[int]  # IGNORE_INDEX where untrained
-
-    @property
-    def text(self) -> str:
-        return self.rendered.text
-
-
-def mask_conversation(messages: list[Message], tokenizer, *, tools: list[dict] | None = None,
-                      policy: LossPolicy = DEFAULT_POLICY) -> MaskedConversation:
-    """Canonical messages (string content; a message's own ``train`` flag, where set, is kept) -> their
-    ``MaskedConversation``, or ``RowRejected``. The batch form, as the dataset pipeline runs it:
-    ``render_conversation`` per conversation, one ``encode_rendered`` for the renders, ``make_labels`` of each
-    with ``project_char_mask``."""
-    rendered = render_conversation(policy.mark(messages), tokenizer, tools=tools, policy=policy)
-    (ids, offsets), = encode_rendered([rendered], tokenizer)
-    example = make_labels(ids, project_char_mask(offsets, rendered.char_mask))
-    return MaskedConversation(rendered, example["input_ids"], example["labels"])

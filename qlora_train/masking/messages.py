@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
+from traceback import format_exception
 from typing import Any, NotRequired, TypedDict
 
 from qlora_train.errors import DataError
@@ -90,6 +91,20 @@ class RowRejected(Exception):
         self.detail = detail
         self.traceback = traceback  # an unexpected exception's, when one caused the refusal (pipeline.guarded)
         super().__init__(f"{reason}: {detail}")
+
+    @classmethod
+    def unexpected(cls, exc: BaseException) -> RowRejected:
+        """An exception nobody foresaw, on one row -> its refusal (``bad_row``) with the exception's traceback: a
+        bug in our code or an input nobody foresaw, counted like a bad row (``pipeline.guarded``).
+
+        >>> rej = RowRejected.unexpected(ValueError("x" * 300))
+        >>> rej.reason, len(rej.detail), rej.detail[:30]
+        ('bad_row', 224, 'unexpected ValueError: xxxxxxx')
+        """
+        msg = " ".join(str(exc).split())
+        msg = msg[:200] + "…" if len(msg) > 200 else msg  # rows can hold huge strings
+        return cls(DropReason.BAD_ROW, f"unexpected {type(exc).__name__}: {msg}",
+                   traceback="".join(format_exception(exc)))
 
 
 def _arguments(call: dict) -> dict:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qlora_train.masking import IGNORE_INDEX
+from qlora_train.masking import IGNORE_INDEX, SIDES
 
 
 def _width(features: list[dict], multiple: int) -> int:
@@ -104,7 +104,6 @@ class PackedCollator:
         return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
 
 
-PAIR_SIDES = ("chosen", "rejected")  # the order of a pair batch's rows: every chosen row, then every rejected row
 
 
 @dataclass
@@ -124,7 +123,7 @@ class PairCollator:
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
-                for side in PAIR_SIDES for f in features]
+                for side in SIDES for f in features]  # every chosen row, then every rejected
         return PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
 
 

@@ -30,9 +30,10 @@ from qlora_train.data.packing import PackingStats
 from qlora_train.data.prepared import training_data
 from qlora_train.errors import UsageError
 from qlora_train.files import fresh_dir, write_atomic
+from qlora_train.masking import SIDES
 from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
-from qlora_train.train.collator import PAIR_SIDES, PackedCollator, PadCollator, PairCollator, UnpairedCollator
+from qlora_train.train.collator import PackedCollator, PadCollator, PairCollator, UnpairedCollator
 from qlora_train.train.distributed import (
     ShardReport,
     check_distributed_setup,
@@ -140,7 +141,7 @@ def check_rows_fit_method(cfg: Config, dataset) -> None:
     if dataset is None:
         return
     columns = set(dataset.column_names)
-    pairs = {f"{side}_{key}" for side in PAIR_SIDES for key in ("input_ids", "labels")} <= columns
+    pairs = {f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")} <= columns
     unpaired = "desirable" in columns
     method = cfg.train.method
     if method == "kto" and not unpaired:

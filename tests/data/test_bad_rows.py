@@ -18,7 +18,7 @@ LONG = {"messages": [{"role": "user", "content": "word " * 60}, {"role": "assist
 
 
 def test_unexpected_exception_in_a_stage_drops_only_that_row(qwen3_tok, monkeypatch):
-    import qlora_train.data.pipeline as pipeline
+    import qlora_train.data.sft as pipeline
 
     real = pipeline.canonicalize_row
 
@@ -49,13 +49,13 @@ def test_a_bug_in_a_stage_on_every_row_stops_the_run_with_its_traceback(tmp_path
                                                                          capsys):
     """Loud bugs, quiet bad rows: a TypeError raised by our own code on every row is not 'bad data' to count and
     skip: --stats-only stops (exit 70) and prints the first row's traceback, down to the line that raised."""
-    import qlora_train.data.pipeline as pipeline
+    import qlora_train.data.sft as pipeline
     from qlora_train.cli import main
 
     def buggy(messages, tokenizer, **kw):
         return len(messages) + "1"  # a TypeError in a stage, on every row
 
-    monkeypatch.setattr(pipeline, "render_conversation", buggy)
+    monkeypatch.setattr(pipeline, "render_example", buggy)
     cfg, data = bug_config(tmp_path, qwen_tokenizer_dir, rows=20)
     assert main(["--config", str(cfg), "--stats-only", "--stats-dir", str(tmp_path / "stats")]) == 70
     err = capsys.readouterr().err
@@ -68,19 +68,19 @@ def test_a_bug_in_a_stage_on_every_row_stops_the_run_with_its_traceback(tmp_path
 
 def test_a_rare_unexpected_exception_is_counted_and_its_traceback_shown(tmp_path, qwen_tokenizer_dir, monkeypatch,
                                                                         caplog):
-    import qlora_train.data.pipeline as pipeline
+    import qlora_train.data.sft as pipeline
     from qlora_train.config import load_config
     from qlora_train.data.dataset import build_datasets as build
     from qlora_train.tokenizer import load_tokenizer
 
-    real = pipeline.render_conversation
+    real = pipeline.render_example
 
     def rarely(messages, tokenizer, **kw):
         if "boom" in messages[0]["content"]:
             raise TypeError("only here")
         return real(messages, tokenizer, **kw)
 
-    monkeypatch.setattr(pipeline, "render_conversation", rarely)
+    monkeypatch.setattr(pipeline, "render_example", rarely)
     cfg_path, data = bug_config(tmp_path, qwen_tokenizer_dir, rows=200)
     rows = data.read_text().splitlines()
     rows[7] = json.dumps({"messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "a"}]})

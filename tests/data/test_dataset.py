@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data.dataset import EmptyDatasetError, build_datasets
 from qlora_train.data.pipeline import process_rows
-from qlora_train.data.processed import OUTPUT_COLUMNS, arrow_lists, processed_features
+from qlora_train.data.processed import SFT_ROW, arrow_lists
 from qlora_train.data.sources import SourceError, load_labelled_source, load_source
 
 GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
@@ -124,7 +124,7 @@ def test_the_processed_dataset_holds_what_process_rows_returned(tmp_path, qwen3_
     processed = dataset.process_dataset(load_labelled_source(0, cfg.datasets[0], cache_dir=cfg.cache_dir),
                                         qwen3_tok, cfg)
     direct = process_rows(rows, qwen3_tok, cfg, locations=direct_locations(path))
-    assert processed.features == processed_features()
-    for name in OUTPUT_COLUMNS:
+    assert processed.features == SFT_ROW.features()
+    for name in SFT_ROW.output_columns:
         assert processed[name] == direct[name], name
     assert processed["source"] == [f"0:{path}"] * 3 and processed["location"] == direct_locations(path)

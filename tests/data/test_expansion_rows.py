@@ -18,36 +18,30 @@ from qlora_train.data.dataset import (
     load_and_process,
     summarize_columns,
 )
-from qlora_train.data.processed import (
-    KEPT_COLUMNS,
-    MODEL_COLUMNS,
-    OUTPUT_COLUMNS,
-    PAIR_COLUMNS,
-    REPORT_COLUMNS,
-    STATS_COLUMNS,
-    empty_output,
-    kept_columns,
-    model_columns,
-    processed_features,
-)
+from qlora_train.data.processed import PAIR_ROW, ROW_TYPES, SFT_ROW, UNPAIRED_ROW
 from qlora_train.masking.tokenize import IGNORE_INDEX
 
 # --- column types ----------------------------------------------------------------------------------------------
 
 
 def test_the_column_sets_derive_from_the_one_row_definition():
-    assert list(processed_features()) == [*OUTPUT_COLUMNS, "source", "location", "domain"]
-    assert list(empty_output()) == list(OUTPUT_COLUMNS) and empty_output()["parse_report"] == "{}"
-    assert MODEL_COLUMNS == ("input_ids", "attention_mask", "labels")
-    assert KEPT_COLUMNS == (*MODEL_COLUMNS, "num_tokens", "expanded_input_ids", "expanded_labels", "source", "domain")
-    assert PAIR_COLUMNS == model_columns("preference") == (
+    for row_type in ROW_TYPES.values():
+        assert list(row_type.features()) == [*row_type.output_columns, "source", "location", "domain"]
+        assert list(row_type.empty()) == list(row_type.output_columns) and row_type.empty()["parse_report"] == "{}"
+        assert set(row_type.report_columns) - set(row_type.stats_columns) == {"error_traceback"}  # the check's
+    assert SFT_ROW.model_columns == ("input_ids", "attention_mask", "labels")
+    assert SFT_ROW.kept_columns == (*SFT_ROW.model_columns, "num_tokens", "expanded_input_ids", "expanded_labels",
+                                    "source", "domain")
+    assert set(SFT_ROW.stats_columns) - set(SFT_ROW.report_columns) == {
+        "num_tokens_before", "source", "tool_schema_tokens"}
+    # a pair's row holds its two sides, no SFT example; an unpaired row one sequence with its prompt and label
+    assert PAIR_ROW.model_columns == (
         "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "prompt_length")
-    assert kept_columns("preference") == ("num_tokens", "expanded_input_ids", "expanded_labels", *PAIR_COLUMNS,
-                                          "source", "domain")
-    assert set(REPORT_COLUMNS) - set(STATS_COLUMNS) == {"error_traceback"}  # read by the check, not the stats
-    assert set(STATS_COLUMNS) - set(REPORT_COLUMNS) == {
-        "num_tokens_before", "source", "tool_schema_tokens", "prompt_length", "chosen_tokens", "rejected_tokens"}
-    f = processed_features()
+    assert PAIR_ROW.kept_columns == (*PAIR_ROW.model_columns, "num_tokens", "source", "domain")
+    assert not {"input_ids", "labels", "expanded_input_ids", "token_fallback"} & set(PAIR_ROW.output_columns)
+    assert UNPAIRED_ROW.model_columns == ("input_ids", "attention_mask", "labels", "prompt_length", "desirable")
+    assert not {"chosen_input_ids", "expanded_input_ids"} & set(UNPAIRED_ROW.output_columns)
+    f = SFT_ROW.features()
     assert (f["input_ids"].feature.dtype, f["labels"].feature.dtype, f["expanded_labels"].feature.feature.dtype,
             f["drop_reason"].dtype) == ("int32", "int64", "int64", "string")
 
@@ -96,7 +90,7 @@ def test_batches_without_and_with_token_lists_concatenate(tmp_path, qwen3_tok, m
     cfg = DataConfig(datasets=[DatasetSource(path=a), DatasetSource(path=b)], batch_size=1,
                      cache_dir=str(tmp_path / "cache"))
     _, processed = load_and_process(cfg, qwen3_tok)
-    assert processed.features == processed_features()
+    assert processed.features == SFT_ROW.features()
     assert processed["drop_reason"][0] and processed["expanded_input_ids"][0] == []
     assert [len(x) for x in processed["expanded_input_ids"][1:]] == [1, 1]
     assert processed["expanded_input_ids"][1][0] == processed["input_ids"][1][:-1]
@@ -116,7 +110,7 @@ def kept_rows(rows: list[dict]) -> datasets.Dataset:
     cols["expanded_input_ids"] = [r.get("expanded_input_ids", []) for r in rows]
     cols["expanded_labels"] = [r.get("expanded_labels", []) for r in rows]
     return datasets.Dataset.from_dict(cols, features=datasets.Features(
-        {k: processed_features()[k] for k in names}))
+        {k: SFT_ROW.features()[k] for k in names}))
 
 
 def test_explode_puts_the_primary_example_first_then_the_extra_ones_in_order():
@@ -176,7 +170,7 @@ def test_build_datasets_splits_rows_before_exploding_them(tmp_path, qwen3_tok, m
 
 
 def report_columns(rows: list[dict]) -> dict[str, list]:
-    """``REPORT_COLUMNS`` for hand-made rows: each row gives drop_reason, parse (a dict) and expanded token counts."""
+    """``SFT_ROW.report_columns`` for hand-made rows: each row gives drop_reason, parse (a dict) and expanded token counts."""
     keys = {"drop_reason": "", "drop_detail": "", "num_tokens": 10, "num_trained_tokens": 4, "dropped_turns": 0,
             "reasoning_trimmed_tokens": 0, "token_fallback": "", "straddling_tokens": 0, "expanded_tokens": 0,
             "expanded_trained_tokens": 0}

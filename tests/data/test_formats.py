@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
-from qlora_train.data import IGNORE_INDEX, canonicalize_row, make_labels, process_rows
+from qlora_train.data import IGNORE_INDEX, canonicalize_row, process_rows
 from qlora_train.data.dataset import build_datasets
-from qlora_train.data.formats import pretokenized_ids_and_mask, segments_text_and_mask, token_offsets
-from qlora_train.masking.tokenize import project_char_mask
+from qlora_train.data.formats import pretokenized_ids_and_mask, segments_text_and_mask
+from qlora_train.masking import token_example
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
@@ -185,7 +185,7 @@ def test_pretokenized_labels_round_trip(pairs):
     labels = [i if keep else IGNORE_INDEX for i, keep in pairs]
     got_ids, mask = pretokenized_ids_and_mask({"input_ids": ids, "labels": labels}, vocab_size=100)
     assert got_ids == ids and mask.tolist() == [int(k) for _, k in pairs]
-    example = make_labels(got_ids, project_char_mask(token_offsets(len(ids)), mask))
+    example = token_example(got_ids, mask).example()
     assert example["labels"] == labels and example["input_ids"] == ids
 
 

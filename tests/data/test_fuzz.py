@@ -43,7 +43,7 @@ from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data.dataset import _process_raw_batch, summarize_columns
 from qlora_train.data.pairs import canonicalize_pair
 from qlora_train.data.parse import canonicalize_row
-from qlora_train.data.processed import OUTPUT_COLUMNS
+from qlora_train.data.processed import SFT_ROW
 from qlora_train.data.sources import SourceError, _json_rows
 from qlora_train.masking import IGNORE_INDEX, LossPolicy
 from qlora_train.masking.messages import KNOWN_DROP_REASONS
@@ -484,8 +484,7 @@ def test_sources_end_to_end(target):
                 assert any(({0, SOURCE_ERROR} & written) and f"{k}-{name}" in str(err)
                            for k, (name, _, written) in enumerate(files)), str(err)
                 return
-            cols = processed.select_columns(["source", *(c for c in OUTPUT_COLUMNS if c in processed.column_names)]
-                                            ).to_dict()
+            cols = processed.select_columns(["source", *SFT_ROW.output_columns]).to_dict()
         for k, (name, _, written) in enumerate(files):
             label = f"{k}:{sources[k].path}"
             mine = {col: [v for v, s in zip(values, cols["source"]) if s == label] for col, values in cols.items()}

@@ -20,7 +20,7 @@ from qlora_train.config import ConfigError, DataConfig, DatasetSource, MixingCon
 from qlora_train.data.dataset import build_datasets
 from qlora_train.data.pairs import build_preference_example, canonicalize_pair, fit_pair, side_lengths
 from qlora_train.data.pipeline import process_rows
-from qlora_train.data.processed import PAIR_COLUMNS
+from qlora_train.data.processed import PAIR_ROW
 from qlora_train.masking.messages import DropReason, RowRejected
 from qlora_train.masking.tokenize import IGNORE_INDEX
 
@@ -89,7 +89,7 @@ def test_pairs_of_every_format_through_build_datasets_counted_exactly(tmp_path, 
     for k, (_, reason) in enumerate(BAD, start=len(GOOD) + 1):  # each named with its file and line
         assert report.first_dropped[reason].startswith(f"{pairs_file}:{k}: ")
     assert "same content as" in report.first_dropped[DropReason.DUPLICATE]
-    assert train.column_names == list(PAIR_COLUMNS) == [
+    assert train.column_names == list(PAIR_ROW.model_columns) == [
         "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "prompt_length"]
     rows = train.to_list()
     for row in rows:
@@ -98,7 +98,7 @@ def test_pairs_of_every_format_through_build_datasets_counted_exactly(tmp_path, 
     for raw, row in zip(GOOD, rows):
         pair = canonicalize_pair(raw)
         ex = build_preference_example(pair.prompt, pair.chosen, pair.rejected, qwen3_tok, tools=pair.tools)
-        assert {k: ex[k] for k in PAIR_COLUMNS} == row
+        assert {k: ex[k] for k in PAIR_ROW.model_columns} == row
     # the tool-call pair: the call, the answer and their end markers trained; the tool result not
     trained = qwen3_tok.decode([t for t in rows[2]["chosen_labels"] if t != IGNORE_INDEX])
     assert '"city": "Lima"' in trained and "19 degrees in Lima." in trained and "temp_c" not in trained
@@ -115,7 +115,7 @@ def test_bad_pairs_are_refused_in_process_rows_with_location_never_raised(qwen3_
                                   DropReason.PAIR_IDENTICAL, DropReason.PAIR_BAD_RESPONSE, "",
                                   DropReason.BAD_ROW, DropReason.BAD_ROW]
     assert all(d.startswith(f"f:{i}: ") for i, d in enumerate(out["drop_detail"]) if d)
-    assert out["chosen_input_ids"][4] and not out["chosen_input_ids"][0] and not out["input_ids"][4]
+    assert out["chosen_input_ids"][4] and not out["chosen_input_ids"][0] and "input_ids" not in out  # a PAIR_ROW
 
 
 def long_prompt_pair(exchanges: int = 4) -> dict:
@@ -347,7 +347,7 @@ def test_eval_split_and_weighted_mixing_of_pair_sources(tmp_path, pairs_file, qw
     cfg = data_config(tmp_path, [pairs_file, other], eval_fraction=0.2)
     train, eval_ds, report = build_datasets(cfg, qwen3_tok)
     assert report.rows_kept == 10 and len(train) + len(eval_ds) == 10 and len(eval_ds) == 2
-    assert train.column_names == eval_ds.column_names == list(PAIR_COLUMNS)
+    assert train.column_names == eval_ds.column_names == list(PAIR_ROW.model_columns)
     cfg = data_config(tmp_path, [pairs_file, other], mixing=MixingConfig(
         stopping_strategy="all_exhausted_without_replacement"))
     cfg.datasets[0].weight, cfg.datasets[1].weight = 3.0, 1.0
@@ -399,12 +399,12 @@ def test_preference_config_refuses_packing_and_a_margin_without_pairs(tmp_path, 
 
 
 def test_an_unexpected_error_in_a_pair_stage_is_a_bad_row_with_its_location(qwen3_tok, monkeypatch):
-    from qlora_train.data import pipeline
+    from qlora_train.data import pairs
 
     def broken(*args, **kwargs):
         raise ValueError("a bug")
 
-    monkeypatch.setattr(pipeline, "fit_pair", broken)
+    monkeypatch.setattr(pairs, "fit_pair", broken)
     out = process_rows([GOOD[0]], qwen3_tok, DataConfig(objective="preference"), locations=["f:1"])
     assert out["drop_reason"] == [DropReason.BAD_ROW]
     assert out["drop_detail"] == ["f:1: unexpected ValueError: a bug"]
@@ -449,7 +449,7 @@ def test_preprocess_round_trip_keeps_the_pair_columns(tmp_path, model_dir, pairs
     tok = load_tokenizer(cfg.model)
     from_raw = training_data(cfg, tok)
     from_prepared = training_data(load_config(cfg_path, [f"data.prepared_path={prepared}"]), tok)
-    assert from_prepared.train.column_names == list(PAIR_COLUMNS)
+    assert from_prepared.train.column_names == list(PAIR_ROW.model_columns)
     assert from_prepared.train.to_list() == from_raw.train.to_list()
     assert from_prepared.eval.to_list() == from_raw.eval.to_list()
     assert from_prepared.report == from_raw.report

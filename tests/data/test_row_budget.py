@@ -168,7 +168,7 @@ def test_a_long_ordinary_row_checked_by_the_rule_is_far_inside_the_defaults(qwen
     """60 turns with reasoning on Qwen3's own template, masked by the layout and again by the rule (2 prefix
     renders per trained turn), truncated: kept, far inside each default (docs/masking.md#budgets
     measures 200 turns)."""
-    import qlora_train.data.pipeline as pipeline
+    import qlora_train.data.rows as pipeline
 
     spent = []
 

@@ -27,8 +27,8 @@ from qlora_train.masking import (
     UNDECIDED,
     LossPolicy,
     check_with_rule,
-    render_conversation,
 )
+from qlora_train.masking.render import render_conversation
 from qlora_train.masking.layout import TemplateLayout
 from qlora_train.masking.layout_declaration import check_declaration
 

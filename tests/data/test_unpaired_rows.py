@@ -13,7 +13,7 @@ from qlora_train.config import Config, ConfigError, DataConfig, DatasetSource, l
 from qlora_train.data.dataset import build_datasets
 from qlora_train.data.pairs import build_preference_example, canonicalize_pair
 from qlora_train.data.pipeline import process_rows
-from qlora_train.data.processed import UNPAIRED_COLUMNS
+from qlora_train.data.processed import UNPAIRED_ROW
 from qlora_train.data.unpaired import build_unpaired_example, canonicalize_unpaired, fit_unpaired
 from qlora_train.masking.messages import DropReason, RowRejected
 from qlora_train.masking.tokenize import IGNORE_INDEX
@@ -158,12 +158,12 @@ def test_unpaired_rows_through_build_datasets_counted_exactly(tmp_path, qwen3_to
     assert report.dropped == {reason: 1 for _, reason in BAD}
     for k, (_, reason) in enumerate(BAD, start=len(GOOD) + 1):
         assert report.first_dropped[reason].startswith(f"{path}:{k}: ")
-    assert train.column_names == list(UNPAIRED_COLUMNS) == [
+    assert train.column_names == list(UNPAIRED_ROW.model_columns) == [
         "input_ids", "attention_mask", "labels", "prompt_length", "desirable"]
     for raw, row in zip(GOOD, train.to_list()):
         canon = canonicalize_unpaired(raw)
         ex = build_unpaired_example(canon.prompt, canon.completion, qwen3_tok, tools=canon.tools)
-        assert row == {**{k: ex[k] for k in UNPAIRED_COLUMNS if k != "desirable"}, "desirable": int(canon.desirable)}
+        assert row == {**{k: ex[k] for k in UNPAIRED_ROW.model_columns if k != "desirable"}, "desirable": int(canon.desirable)}
     assert "labels (kept): 3 desirable, 2 undesirable" in "\n".join(report.lines())
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from qlora_train.config import DataConfig
+from qlora_train.data.processed import SFT_ROW
 from qlora_train.diagnostics.stats import (
-    STATS_COLUMNS,
     advice,
     compute_stats,
     reasoning_advice,
@@ -25,14 +25,12 @@ def row(source="0:a", *, reason="", detail="", tokens=100, trained=20, parse=Non
             "num_tokens": 0 if reason else tokens, "num_trained_tokens": 0 if reason else trained,
             "dropped_turns": 0, "reasoning_trimmed_tokens": 0, "token_fallback": "", "straddling_tokens": 0,
             "parse_report": json.dumps(parse) if parse else "{}", "expanded_tokens": extra_tokens,
-            "expanded_trained_tokens": extra_trained, "tool_schema_tokens": 0, "source": source,
-            "prompt_length": 0, "chosen_tokens": 0, "rejected_tokens": 0,  # pair columns: SFT rows leave them 0
-            "desirable": 0}  # an unpaired (KTO) row's label: SFT rows leave it 0
+            "expanded_trained_tokens": extra_trained, "tool_schema_tokens": 0, "source": source}
 
 
 def columns(rows: list[dict]) -> dict[str, list]:
-    assert set(rows[0]) == set(STATS_COLUMNS)
-    return {k: [r[k] for r in rows] for k in STATS_COLUMNS}
+    assert set(rows[0]) == set(SFT_ROW.stats_columns)
+    return {k: [r[k] for r in rows] for k in SFT_ROW.stats_columns}
 
 
 ROWS = [

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from qlora_train.data.processed import MODEL_COLUMNS, PAIR_COLUMNS
+from qlora_train.data.processed import PAIR_ROW, SFT_ROW
 from qlora_train.masking import IGNORE_INDEX
 from qlora_train.train.collator import PackedCollator, PadCollator, PairCollator
 from qlora_train.train.global_batches import BLANK, BlankRows, WholeGlobalBatches, blank_row
@@ -64,10 +64,10 @@ def test_blank_rows_answer_blank_and_pass_the_rest_through():
 
 
 @pytest.mark.parametrize(("columns", "collator"), [
-    (MODEL_COLUMNS, PadCollator(0)),
+    (SFT_ROW.model_columns, PadCollator(0)),
     (("input_ids", "labels", "position_ids", "seq_lens"), PackedCollator(0)),
     (("input_ids", "labels", "position_ids", "seq_lens"), PackedCollator(0, attention="position_ids")),
-    (PAIR_COLUMNS, PairCollator(0)),
+    (PAIR_ROW.model_columns, PairCollator(0)),
 ], ids=["padded", "packed", "packed-flash", "pairs"])
 def test_a_blank_row_batches_with_every_collator_and_trains_nothing(columns, collator):
     real = {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [-100, 6, 7], "position_ids": [0, 1, 2],

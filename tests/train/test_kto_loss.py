@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from qlora_train.data.processed import UNPAIRED_COLUMNS
+from qlora_train.data.processed import UNPAIRED_ROW
 from qlora_train.train.collator import UnpairedCollator
 from qlora_train.train.global_batches import blank_row
 from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps
@@ -74,7 +74,7 @@ def test_a_blank_row_changes_nothing():
 def test_the_collator_on_a_batch_with_a_blank_row():
     rows = [{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [-100, 6, 7], "prompt_length": 1,
              "desirable": 1},
-            blank_row(UNPAIRED_COLUMNS, pad_token_id=0)]
+            blank_row(UNPAIRED_ROW.model_columns, pad_token_id=0)]
     assert rows[1] == {"input_ids": [0], "attention_mask": [1], "labels": [-100], "prompt_length": 1,
                        "desirable": 0}
     batch = UnpairedCollator(0, pad_to_multiple_of=1)(rows)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qlora_train.masking import LossPolicy, Message, RenderedConversation, RowRejected, render_conversation
+from qlora_train.masking.messages import Message, RowRejected
+from qlora_train.masking.policy import LossPolicy
+from qlora_train.masking.render import RenderedConversation, render_conversation
 
 
 @dataclass(frozen=True)
