@@ -90,6 +90,74 @@ def test_the_layer_check_can_fail(tmp_path):
     assert layer("qlora_train.train.run") > layer("qlora_train.config")
 
 
+def package_names(path: Path) -> dict[str, str]:
+    """What a package's ``__init__`` imports by name from ``qlora_train`` modules: name -> that module."""
+    return {a.asname or a.name: node.module for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qlora_train") for a in node.names}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every ``qlora_train`` module -> the modules it imports, at the top or inside a function (as ``imports_of``
+    reads them). A name imported from a package is the module it is (``from qlora_train.masking import budget``)
+    or the one the package's ``__init__`` takes it from (``from qlora_train.masking import render_conversation``:
+    ``qlora_train.masking.render``): a package's ``__init__`` imports its modules, not they it."""
+    paths = dict(modules())
+    inits = {name: package_names(path) for name, path in paths.items() if path.name == "__init__.py"}
+
+    def resolve(module: str, name: str) -> str:
+        if f"{module}.{name}" in paths:
+            return f"{module}.{name}"
+        source = inits.get(module, {}).get(name)
+        return module if source is None else resolve(source, name) if source in inits else source
+
+    graph = {}
+    for name, path in paths.items():
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qlora_train"):
+                out |= {resolve(node.module, a.name) for a in node.names}
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name.startswith("qlora_train")}
+        graph[name] = out - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A circle of imports in ``graph`` (``[a, b, a]``: a imports b, b imports a), or ``[]``."""
+    done, path = set(), []
+
+    def visit(node: str) -> list[str]:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            cycle = visit(nxt)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(node)
+        return []
+
+    return next((c for c in map(visit, sorted(graph)) if c), [])
+
+
+def test_no_import_circle():
+    """No module imports one that imports it back, directly or through others, not even inside a function (an
+    import inside a function that breaks a circle at import time still ties the two modules into one)."""
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_circle_check_can_fail():
+    assert find_cycle({"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    graph = import_graph()  # a name the engine's package imports is the engine module that defines it
+    assert "qlora_train.masking.messages" in graph["qlora_train.data.parse"]
+    assert "qlora_train.masking" not in graph["qlora_train.data.parse"]
+
+
 @pytest.mark.parametrize("code", [
     # a missing local model (no tiny model built yet) is a ConfigError after the whole validation ran
     "from qlora_train.config import ConfigError, load_config\n"

@@ -65,8 +65,14 @@ from qlora_train.masking.apply_template import TemplateRaised, call_template
 from qlora_train.masking.budget import DEFAULT_BUDGET, RowBudget, RowOverBudget, RowSpending
 from qlora_train.masking.check import AGREE, DISAGREE, UNDECIDED, Masked, RuleCheck, check_with_rule
 from qlora_train.masking.count import count_tokens
-from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, template_layout, tool_block
-from qlora_train.masking.layout_declaration import check_declaration, layout_dict, layout_yaml, resolve_layout
+from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, tool_block
+from qlora_train.masking.layout_declaration import (
+    check_declaration,
+    layout_dict,
+    layout_yaml,
+    resolve_layout,
+    template_layout,
+)
 from qlora_train.masking.messages import (
     CONFIGURED_DROPS,
     KNOWN_ROLES,
@@ -79,7 +85,8 @@ from qlora_train.masking.messages import (
     check_unicode,
 )
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, ReasoningHistory, ThinkLoss, TrainOnEos
-from qlora_train.masking.render import RenderedConversation, TurnSpan, render_conversation, render_text
+from qlora_train.masking.render import render_conversation
+from qlora_train.masking.rendered import RenderedConversation, TurnSpan, render_text
 from qlora_train.masking.tokenize import (
     IGNORE_INDEX,
     OffsetArray,

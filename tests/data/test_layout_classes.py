@@ -157,7 +157,7 @@ def test_the_first_llama3_template_never_trains_the_user(tokenizers, vocab):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_probe_finds_the_documented_layout_class(tokenizers, name):
-    from qlora_train.masking.layout import template_layout
+    from qlora_train.masking import template_layout
 
     layout = template_layout(tokenizers(name, "llama3+tok"))
     assert getattr(layout, "layout_class", None) == FAMILIES[name].layout_class
