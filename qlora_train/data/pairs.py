@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from qlora_train.config import DataConfig
+from qlora_train.data.drops import DropReason
 from qlora_train.data.parse import (
     ParseReport,
     canonical_messages,
@@ -52,7 +53,6 @@ from qlora_train.data.truncate import exchanges_to_fit, measure, middle_exchange
 from qlora_train.masking import (
     DEFAULT_POLICY,
     IGNORE_INDEX,
-    DropReason,
     LossPolicy,
     Message,
     RenderedConversation,

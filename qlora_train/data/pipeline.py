@@ -33,6 +33,7 @@ import numpy as np
 
 from qlora_train.config import DataConfig
 from qlora_train.data import rule_check
+from qlora_train.data.drops import DropReason
 from qlora_train.data.expand import expand_dropped_reasoning
 from qlora_train.data.formats import (
     plain_text_and_mask,
@@ -48,7 +49,6 @@ from qlora_train.data.unpaired import canonicalize_unpaired, fit_unpaired
 from qlora_train.masking import (
     DISAGREE,
     IGNORE_INDEX,
-    DropReason,
     LossPolicy,
     RenderedConversation,
     RowBudget,

@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Callable
 
 from qlora_train.config import DataConfig
+from qlora_train.data.drops import DropReason
 from qlora_train.data.pairs import SIDES, CanonicalPair, canonicalize_pair, mark_side, pair_policy
 from qlora_train.data.parse import ParseReport, canonicalize_row
 from qlora_train.data.unpaired import CanonicalUnpaired, canonicalize_unpaired
@@ -31,7 +32,6 @@ from qlora_train.masking import (
     AGREE,
     DISAGREE,
     UNDECIDED,
-    DropReason,
     LossPolicy,
     Masked,
     RowRejected,

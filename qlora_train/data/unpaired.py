@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qlora_train.config import DataConfig
+from qlora_train.data.drops import DropReason
 from qlora_train.data.pairs import (
     PROMPT_KEYS,
     _check_messages,
@@ -43,7 +44,6 @@ from qlora_train.data.truncate import middle_exchanges
 from qlora_train.masking import (
     DEFAULT_POLICY,
     IGNORE_INDEX,
-    DropReason,
     LossPolicy,
     Message,
     RowRejected,

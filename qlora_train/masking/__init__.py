@@ -74,11 +74,9 @@ from qlora_train.masking.layout_declaration import (
     template_layout,
 )
 from qlora_train.masking.messages import (
-    CONFIGURED_DROPS,
     KNOWN_ROLES,
     THINK_CLOSE,
     THINK_OPEN,
-    BadRowError,
     DropReason,
     Message,
     RowRejected,
@@ -110,9 +108,10 @@ __all__ = [
     "resolve_layout", "template_layout", "tool_block",
     # a render of the template: what its code raises is a TemplateError (TemplateRaised: any other type)
     "TemplateRaised", "call_template",
-    # facts the readers of rows share with the engine: drop reasons, roles, reasoning tags, the policy's choices
-    "CONFIGURED_DROPS", "KNOWN_ROLES", "THINK_CLOSE", "THINK_OPEN", "BadRowError", "DropReason", "ReasoningHistory",
-    "ThinkLoss", "TrainOnEos", "check_unicode",
+    # facts the readers of rows share with the engine: its drop reasons (data.drops.DropReason extends them),
+    # roles, reasoning tags, the policy's choices
+    "KNOWN_ROLES", "THINK_CLOSE", "THINK_OPEN", "DropReason", "ReasoningHistory", "ThinkLoss", "TrainOnEos",
+    "check_unicode",
     # text and token helpers (text blocks, counting dropped reasoning, rendering without a mask)
     "OffsetArray", "Offsets", "count_tokens", "render_text",
     # what one row may cost (data.row_budget)

@@ -11,11 +11,12 @@ import pytest
 
 from qlora_train.config import Config, ConfigError, DataConfig, DatasetSource, load_config
 from qlora_train.data.dataset import build_datasets
+from qlora_train.data.drops import DropReason
 from qlora_train.data.pairs import build_preference_example, canonicalize_pair
 from qlora_train.data.pipeline import process_rows
 from qlora_train.data.processed import UNPAIRED_COLUMNS
 from qlora_train.data.unpaired import build_unpaired_example, canonicalize_unpaired, fit_unpaired
-from qlora_train.masking.messages import DropReason, RowRejected
+from qlora_train.masking import RowRejected
 from qlora_train.masking.tokenize import IGNORE_INDEX
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now in a city.",
