@@ -83,6 +83,27 @@ def test_the_mask_engine_is_called_through_its_package():
     assert wrong == []
 
 
+def strings_naming_other_packages(name: str, path: Path, known: set[str]) -> list[str]:
+    """The string constants of a module that name a ``qlora_train`` module of another package: a lazy re-export
+    (``{"render_conversation": "qlora_train.masking.render"}`` and ``importlib``), which the layer check cannot see."""
+    return [node.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value
+            and node.value in known and unit(node.value) != unit(name)]
+
+
+def test_no_module_reexports_another_package_by_string():
+    known = {m for m, _ in modules()}
+    found = [f"{name}: {s!r}" for name, path in modules() for s in strings_naming_other_packages(name, path, known)]
+    assert found == []
+
+
+def test_the_string_check_can_fail(tmp_path):
+    side_door = tmp_path / "side_door.py"
+    side_door.write_text('_EXPORTS = {"build": "qlora_train.masking.render", "own": "qlora_train.data.parse"}\n')
+    known = {"qlora_train.masking.render", "qlora_train.data.parse"}
+    assert strings_naming_other_packages("qlora_train.data", side_door, known) == ["qlora_train.masking.render"]
+
+
 def test_the_layer_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from qlora_train.train.run import train\n")

@@ -9,9 +9,10 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
-from qlora_train.data import IGNORE_INDEX, canonicalize_row, make_labels, process_rows
+from qlora_train.data import canonicalize_row, process_rows
 from qlora_train.data.dataset import build_datasets
 from qlora_train.data.formats import pretokenized_ids_and_mask, segments_text_and_mask, token_offsets
+from qlora_train.masking import IGNORE_INDEX, make_labels
 from qlora_train.masking.tokenize import project_char_mask
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"

@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows, template_layout
+from qlora_train.data import DataConfig, process_rows
+from qlora_train.masking import IGNORE_INDEX, template_layout
 from tests.data.conversations import conversation
 from tests.data.families import FAMILIES, ISSUE24_NAMES, ISSUE34_NAMES, example_messages
 from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens
