@@ -61,8 +61,8 @@ import bench_rows  # noqa: E402
 from qlora_train.config import DataConfig  # noqa: E402
 from qlora_train.data import canonicalize_row, process_rows  # noqa: E402
 from qlora_train.data.packing import PackingStats, best_fit_decreasing, padded_efficiency  # noqa: E402
-from qlora_train.masking.layout import template_layout  # noqa: E402
-from qlora_train.masking.render import template_messages  # noqa: E402
+from qlora_train.masking.layout_declaration import template_layout  # noqa: E402
+from qlora_train.masking.rendered import template_messages  # noqa: E402
 from qlora_train.masking.tokenize import IGNORE_INDEX, encode_batch, project_char_mask  # noqa: E402
 from qlora_train.tiny import build_qwen_tokenizer  # noqa: E402
 

@@ -217,7 +217,8 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
     ``process_rows`` with ``data.objective: preference``; the oracle judges each side (prompt + response) and only
     the response's turns are its trained spans. A pair is decided when the oracle decides both sides; counts are
     per pair, tokens over both sides."""
-    from qlora_train.data import IGNORE_INDEX, DataConfig
+    from qlora_train.data import DataConfig
+    from qlora_train.masking import IGNORE_INDEX
     from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()
@@ -264,7 +265,8 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
 
 
 def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0) -> Audit:
-    from qlora_train.data import IGNORE_INDEX, DataConfig
+    from qlora_train.data import DataConfig
+    from qlora_train.masking import IGNORE_INDEX
     from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()

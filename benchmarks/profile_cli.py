@@ -40,7 +40,7 @@ STAGES = [
     ("      canonicalize_row", "qlora_train/data/parse.py", "canonicalize_row"),
     ("        tools from a JSON string", "qlora_train/data/parse.py", "row_tools"),
     ("      render_conversation", "qlora_train/masking/render.py", "render_conversation"),
-    ("        template render (apply_template)", "qlora_train/masking/render.py", "render_text"),
+    ("        template render (apply_template)", "qlora_train/masking/rendered.py", "render_text"),
     ("      check_unicode", "qlora_train/masking/messages.py", "check_unicode"),
     ("      encode_batch (floor)", "qlora_train/masking/tokenize.py", "encode_batch"),
     ("      count dropped reasoning tokens", "qlora_train/masking/count.py", "count_tokens"),

@@ -34,9 +34,9 @@ def test_diagnostics_import_no_training_stack(tmp_path, qwen_tokenizer_dir, flag
 
 def test_every_error_the_cli_maps_is_a_qlora_error_with_its_exit_code():
     from qlora_train.data.dataset import EmptyDatasetError
+    from qlora_train.data.drops import BadRowError
     from qlora_train.data.sources import SourceError
     from qlora_train.export.adapter import ExportError
-    from qlora_train.masking.messages import BadRowError
     from qlora_train.train.signals import TrainingInterrupted
 
     codes = {cls: cls.exit_code for cls in (EmptyDatasetError, BadRowError, SourceError, errors.ModelLoadError)}

@@ -123,7 +123,7 @@ def test_the_markers_of_a_template_are_read_off_its_layout(qwen_tokenizer_dir, f
 
 
 def test_auto_adds_the_markers_that_are_not_single_tokens(foreign_plain, foreign_auto):
-    from qlora_train.masking.layout import template_layout
+    from qlora_train.masking import template_layout
 
     base, (tok, new) = foreign_plain, foreign_auto
     assert new.tokens == ("<|turn_open|>", "<|turn_close|>")  # <think> and </think> are Qwen tokens already

@@ -40,23 +40,22 @@ processed row whose columns ``processed.PROCESSED_ROW`` defines)::
     prepared.training_data            what training feeds: the above (+ packing), or read back from --preprocess
 """
 
-# Public names, imported on first use: importing one stage (``qlora_train.masking.layout``) does not import the others
-# or ``datasets``.
+# re-exported from the layers below (the config's schema, the shipped templates)
+from qlora_train.chat_templates import get_chat_template as get_chat_template
+from qlora_train.chat_templates import shipped_templates as shipped_templates
+from qlora_train.config import DataConfig as DataConfig
+
+# The data layer's own public names, imported on first use: importing one stage (``qlora_train.data.parse``) does
+# not import the others or ``datasets``. The engine's names are imported from ``qlora_train.masking``.
 _EXPORTS = {
-    "DataConfig": "qlora_train.config", "get_chat_template": "qlora_train.chat_templates",
-    "shipped_templates": "qlora_train.chat_templates", "register_row_handler": "qlora_train.data.handlers",
-    "template_layout": "qlora_train.masking.layout", "DropReason": "qlora_train.masking.messages",
-    "Message": "qlora_train.masking.messages", "RowRejected": "qlora_train.masking.messages",
+    "register_row_handler": "qlora_train.data.handlers", "DropReason": "qlora_train.data.drops",
     "CanonicalRow": "qlora_train.data.parse", "ParseReport": "qlora_train.data.parse",
     "canonicalize_row": "qlora_train.data.parse", "process_rows": "qlora_train.data.pipeline",
-    "build_text_and_masks": "qlora_train.masking.render", "render_conversation": "qlora_train.masking.render",
-    "IGNORE_INDEX": "qlora_train.masking.tokenize", "make_labels": "qlora_train.masking.tokenize",
-    "tokenize_with_char_mask": "qlora_train.masking.tokenize", "TruncationResult": "qlora_train.data.truncate",
-    "structured_truncate_messages": "qlora_train.data.truncate", "LossPolicy": "qlora_train.masking.policy",
+    "TruncationResult": "qlora_train.data.truncate", "structured_truncate_messages": "qlora_train.data.truncate",
     "CanonicalPair": "qlora_train.data.pairs", "build_preference_example": "qlora_train.data.pairs",
     "canonicalize_pair": "qlora_train.data.pairs",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "DataConfig", "get_chat_template", "shipped_templates"])
 
 
 def __getattr__(name: str):

@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data import rule_check
 from qlora_train.data.batches import merge_back, parse_readable
+from qlora_train.data.drops import DropReason, stop_at_first_bad_row
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
 from qlora_train.data.parse import ParseReport
@@ -40,7 +41,6 @@ from qlora_train.data.processed import (
 )
 from qlora_train.data.sources import SourceError, load_labelled_source, source_label
 from qlora_train.errors import DataError, InternalError
-from qlora_train.masking import CONFIGURED_DROPS, BadRowError, DropReason
 
 log = logging.getLogger(__name__)
 class EmptyDatasetError(DataError):
@@ -191,14 +191,6 @@ def _process_raw_batch(batch: dict, indices: list[int], tokenizer, cfg: DataConf
     for name, dtype in row_type.int_list_columns:
         out[name] = arrow_lists(out[name], dtype)
     return pa.Table.from_pydict(out, schema=row_type.schema)
-
-
-def stop_at_first_bad_row(reasons: list[str], details: list[str]) -> None:
-    """``data.on_bad_row: error``: raise ``BadRowError`` for the first refused row (configured drops excepted)."""
-    for reason, detail in zip(reasons, details):
-        if reason and reason not in CONFIGURED_DROPS:
-            raise BadRowError(f"bad row ({reason}) at {detail} [data.on_bad_row: error; use skip to drop and count "
-                              "such rows]")
 
 
 # the counts a row's ParseReport and the dataset report share (the fields of both): the report sums them over kept

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from qlora_train.masking import IGNORE_INDEX, DropReason, RowRejected
+from qlora_train.data.drops import DropReason
+from qlora_train.masking import IGNORE_INDEX, RowRejected
 
 TEXT_KEYS = ("text", "completion")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from qlora_train.config import DataConfig
 from qlora_train.data import rule_check
+from qlora_train.data.drops import DropReason
 from qlora_train.data.parse import (
     ParseReport,
     canonical_messages,
@@ -41,7 +42,6 @@ from qlora_train.masking import (
     DISAGREE,
     IGNORE_INDEX,
     SIDES,
-    DropReason,
     LossPolicy,
     Message,
     RowRejected,

@@ -18,7 +18,8 @@ from typing import Any
 
 from qlora_train.config import DataConfig
 from qlora_train.data.batches import JSONLimitError, read_json
-from qlora_train.masking import KNOWN_ROLES, THINK_CLOSE, THINK_OPEN, DropReason, LossPolicy, Message, RowRejected
+from qlora_train.data.drops import DropReason
+from qlora_train.masking import KNOWN_ROLES, THINK_CLOSE, THINK_OPEN, LossPolicy, Message, RowRejected
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ import logging
 import zlib
 from collections.abc import Callable
 
+from qlora_train.data.drops import DropReason
 from qlora_train.data.parse import ParseReport
 from qlora_train.errors import QloraError
 from qlora_train.masking import (
     AGREE,
     DISAGREE,
     UNDECIDED,
-    DropReason,
     LossPolicy,
     Masked,
     RowRejected,

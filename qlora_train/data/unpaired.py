@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from qlora_train.config import DataConfig
 from qlora_train.data import rule_check
+from qlora_train.data.drops import DropReason
 from qlora_train.data.pairs import PROMPT_KEYS, _check_messages, _messages, check_prompt, check_response, side_limit
 from qlora_train.data.parse import ParseReport, instruction_prompt, map_fields, row_tools
 from qlora_train.data.processed import UNPAIRED_ROW
@@ -37,7 +38,6 @@ from qlora_train.masking import (
     DEFAULT_POLICY,
     DISAGREE,
     IGNORE_INDEX,
-    DropReason,
     LossPolicy,
     Message,
     RowRejected,

@@ -23,7 +23,8 @@ from tokenizers.decoders import DecodeStream
 
 from qlora_train.config import DataConfig
 from qlora_train.data.batches import read_json
-from qlora_train.masking import IGNORE_INDEX, SIDES, DropReason, RowRejected
+from qlora_train.data.drops import DropReason
+from qlora_train.masking import IGNORE_INDEX, SIDES, RowRejected
 from qlora_train.terminal import visible
 
 OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦ trained ⟧ in the plain (no colour) form

@@ -22,9 +22,10 @@ import numpy as np
 
 from qlora_train.config import DataConfig
 from qlora_train.data.dataset import DatasetReport, summarize_columns
+from qlora_train.data.drops import DropReason
 from qlora_train.data.parse import canonicalize_row
 from qlora_train.files import write_atomic
-from qlora_train.masking import SIDES, DropReason, render_text
+from qlora_train.masking import SIDES, render_text
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, template_markers, token_count
 
 PERCENTILES = (25, 50, 75, 90, 95, 99)

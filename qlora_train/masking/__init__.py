@@ -88,21 +88,25 @@ from qlora_train.masking.example import (
     text_example,
     token_example,
 )
-from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, template_layout, tool_block
-from qlora_train.masking.layout_declaration import check_declaration, layout_dict, layout_yaml, resolve_layout
+from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, tool_block
+from qlora_train.masking.layout_declaration import (
+    check_declaration,
+    layout_dict,
+    layout_yaml,
+    resolve_layout,
+    template_layout,
+)
 from qlora_train.masking.messages import (
-    CONFIGURED_DROPS,
     KNOWN_ROLES,
     THINK_CLOSE,
     THINK_OPEN,
-    BadRowError,
     DropReason,
     Message,
     RowRejected,
 )
 from qlora_train.masking.pair import SIDES, MaskedPair, MaskedResponse, mark_side, mask_pair, mask_response, pair_policy
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, ReasoningHistory, ThinkLoss, TrainOnEos
-from qlora_train.masking.render import render_text
+from qlora_train.masking.rendered import render_text
 from qlora_train.masking.tokenize import IGNORE_INDEX
 
 __all__ = [
@@ -120,8 +124,7 @@ __all__ = [
     "TEMPLATE_ERRORS", "TemplateLayout", "check_declaration", "layout_dict", "layout_yaml", "probe_layout",
     "resolve_layout", "template_layout", "tool_block", "TemplateRaised", "call_template", "render_text",
     # facts the readers of rows share with the engine: roles, reasoning tags, the policy's choices
-    "CONFIGURED_DROPS", "KNOWN_ROLES", "THINK_CLOSE", "THINK_OPEN", "BadRowError", "ReasoningHistory", "ThinkLoss",
-    "TrainOnEos",
+    "KNOWN_ROLES", "THINK_CLOSE", "THINK_OPEN", "ReasoningHistory", "ThinkLoss", "TrainOnEos",
     # counting dropped reasoning; what one row may cost (data.row_budget)
     "count_tokens", "DEFAULT_BUDGET", "RowBudget", "RowOverBudget", "RowSpending",
 ]

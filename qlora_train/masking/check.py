@@ -36,16 +36,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from qlora_train.masking.layout import TemplateLayout, probe_key, template_layout
+from qlora_train.masking.layout import TemplateLayout, probe_key
+from qlora_train.masking.layout_declaration import resolve_layout, template_layout
 from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 from qlora_train.masking.prefix import PrefixRenderer, common_prefix_length, prefix_turn, render_by_prefixes
-from qlora_train.masking.render import (  # noqa: F401 (render_conversation: the doctest)
-    RenderedConversation,
-    TurnSpan,
-    render_conversation,
-    trained_spans,
-)
+from qlora_train.masking.render import render_conversation  # noqa: F401 (the doctest)
+from qlora_train.masking.rendered import RenderedConversation, TurnSpan, trained_spans
 from qlora_train.masking.tokenize import IGNORE_INDEX, encode_rendered, make_labels, project_char_mask
 
 AGREE, UNDECIDED, DISAGREE = "agree", "undecided", "disagree"
@@ -205,8 +202,6 @@ def probed_end_markers(tokenizer, layout: TemplateLayout) -> tuple[str, ...]:
         return layout.end_markers
     key = probe_key(tokenizer)
     if key not in _PROBED:
-        from qlora_train.masking.layout_declaration import resolve_layout
-
         probed = resolve_layout(tokenizer).probed
         _PROBED[key] = probed.end_markers if probed is not None else layout.end_markers
     return _PROBED[key]

@@ -1,6 +1,6 @@
 """What a chat template writes around an assistant turn, discovered by rendering a few probe conversations.
 
-    >>> template_layout(tok)           # Qwen3
+    >>> probe_layout(tok)              # Qwen3
     TemplateLayout(assistant_header='<|im_start|>assistant\\n', turn_openers=('<|im_start|>assistant\\n',),
                    end_markers=('<|im_end|>',), think_open='<think>', think_close='</think>', answer_open='',
                    reasoning_key='reasoning_content', leads=(), turn_start='<|im_start|>',
@@ -25,8 +25,9 @@ delimiters, an answer marker written before the content (``<|START_RESPONSE|>``,
 harmony's final channel), the message key the template reads reasoning from,
 and the end markers (a turn may close with several: a response end then an
 end-of-turn token; harmony ends with ``<|end|>``, ``<|return|>`` or ``<|call|>``)
-are read off the same probes, never assumed. Probed once per tokenizer and
-template (cached).
+are read off the same probes, never assumed. The layout rendering uses is
+``layout_declaration.template_layout``: probed once per tokenizer and template
+(cached), the parts ``model.template_layout`` declares laid over the probed ones.
 """
 
 from __future__ import annotations
@@ -455,25 +456,6 @@ def probe_key(tokenizer) -> tuple[str, str]:
         memo = (n, hashlib.blake2b(vocab.encode(), digest_size=16).hexdigest())
         _VOCABS[tokenizer] = memo
     return _template_key(tokenizer), memo[1]
-
-
-_LAYOUTS: dict[tuple[str, str], TemplateLayout] = {}
-
-
-def template_layout(tokenizer) -> TemplateLayout:
-    """Probe the tokenizer's chat template once (cached per template and vocabulary); the parts declared in
-    ``model.template_layout`` (baked into the template) replace the probed ones."""
-    key = probe_key(tokenizer)
-    layout = _LAYOUTS.get(key)
-    if layout is None:
-        from qlora_train.masking.layout_declaration import resolve_layout  # it imports this module
-
-        layout = _LAYOUTS[key] = resolve_layout(tokenizer, probe_layout).layout  # model.template_layout over the probe
-        if layout.unknown:
-            log.warning("chat template layout: %s could not be probed; rows the layout cannot verify are verified "
-                        "with per-turn prefix renders (slower), and refused where those do not verify either",
-                        ", ".join(layout.unknown))
-    return layout
 
 
 def _unknown_layout(why: str, end_markers: tuple[str, ...] = ()) -> TemplateLayout:

@@ -8,9 +8,10 @@ it instead (``TemplateLayout``'s fields, whatever they are: this module reads th
       template_layout:
         end_markers: ["<|im_end|>"]        # the rest is probed
 
-A declared part replaces the probed one (``resolve_layout``); where the probe fails, the declaration alone is
-the layout. Either way every row is verified against the layout exactly as a probed one is: a wrong
-declaration refuses rows with the reason (``mask_unverified``), it never trains a guessed mask.
+A declared part replaces the probed one (``resolve_layout``; ``template_layout``: the resolved layout, cached
+per template and vocabulary, the one rendering uses); where the probe fails, the declaration alone is the
+layout. Either way every row is verified against the layout exactly as a probed one is: a wrong declaration
+refuses rows with the reason (``mask_unverified``), it never trains a guessed mask.
 
 The declaration travels with the tokenizer, baked into its chat template as a comment
 (``chat_templates.with_template_layout``), so every process that renders and the tokenizer saved with the
@@ -47,7 +48,7 @@ from jinja2 import TemplateError
 
 from qlora_train.chat_templates import split_template_layout
 from qlora_train.errors import ConfigError
-from qlora_train.masking.layout import TemplateLayout, probe_layout
+from qlora_train.masking.layout import TemplateLayout, probe_key, probe_layout
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,23 @@ def resolve_layout(tokenizer, probe=probe_layout) -> ResolvedLayout:
     # rows it does not fit are refused rather than re-derived by prefix renders (layout.TemplateLayout.declared)
     chosen = tuple(p for p, v in declared.items() if p in probed.unknown or getattr(probed, p) != v)
     return ResolvedLayout(dataclasses.replace(probed, **declared, unknown=unknown, declared=chosen), declared, probed)
+
+
+_LAYOUTS: dict[tuple[str, str], TemplateLayout] = {}
+
+
+def template_layout(tokenizer) -> TemplateLayout:
+    """The layout rendering uses: the tokenizer's chat template probed once (cached per template and vocabulary),
+    the parts declared in ``model.template_layout`` (baked into the template) in place of the probed ones."""
+    key = probe_key(tokenizer)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _LAYOUTS[key] = resolve_layout(tokenizer, probe_layout).layout
+        if layout.unknown:
+            log.warning("chat template layout: %s could not be probed; rows the layout cannot verify are verified "
+                        "with per-turn prefix renders (slower), and refused where those do not verify either",
+                        ", ".join(layout.unknown))
+    return layout
 
 
 def layout_dict(layout: TemplateLayout) -> dict[str, Any]:

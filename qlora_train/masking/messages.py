@@ -19,8 +19,6 @@ import re
 from traceback import format_exception
 from typing import Any, NotRequired, TypedDict
 
-from qlora_train.errors import DataError
-
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 WHITESPACE = " \t\r\n"  # what a template may write around a part of a message (stripped when parts are compared)
 # the inline reasoning block of assistant content in data, and the block a template writes when the probe finds no other
@@ -38,49 +36,20 @@ class Message(TypedDict):
 
 
 class DropReason:
-    """Why a row was refused. Every refused row is counted under exactly one of these."""
+    """Why the engine refuses a row (``RowRejected.reason``): the template and the mask. The data layer's
+    ``data.drops.DropReason`` extends it with the reasons of reading and fitting rows; every refused row is
+    counted under exactly one reason of that."""
 
-    UNPARSEABLE_JSON = "unparseable_json"
-    BAD_ROW = "bad_row"
-    UNKNOWN_SCHEMA = "unknown_schema"
-    NO_MESSAGES = "no_messages"
-    NO_ASSISTANT_TURN = "no_assistant_turn"
-    EMPTY_ASSISTANT = "empty_assistant_turn"
-    EMPTY_USER_TURN = "empty_user_turn"  # a user message without content (chat rows and pairs alike)
-    BAD_CONTENT_TYPE = "bad_content_type"
-    TOOLS_UNPARSEABLE = "tools_unparseable"
     TEMPLATE_ERROR = "template_error"
     UNRENDERED_ROLE = "unrendered_role"
     MASK_UNVERIFIED = "mask_unverified"
     MARKER_IN_ROW_TEXT = "marker_in_row_text"  # a role, name, id, tool name, argument key or tool schema holds a marker
-    MASK_DISAGREES = "mask_disagrees"  # data.rule_check: the layout's mask differs from the rule's on this row
-    NO_TRAINED_TOKEN = "no_trained_token_after_truncation"
-    BAD_PRETOKENIZED = "bad_pretokenized"
-    FILTERED_BY_LENGTH = "filtered_by_length"
-    DUPLICATE = "duplicate"
     INVALID_UNICODE = "invalid_unicode"
-    TOO_LONG = "too_long"
     OVER_BUDGET = "over_budget"  # the row's renders, characters, template steps or seconds over data.row_budget
-    # preference pairs (data/pairs.py)
-    PAIR_MISSING_SIDE = "pair_missing_side"
-    UNPAIRED_PREFERENCE = "unpaired_preference"
-    PAIR_BAD_PROMPT = "pair_bad_prompt"
-    PAIR_EMPTY_RESPONSE = "pair_empty_response"
-    PAIR_BAD_RESPONSE = "pair_bad_response"
-    PAIR_IDENTICAL = "pair_identical"
-    PAIR_PROMPT_DIFFERS = "pair_prompt_differs"
-    BELOW_SCORE_MARGIN = "below_score_margin"  # data.min_score_margin
-
-
-# Drops the user asked for (``on_too_long: drop``, ``dedup``, ``min_chars``/``max_chars``, ``min_score_margin``):
-# ``data.on_bad_row: error`` does not stop on them.
-CONFIGURED_DROPS = frozenset({DropReason.TOO_LONG, DropReason.DUPLICATE, DropReason.FILTERED_BY_LENGTH,
-                              DropReason.BELOW_SCORE_MARGIN})
-KNOWN_DROP_REASONS = frozenset(v for k, v in vars(DropReason).items() if k.isupper())
-
-
-class BadRowError(DataError):
-    """``data.on_bad_row: error`` and a row was refused: the message names the row and the reason."""
+    BAD_ROW = "bad_row"  # an exception nobody foresaw (RowRejected.unexpected); the data layer's malformed rows too
+    # a preference pair (pair.mask_pair)
+    PAIR_IDENTICAL = "pair_identical"  # the two sides are the same tokens
+    PAIR_PROMPT_DIFFERS = "pair_prompt_differs"  # the prompt rendered or tokenized differently on the two sides
 
 
 class RowRejected(Exception):

@@ -35,9 +35,18 @@ import json
 import numpy as np
 
 from qlora_train.masking.apply_template import apply_template
-from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, template_layout
+from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout
+from qlora_train.masking.layout_declaration import template_layout
 from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected, argument_values
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
+from qlora_train.masking.rendered import (
+    RenderedConversation,
+    TurnSpan,
+    check_spans,
+    render_text,
+    template_messages,
+    trained_spans,
+)
 from qlora_train.masking.row_text import check_row_text, row_text_markers
 
 _SHIFT = "\x01"  # put before a turn's own texts to see where they start in a render (never trimmed by templates)
@@ -71,8 +80,6 @@ class PrefixRenderer:
     another look at the same prefix costs nothing)."""
 
     def __init__(self, messages: list[Message], tokenizer, tools, layout: TemplateLayout):
-        from qlora_train.masking.render import template_messages
-
         self.messages = template_messages(messages, layout)
         self.tokenizer, self.tools = tokenizer, tools
         self.count = 0  # renders made (the path's cost)
@@ -144,8 +151,6 @@ def _find_in(q: str, needle: str, a: int, b: int) -> tuple[int, int]:
 
 def prefix_turn(renders: PrefixRenderer, text: str, i: int, layout: TemplateLayout, *, trained_before: list[bool]):
     """Turn ``i`` by the rule -> ``TurnSpan`` (in ``text``, the whole render), or ``RowRejected`` saying why."""
-    from qlora_train.masking.render import TurnSpan
-
     msg = renders.messages[i]
     q, start, end = generated_part(renders, i, layout)
     if not text.startswith(q[:end]):
@@ -322,8 +327,6 @@ def render_by_prefixes(messages: list[Message], tokenizer, *, tools=None, policy
     """Marked messages -> ``RenderedConversation`` by the rule itself (see the module doc); ``text`` is the whole
     render when the caller has it, ``renders`` the prefix renders of ``messages`` made so far (``check`` looks at
     them again). Raises ``RowRejected`` naming the turn that does not verify."""
-    from qlora_train.masking.render import RenderedConversation, check_spans, render_text, trained_spans
-
     layout = template_layout(tokenizer)
     check_row_text(messages, tools, row_text_markers(tokenizer, layout))  # also where called on its own
     if text is None:

@@ -9,7 +9,7 @@
 
 How spans are found (no prefix re-rendering, no guessed masks):
 
-1. ``layout.template_layout`` probes the template once (cached): what opens a
+1. ``layout_declaration.template_layout`` probes the template once (cached): what opens a
    turn's generated part (the generation prompt's header, or the prompt-side
    text after a user / tool message for templates without one), the reasoning
    block's delimiters and key, an answer marker, and the end markers.
@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import NamedTuple
 
 import numpy as np
 
-from qlora_train.masking.apply_template import apply_template
-from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, role_is_rendered, template_layout
+from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, role_is_rendered
+from qlora_train.masking.layout_declaration import template_layout
 from qlora_train.masking.messages import (
     KNOWN_ROLES,
     WHITESPACE,
@@ -46,72 +45,11 @@ from qlora_train.masking.messages import (
     argument_values,
 )
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
+from qlora_train.masking.prefix import render_by_prefixes
+from qlora_train.masking.rendered import RenderedConversation, TurnSpan, check_spans, render_text, trained_spans
 from qlora_train.masking.row_text import check_row_text, row_text_markers
 
 log = logging.getLogger(__name__)
-
-
-
-class TurnSpan(NamedTuple):
-    """Character spans of one trained message in the rendered text."""
-
-    index: int
-    start: int  # first generated character (after the prompt side: header, [/INST], ...)
-    end: int  # one past the end marker
-    body_start: int  # first character after the reasoning block (== start without one)
-    reasoning: tuple[int, int] | None  # rendered reasoning text, when rendered
-    eot_start: int | None = None  # where the end marker starts (None: the template writes none)
-    reasoning_dropped: bool = False  # the message has reasoning the template did not render
-
-
-class RenderedConversation(NamedTuple):
-    text: str
-    char_mask: np.ndarray  # uint8, one entry per character of text
-    message_ends: tuple[int, ...]  # char offset where each message's rendered part ends
-    turns: tuple[TurnSpan, ...]
-    unrendered: tuple[str, ...] = ()  # roles of untrained messages the template does not write
-    verified_by: str = "layout"  # or "prefix_renders": the rule applied with per-turn prefix renders (prefix.py)
-    renders: int = 1  # chat-template renders this result cost
-
-    @property
-    def cuts(self) -> tuple[int, ...]:
-        """Where the text is cut before it is tokenized (``tokenize.encode_rendered``): where each trained turn's
-        generated part begins, so that its first token starts there, as it does at inference after the prompt
-        tokenized alone. A cut at 0 or at the end of the text is no cut."""
-        return tuple(t.start for t in self.turns)
-
-
-def template_messages(messages: list[Message], layout: TemplateLayout) -> list[Message]:
-    """Messages as the template reads them: reasoning under the key it reads (``reasoning`` for some), tool
-    call arguments as a JSON string for templates that write them as given (DeepSeek)."""
-    key = layout.reasoning_key
-    rename = key is not None and key != "reasoning_content"
-    if not rename and not layout.tool_arguments_as_string:
-        return messages
-    out = []
-    for m in messages:
-        if rename and "reasoning_content" in m:
-            m = {k: v for k, v in m.items() if k != "reasoning_content"} | {key: m["reasoning_content"]}
-        if layout.tool_arguments_as_string and m.get("tool_calls"):
-            m = {**m, "tool_calls": [_string_arguments(c) for c in m["tool_calls"]]}
-        out.append(m)
-    return out
-
-
-def _string_arguments(call: dict) -> dict:
-    args = call["function"].get("arguments")
-    if isinstance(args, str):
-        return call
-    return {**call, "function": {**call["function"], "arguments": json.dumps(args, ensure_ascii=False)}}
-
-
-def render_text(messages: list[Message], tokenizer, *, tools=None, add_generation_prompt=False,
-                layout: TemplateLayout | None = None) -> str:
-    """Exactly ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)`` (reasoning under the
-    key the template reads; ``layout``: the tokenizer's ``template_layout``, when the caller has it)."""
-    layout = template_layout(tokenizer) if layout is None else layout
-    return apply_template(template_messages(messages, layout), tokenizer, tools=tools,
-                          add_generation_prompt=add_generation_prompt)
 
 
 def _skip_ws(text: str, pos: int) -> int:
@@ -249,19 +187,6 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
     return TurnSpan(i, start, e + len(marker), body_start, reasoning, e, dropped)
 
 
-def trained_spans(turn: TurnSpan, think_loss: str, *, with_eot: bool = True) -> list[tuple[int, int]]:
-    if think_loss == "all" or turn.body_start == turn.start:
-        spans = [(turn.start, turn.end)]
-    elif think_loss == "answer_only":
-        spans = [(turn.body_start, turn.end)]
-    else:  # answer_plus_think: reasoning text, then the answer; the tags stay masked
-        spans = ([turn.reasoning] if turn.reasoning else []) + [(turn.body_start, turn.end)]
-    if not with_eot and turn.eot_start is not None:
-        a, _ = spans[-1]
-        spans = spans[:-1] + ([(a, turn.eot_start)] if turn.eot_start > a else [])
-    return spans
-
-
 def _eot_after(text: str, cursor: int, nxt: Message | None, layout: TemplateLayout) -> tuple[int, int] | None:
     """The end-of-turn marker closing a message whose content ends at ``cursor``, if the template wrote one
     before the next message (``train_on_eos: all``)."""
@@ -301,15 +226,6 @@ def _not_written(tokenizer, msg: Message, i: int) -> str | None:
     return role
 
 
-def check_spans(text: str, spans: list[tuple[int, int]]) -> None:
-    """The trained spans are in order, disjoint and inside the text."""
-    at = 0
-    for a, b in spans:
-        if not at <= a <= b <= len(text):
-            raise RowRejected(DropReason.MASK_UNVERIFIED, f"trained spans overlap or leave the text at {a}:{b}")
-        at = b
-
-
 def render_conversation(
     messages: list[Message],
     tokenizer,
@@ -338,8 +254,6 @@ def render_conversation(
             raise
         if layout.declared:  # the user's layout is a contract: a row it does not fit is refused, not re-derived
             raise RowRejected(fast.reason, f"{fast.detail} (by the declared model.template_layout)") from None
-        from qlora_train.masking.prefix import render_by_prefixes
-
         try:
             return render_by_prefixes(messages, tokenizer, tools=tools, policy=policy, text=text)
         except RowRejected as slow:

@@ -11,7 +11,7 @@ import yaml
 from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data import process_rows
 from qlora_train.data.dataset import build_datasets
-from qlora_train.masking.messages import BadRowError
+from qlora_train.data.drops import BadRowError
 
 GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 LONG = {"messages": [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "a"}]}
@@ -173,7 +173,7 @@ def test_skip_counts_every_row_and_warns_once_per_reason(tmp_path, qwen3_tok, ca
 def test_troubleshooting_page_lists_every_drop_reason():
     from pathlib import Path
 
-    from qlora_train.masking.messages import KNOWN_DROP_REASONS
+    from qlora_train.data.drops import KNOWN_DROP_REASONS
 
     page = (Path(__file__).resolve().parents[2] / "docs/troubleshooting.md").read_text()
     assert [r for r in sorted(KNOWN_DROP_REASONS) if f"| `{r}` |" not in page] == []

@@ -13,7 +13,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from qlora_train.chat_templates import jinja_literal, split_template_kwargs, with_template_kwargs
 from qlora_train.config import ConfigError
-from qlora_train.data import build_text_and_masks, get_chat_template, shipped_templates, template_layout
+from qlora_train.data import get_chat_template, shipped_templates
+from qlora_train.masking import template_layout
+from qlora_train.masking.render import build_text_and_masks
 
 # bakes templates into saved tokenizers and reloads them: make test (CI) runs it, make test-fast does not
 pytestmark = pytest.mark.slow

@@ -7,7 +7,8 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows
+from qlora_train.data import DataConfig, process_rows
+from qlora_train.masking import IGNORE_INDEX
 
 
 def call(name, **args):

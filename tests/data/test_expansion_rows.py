@@ -170,7 +170,8 @@ def test_build_datasets_splits_rows_before_exploding_them(tmp_path, qwen3_tok, m
 
 
 def report_columns(rows: list[dict]) -> dict[str, list]:
-    """``SFT_ROW.report_columns`` for hand-made rows: each row gives drop_reason, parse (a dict) and expanded token counts."""
+    """``SFT_ROW.report_columns`` for hand-made rows: each row gives drop_reason, parse (a dict) and expanded token
+    counts."""
     keys = {"drop_reason": "", "drop_detail": "", "num_tokens": 10, "num_trained_tokens": 4, "dropped_turns": 0,
             "reasoning_trimmed_tokens": 0, "token_fallback": "", "straddling_tokens": 0, "expanded_tokens": 0,
             "expanded_trained_tokens": 0}

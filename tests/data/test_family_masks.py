@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import IGNORE_INDEX, DataConfig, RowRejected, process_rows
-from qlora_train.masking.layout import template_layout
+from qlora_train.data import DataConfig, process_rows
+from qlora_train.masking import IGNORE_INDEX, RowRejected, template_layout
 from qlora_train.masking.policy import LossPolicy
 from qlora_train.masking.render import render_conversation
 from tests.data.families import FAMILIES, example_messages

@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
-from qlora_train.data import IGNORE_INDEX, canonicalize_row, process_rows
+from qlora_train.data import canonicalize_row, process_rows
 from qlora_train.data.dataset import build_datasets
 from qlora_train.data.formats import pretokenized_ids_and_mask, segments_text_and_mask
-from qlora_train.masking import token_example
+from qlora_train.masking import IGNORE_INDEX, token_example
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 

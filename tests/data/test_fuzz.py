@@ -41,12 +41,12 @@ from hypothesis import strategies as st
 
 from qlora_train.config import DataConfig, DatasetSource
 from qlora_train.data.dataset import _process_raw_batch, summarize_columns
+from qlora_train.data.drops import KNOWN_DROP_REASONS
 from qlora_train.data.pairs import canonicalize_pair
 from qlora_train.data.parse import canonicalize_row
 from qlora_train.data.processed import SFT_ROW
 from qlora_train.data.sources import SourceError, _json_rows
 from qlora_train.masking import IGNORE_INDEX, LossPolicy
-from qlora_train.masking.messages import KNOWN_DROP_REASONS
 from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens, weak_violations
 
 # ---------------------------------------------------------------------------------------------- run length

@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows, template_layout
+from qlora_train.data import DataConfig, process_rows
+from qlora_train.masking import IGNORE_INDEX, template_layout
 from tests.data.conversations import conversation
 from tests.data.families import FAMILIES, ISSUE24_NAMES, ISSUE34_NAMES, example_messages
 from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens
@@ -157,7 +158,7 @@ def test_the_first_llama3_template_never_trains_the_user(tokenizers, vocab):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_probe_finds_the_documented_layout_class(tokenizers, name):
-    from qlora_train.masking.layout import template_layout
+    from qlora_train.masking import template_layout
 
     layout = template_layout(tokenizers(name, "llama3+tok"))
     assert getattr(layout, "layout_class", None) == FAMILIES[name].layout_class

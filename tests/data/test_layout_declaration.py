@@ -24,8 +24,8 @@ from qlora_train.chat_templates import (
 )
 from qlora_train.config import ConfigError, ModelConfig
 from qlora_train.data import DataConfig, process_rows
-from qlora_train.masking import layout as layout_module
-from qlora_train.masking.layout import TemplateLayout, template_layout
+from qlora_train.masking import layout_declaration as declaration_module
+from qlora_train.masking.layout import TemplateLayout
 from qlora_train.masking.layout_declaration import (
     ResolvedLayout,
     check_declaration,
@@ -34,6 +34,7 @@ from qlora_train.masking.layout_declaration import (
     layout_yaml,
     required_parts,
     resolve_layout,
+    template_layout,
 )
 from qlora_train.tokenizer import load_tokenizer
 from tests.data.families import FAMILIES, family_tokenizer
@@ -111,8 +112,8 @@ def test_a_full_declaration_stands_in_for_a_probe_that_fails(qwen3_tok, monkeypa
     def failing(tokenizer):
         raise ValueError("chat template: nothing marks where an assistant answer starts")
 
-    monkeypatch.setattr(layout_module, "_LAYOUTS", {})
-    monkeypatch.setattr(layout_module, "probe_layout", failing)
+    monkeypatch.setattr(declaration_module, "_LAYOUTS", {})
+    monkeypatch.setattr(declaration_module, "probe_layout", failing)
     resolved = resolve_layout(tok, failing)
     assert resolved.probed is None and resolved.layout == probed
     assert "# the probe failed (ValueError: chat template: nothing marks" in layout_yaml(resolved)

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import IGNORE_INDEX, DataConfig, RowRejected, canonicalize_row, process_rows
+from qlora_train.data import DataConfig, canonicalize_row, process_rows
+from qlora_train.masking import IGNORE_INDEX, RowRejected
 from qlora_train.masking.policy import LossPolicy
 from qlora_train.masking.render import build_text_and_masks
 

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from qlora_train.cli import main
 from qlora_train.config import ConfigError, DataConfig, DatasetSource, MixingConfig, load_config
 from qlora_train.data.dataset import build_datasets
+from qlora_train.data.drops import DropReason
 from qlora_train.data.pairs import build_preference_example, canonicalize_pair, fit_pair, side_lengths
 from qlora_train.data.pipeline import process_rows
 from qlora_train.data.processed import PAIR_ROW
-from qlora_train.masking.messages import DropReason, RowRejected
+from qlora_train.masking import RowRejected
 from qlora_train.masking.tokenize import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import DataConfig, ParseReport, RowRejected, canonicalize_row
+from qlora_train.data import DataConfig, ParseReport, canonicalize_row
+from qlora_train.masking import RowRejected
 
 
 def test_openai_messages_with_reasoning_key_moved():

@@ -11,14 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from qlora_train.data import (
-    IGNORE_INDEX,
-    DataConfig,
-    RowRejected,
-    build_preference_example,
-    canonicalize_pair,
-    process_rows,
-)
+from qlora_train.data import DataConfig, build_preference_example, canonicalize_pair, process_rows
+from qlora_train.masking import IGNORE_INDEX, RowRejected
 from qlora_train.masking.policy import LossPolicy
 from tests.data.families import FAMILIES
 from tests.data.oracle import DECIDED, check_kept_row, prefix_oracle

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from qlora_train.data import DataConfig, RowRejected, process_rows
+from qlora_train.data import DataConfig, process_rows
 from qlora_train.diagnostics.stats import compute_stats
+from qlora_train.masking import RowRejected
 from qlora_train.masking.layout import probe_layout
 from qlora_train.masking.policy import LossPolicy
 from qlora_train.masking.prefix import common_prefix_length, render_by_prefixes

@@ -194,11 +194,11 @@ def test_a_mismatched_fingerprint_is_a_config_error_naming_what_differs(prepared
 def test_a_probe_that_reads_the_same_template_differently_refuses_the_data(prepared_project, monkeypatch):
     import dataclasses
 
-    from qlora_train.masking import layout
+    from qlora_train.masking import layout_declaration as declaration
 
-    probe = layout.probe_layout
-    monkeypatch.setattr(layout, "_LAYOUTS", {})
-    monkeypatch.setattr(layout, "probe_layout", lambda tok: dataclasses.replace(probe(tok), answer_open="<x>"))
+    probe = declaration.probe_layout
+    monkeypatch.setattr(declaration, "_LAYOUTS", {})
+    monkeypatch.setattr(declaration, "probe_layout", lambda tok: dataclasses.replace(probe(tok), answer_open="<x>"))
     cfg = load_config(prepared_project)
     with pytest.raises(ConfigError) as err:
         check_prepared(cfg, load_tokenizer(cfg.model))

@@ -8,17 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import (
-    IGNORE_INDEX,
-    RowRejected,
-    build_text_and_masks,
-    render_conversation,
-    template_layout,
-    tokenize_with_char_mask,
-)
-from qlora_train.masking import mask_conversation
+from qlora_train.masking import IGNORE_INDEX, RowRejected, mask_conversation, render_conversation, template_layout
 from qlora_train.masking.policy import LossPolicy
-from qlora_train.masking.tokenize import OffsetArray, project_char_mask
+from qlora_train.masking.render import build_text_and_masks
+from qlora_train.masking.tokenize import OffsetArray, project_char_mask, tokenize_with_char_mask
 from tests.data.oracle import tokens
 
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import IGNORE_INDEX, DataConfig, process_rows
-from qlora_train.masking import DropReason, LossPolicy, RowRejected, template_layout
+from qlora_train.data import DataConfig, process_rows
+from qlora_train.masking import IGNORE_INDEX, DropReason, LossPolicy, RowRejected, template_layout
 from qlora_train.masking.prefix import render_by_prefixes
 from qlora_train.masking.render import _parse_turn, _render_with_layout, render_conversation, render_text
 from qlora_train.masking.row_text import check_row_text, layout_markers, row_text, row_text_markers

@@ -28,9 +28,9 @@ from qlora_train.masking import (
     LossPolicy,
     check_with_rule,
 )
-from qlora_train.masking.render import render_conversation
 from qlora_train.masking.layout import TemplateLayout
 from qlora_train.masking.layout_declaration import check_declaration
+from qlora_train.masking.render import render_conversation
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs/data/quickstart.jsonl"

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.data import IGNORE_INDEX, DataConfig, build_preference_example, process_rows
-from qlora_train.masking import DEFAULT_POLICY, LossPolicy
+from qlora_train.data import DataConfig, build_preference_example, process_rows
+from qlora_train.masking import DEFAULT_POLICY, IGNORE_INDEX, LossPolicy
 from qlora_train.masking.render import render_conversation
 from qlora_train.masking.tokenize import encode_rendered
 from tests.data.oracle import tokens

@@ -11,11 +11,12 @@ import pytest
 
 from qlora_train.config import Config, ConfigError, DataConfig, DatasetSource, load_config
 from qlora_train.data.dataset import build_datasets
+from qlora_train.data.drops import DropReason
 from qlora_train.data.pairs import build_preference_example, canonicalize_pair
 from qlora_train.data.pipeline import process_rows
 from qlora_train.data.processed import UNPAIRED_ROW
 from qlora_train.data.unpaired import build_unpaired_example, canonicalize_unpaired, fit_unpaired
-from qlora_train.masking.messages import DropReason, RowRejected
+from qlora_train.masking import RowRejected
 from qlora_train.masking.tokenize import IGNORE_INDEX
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now in a city.",
@@ -163,7 +164,8 @@ def test_unpaired_rows_through_build_datasets_counted_exactly(tmp_path, qwen3_to
     for raw, row in zip(GOOD, train.to_list()):
         canon = canonicalize_unpaired(raw)
         ex = build_unpaired_example(canon.prompt, canon.completion, qwen3_tok, tools=canon.tools)
-        assert row == {**{k: ex[k] for k in UNPAIRED_ROW.model_columns if k != "desirable"}, "desirable": int(canon.desirable)}
+        fed = {k: ex[k] for k in UNPAIRED_ROW.model_columns if k != "desirable"}
+        assert row == {**fed, "desirable": int(canon.desirable)}
     assert "labels (kept): 3 desirable, 2 undesirable" in "\n".join(report.lines())
 
 

@@ -95,7 +95,7 @@ def test_log_lines_are_shown_escaped():
 
 def test_an_error_naming_a_row_is_printed_escaped(capsys):
     from qlora_train.cli import run_guarded
-    from qlora_train.masking.messages import BadRowError
+    from qlora_train.data.drops import BadRowError
 
     def job():
         raise BadRowError(f"bad row (template_error) at d.jsonl:1: {ATTACK}")
