@@ -1,43 +1,30 @@
 """The dataset module: raw rows -> training examples with exact loss masks.
 
-Reading rows and assembling datasets; the masks come from the mask engine (``qlora_train.masking``, its API
-marked ``masking.`` below). In the order the data flows (what flows between stages is typed: a raw row's JSON
-text, ``Message`` dicts marked by the ``LossPolicy``, a ``RenderedConversation``, token ids and offsets, and a
-processed row whose columns ``processed.PROCESSED_ROW`` defines)::
+Reading rows and assembling datasets; the masks come from the mask engine (``qlora_train.masking``: a conversation
+in, a finished example out). In the order the data flows::
 
-    sources.load_source               a data.datasets entry -> raw rows (JSON text, location, source)
-    handlers.apply_row_handlers       registered user functions fix raw rows
-    batches.parse_readable            a batch's rows parsed once (read_json: any JSON Python refuses is a
-                                      ValueError, counted); results merged back in order (merge_back)
-    1 parse.canonicalize_row          raw row -> Messages marked with their train flag (masking.LossPolicy), tools,
-                                      ParseReport
-      formats.*                       template-free rows (segments, text, pretokenized) -> text/ids + mask
-    2 masking.template_layout         the template's layout, probed once: turn openers, reasoning block, end markers
-      masking.resolve_layout          model.template_layout's declared parts over the probed ones; layout_yaml
-    2 masking.render_conversation     one chat-template render + verified char mask (or per-turn prefix renders)
-      expand.expand_dropped_reasoning reasoning_history: expand: prefix examples for reasoning the template drops
-      rule_check.selected             data.rule_check: a sample of rows also masked by the rule, token by token
-                                      (masking.check_with_rule); a disagreement refuses the row (mask_disagrees)
-    3 masking.encode_rendered         one batched tokenizer call per batch, each render cut where its trained turns
-                                      begin (RenderedConversation.cuts); offsets project the char mask
-    4 truncate.structured_truncate_messages   fit max_length, keep system + latest exchange
-      masking.make_labels             the one place labels are made
-    pairs.canonicalize_pair           a preference row -> prompt, chosen and rejected Messages (parse's normalisation)
-    pairs.build_preference_example    prompt + two responses -> two sides, each SFT's render, walk and labels, and
-                                      the prompt's tokens checked shared
-    pairs.fit_pair                    both sides within max_length (and max_prompt_length / max_response_length):
-                                      middle prompt exchanges dropped, reasoning trimmed (truncate's), a response
-                                      cut only with max_response_length
-    unpaired.canonicalize_unpaired    an unpaired row (KTO) -> prompt, completion Messages and its label
-    unpaired.fit_unpaired             prompt + completion -> one sequence, a pair side's render, walk and labels,
-                                      within max_length (middle prompt exchanges dropped, max_response_length cut)
-    pipeline.process_rows             stages 1-4 for a batch of rows -> processed rows (processed.PROCESSED_ROW);
-                                      with data.objective: preference, each row a pair (canonicalize_pair,
-                                      check_score_margin, fit_pair) -> the chosen_* / rejected_* columns; with
-                                      unpaired, each row one sequence (fit_unpaired) with prompt_length, desirable
-    dataset.build_datasets            per-source processing, dedup, blocks, eval split, mixing, report
-    packing.pack_dataset              optional: whole examples into max_length sequences (best fit decreasing)
-    prepared.training_data            what training feeds: the above (+ packing), or read back from --preprocess
+    sources.load_source            a data.datasets entry -> raw rows (JSON text, location, source)
+    handlers.apply_row_handlers    registered user functions fix raw rows
+    batches.parse_readable         a batch's rows parsed once (read_json: any JSON Python refuses is a ValueError,
+                                   counted); results merged back in order (merge_back)
+    pipeline.objective             data.objective -> its Objective, decided once: its pipeline and its row type
+                                   (processed.SFT_ROW, PAIR_ROW, UNPAIRED_ROW: the columns a processed row holds)
+    sft.process_sft_rows           SFT: parse.canonicalize_row (Messages marked by the LossPolicy, tools, a
+                                   ParseReport) -> masking.render_example (with reasoning_history: expand, the
+                                   extra examples) -> rule_check on a sample -> masking.finish_examples (one tokenizer
+                                   call per batch) -> truncate.structured_truncate_messages -> labels;
+                                   formats.* rows (segments, text, pretokenized) skip the template
+    pairs.process_pair_rows        DPO / ORPO: pairs.canonicalize_pair -> check_score_margin -> rule_check ->
+                                   pairs.fit_pair (masking.mask_pair: both sides, the prompt checked shared; middle
+                                   prompt exchanges dropped, reasoning trimmed, responses cut with max_response_length)
+    unpaired.process_unpaired_rows KTO: unpaired.canonicalize_unpaired -> rule_check -> unpaired.fit_unpaired
+                                   (masking.mask_response)
+    rows.Batch                     what every pipeline shares: a batch's rows, outputs, budgets (data.row_budget),
+                                   refusals; the filters (min_chars / max_chars, the dedup hash)
+    rule_check                     data.rule_check: a sample of rows also masked by the rule, token by token
+    dataset.build_datasets         per-source processing, dedup, blocks, eval split, mixing, report
+    packing.pack_dataset           optional: whole examples into max_length sequences (best fit decreasing)
+    prepared.training_data         what training feeds: the above (+ packing), or read back from --preprocess
 """
 
 # re-exported from the layers below (the config's schema, the shipped templates)

@@ -161,12 +161,33 @@ def pipeline_code_hash() -> str:
     return h.hexdigest()
 
 
+PART_CHARS = 32 << 20  # a map batch's rows processed together hold at most about this many characters of rows
+
+
 def _process_raw_batch(batch: dict, indices: list[int], tokenizer, cfg: DataConfig, code: str = "") -> pa.Table:
-    """datasets.map function: JSON-text rows (+ load errors, source) at ``indices`` of their source -> the
-    objective's row type (``pipeline.objective(cfg).row_type``: the pipeline's columns + source, location, domain),
-    as an Arrow table of its schema (written as it is; the int lists made by ``arrow_lists``).
+    """datasets.map function: ``_process_part`` over the batch cut into parts of at most ``PART_CHARS`` characters
+    of rows (at least a row each): a part's rows, renders and token lists are alive together until its Arrow table
+    is made, so a batch of huge rows (``data.batch_size`` rows of a megabyte each) costs the memory of one part,
+    not of the batch. Rows of ordinary size are one part: one tokenizer call per batch.
 
     ``code`` (``pipeline_code_hash``) only feeds the cache fingerprint."""
+    bounds, size = [0], 0
+    for i, row in enumerate(batch["row"]):
+        size += len(row or "")
+        if size > PART_CHARS and i > bounds[-1]:
+            bounds.append(i)
+            size = len(row or "")
+    bounds.append(len(batch["row"]))
+    if len(bounds) == 2:
+        return _process_part(batch, indices, tokenizer, cfg)
+    return pa.concat_tables([_process_part({k: v[a:b] for k, v in batch.items()}, indices[a:b], tokenizer, cfg)
+                             for a, b in zip(bounds, bounds[1:])])
+
+
+def _process_part(batch: dict, indices: list[int], tokenizer, cfg: DataConfig) -> pa.Table:
+    """JSON-text rows (+ load errors, source) at ``indices`` of their source -> the objective's row type
+    (``pipeline.objective(cfg).row_type``: the pipeline's columns + source, location, domain), as an Arrow table of
+    its schema (written as it is; the int lists made by ``arrow_lists``)."""
     n = len(batch["load_error"])
     row_type = objective(cfg).row_type
     ok, rows, errors = parse_readable(batch)
