@@ -2,9 +2,9 @@
 
 The fast path (``render.render_conversation``, ``verified_by="layout"``) finds each trained turn with the probed
 or declared layout; the rule (``prefix.render_by_prefixes``) finds it with per-turn prefix renders. Where both
-decide, they must give the same ``input_ids`` and ``labels``: each render goes through the one encode step
-(``tokenize.encode_rendered``) and ``make_labels``. The pipeline runs this on a sample of the user's own rows
-(``data.rule_check``, docs/masking.md#the-rule-checked-at-run-time).
+decide, they must give the same ``input_ids`` and ``labels``: each render is finished as every example is
+(``example.finish_examples``: the one encode step, the projection, ``make_labels``). The pipeline runs this on a
+sample of the user's own rows (``data.rule_check``, docs/masking.md#the-rule-checked-at-run-time).
 
     >>> messages = DEFAULT_POLICY.mark([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
     >>> check_with_rule(messages, render_conversation(messages, tok), tok).outcome
@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from qlora_train.masking.example import RenderedExample, finish_examples
 from qlora_train.masking.layout import TemplateLayout, probe_key
 from qlora_train.masking.layout_declaration import resolve_layout, template_layout
 from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected
@@ -43,7 +44,7 @@ from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 from qlora_train.masking.prefix import PrefixRenderer, common_prefix_length, prefix_turn, render_by_prefixes
 from qlora_train.masking.render import render_conversation  # noqa: F401 (the doctest)
 from qlora_train.masking.rendered import RenderedConversation, TurnSpan, trained_spans
-from qlora_train.masking.tokenize import IGNORE_INDEX, encode_rendered, make_labels, project_char_mask
+from qlora_train.masking.tokenize import IGNORE_INDEX
 
 AGREE, UNDECIDED, DISAGREE = "agree", "undecided", "disagree"
 NOT_PREFIX_STABLE = "not prefix-stable"  # what ``prefix_turn`` says where the rule cannot decide
@@ -65,9 +66,13 @@ class RuleCheck(NamedTuple):
 
 
 def masked_tokens(rendered: list[RenderedConversation], tokenizer) -> list[Masked]:
-    """Renders -> their ids and labels: the one encode step (``encode_rendered``) and ``make_labels``."""
-    return [Masked(ids, make_labels(ids, project_char_mask(offsets, r.char_mask))["labels"])
-            for r, (ids, offsets) in zip(rendered, encode_rendered(rendered, tokenizer))]
+    """Renders -> their ids and labels, finished as every example is (``example.finish_examples``)."""
+    out = []
+    for m in finish_examples([RenderedExample([], None, r) for r in rendered], tokenizer):
+        if isinstance(m, RowRejected):
+            raise m
+        out.append(Masked(m.input_ids, m.labels))
+    return out
 
 
 def check_with_rule(messages: list[Message], rendered: RenderedConversation, tokenizer, *,

@@ -23,7 +23,8 @@ from qlora_train.masking.expand import expand_dropped_reasoning
 from qlora_train.masking.layout import TemplateLayout
 from qlora_train.masking.messages import Message, RowRejected, check_unicode
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy
-from qlora_train.masking.render import RenderedConversation, render_conversation
+from qlora_train.masking.render import render_conversation
+from qlora_train.masking.rendered import RenderedConversation
 from qlora_train.masking.tokenize import (
     IGNORE_INDEX,
     OffsetArray,

@@ -1,10 +1,12 @@
 """Stage 3: tokenize the rendered text and project the char mask onto tokens -> labels.
 
-    >>> out = tokenize_with_char_mask("question answer", [0] * 8 + [1] * 7, tok)
+    >>> (ids, offsets), = encode_batch(["question answer"], tok)
+    >>> out = make_labels(ids, project_char_mask(offsets, np.array([0] * 8 + [1] * 7, np.uint8)))
     >>> [tok.decode(i) for i in out["input_ids"]], out["labels"] == [-100, out["input_ids"][1]]
     (['question', ' answer'], True)
 
-Labels are made here and nowhere else. Projection rule: a token is trained
+Labels are made here (``make_labels``) and nowhere else; ``example.finish_examples`` is the one place the
+engine composes these steps for a render. Projection rule: a token is trained
 when its FIRST character is trained. A token belongs to where it starts, as in
 generation, where the model emits tokens from the position where the prompt
 ends. Tokens whose characters are part trained, part masked ("straddling") are
@@ -545,20 +547,3 @@ def make_labels(
         ids, labels = ids[cut], labels[cut]
     assert len(ids) == len(labels), "input_ids and labels must have the same length"
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
-
-
-def tokenize_with_char_mask(
-    text: str,
-    char_mask,
-    tokenizer,
-    *,
-    max_length: int | None = None,
-    truncate_side: str = "left",
-) -> dict[str, list[int]]:
-    """Rendered text + char mask -> ``input_ids``, ``attention_mask``, ``labels`` (-100 = ignored)."""
-    char_mask = np.asarray(char_mask, dtype=np.uint8)
-    if len(char_mask) != len(text):
-        raise ValueError(f"char_mask has {len(char_mask)} entries for {len(text)} characters")
-    (ids, offsets), = encode_batch([text], tokenizer)
-    return make_labels(ids, project_char_mask(offsets, char_mask), max_length=max_length,
-                       truncate_side=truncate_side)

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlora_train.masking import IGNORE_INDEX, RowRejected, mask_conversation, render_conversation, template_layout
+from qlora_train.masking import IGNORE_INDEX, RowRejected, mask_conversation, template_layout
 from qlora_train.masking.policy import LossPolicy
-from qlora_train.masking.render import build_text_and_masks
-from qlora_train.masking.tokenize import OffsetArray, project_char_mask, tokenize_with_char_mask
+from qlora_train.masking.render import build_text_and_masks, render_conversation
+from qlora_train.masking.tokenize import OffsetArray, encode_batch, make_labels, project_char_mask
 from tests.data.oracle import tokens
+
+
+def tokenize_with_char_mask(text: str, mask, tokenizer) -> dict:
+    """A text tokenized whole (no cuts, unlike a render: ``masking.finish_examples``) and its char mask projected:
+    the first-character rule on its own."""
+    (ids, offsets), = encode_batch([text], tokenizer)
+    return make_labels(ids, project_char_mask(offsets, np.asarray(mask, dtype=np.uint8)))
+
 
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 
