@@ -17,10 +17,10 @@ from typing import Any
 
 from qlora_train.config import DataConfig
 from qlora_train.data import rule_check
+from qlora_train.data.drops import DropReason
 from qlora_train.data.parse import ParseReport
 from qlora_train.data.processed import RowType
 from qlora_train.masking import (
-    DropReason,
     LossPolicy,
     RowBudget,
     RowRejected,

@@ -18,6 +18,7 @@ import numpy as np
 
 from qlora_train.config import DataConfig
 from qlora_train.data import rule_check
+from qlora_train.data.drops import DropReason
 from qlora_train.data.formats import plain_text_and_mask, pretokenized_ids_and_mask, segments_text_and_mask
 from qlora_train.data.parse import CHAT_SCHEMAS, ParseReport, canonicalize_row, map_fields, resolve_schema
 from qlora_train.data.processed import SFT_ROW
@@ -26,7 +27,6 @@ from qlora_train.data.truncate import structured_truncate_messages
 from qlora_train.masking import (
     DISAGREE,
     IGNORE_INDEX,
-    DropReason,
     MaskedConversation,
     RenderedExample,
     RowRejected,
