@@ -71,7 +71,7 @@ vocab:
 	$(PYTHON) -m tests.vocabularies
 
 # every family template x vocabulary (markers as tokens, as plain text): the engine's masks vs the prefix-render
-# oracle (tests/data/oracle.py); `make audit AUDIT_ARGS="--n 50 --only llama3-original"`
+# oracle (tests/masking/oracle.py); `make audit AUDIT_ARGS="--n 50 --only llama3-original"`
 audit: vocab
 	$(PYTHON) benchmarks/mask_audit.py $(AUDIT_ARGS)
 

@@ -57,10 +57,10 @@ def family_tokenizers(qwen_tokenizer_dir):
 def family_vocab_tokenizer(qwen_tokenizer_dir, real_vocab_dir):
     """``(family, vocabulary) -> tokenizer``, each built once per session (tests must not change them):
     ``qwen+tok`` the real Qwen vocabulary with the family's markers added as tokens; ``llama3+tok`` / ``llama3 text``
-    the real Llama 3 vocabulary with them as tokens / left as plain text (tests/data/families.py)."""
+    the real Llama 3 vocabulary with them as tokens / left as plain text (tests/masking/families.py)."""
     from transformers import AutoTokenizer
 
-    from tests.data.families import family_tokenizer
+    from tests.masking.families import family_tokenizer
 
     built, bases = {}, {}
 

@@ -20,10 +20,10 @@ from qlora_train.data import (
     process_rows,
 )
 from qlora_train.masking.policy import LossPolicy
-from tests.data.families import FAMILIES
-from tests.data.oracle import DECIDED, check_kept_row, prefix_oracle
-from tests.data.test_family_masks import TOOLS as FAMILY_TOOLS
-from tests.data.test_family_masks import _call, _specials_removed, answer, upper
+from tests.masking.families import FAMILIES
+from tests.masking.oracle import DECIDED, check_kept_row, prefix_oracle
+from tests.masking.test_family_masks import TOOLS as FAMILY_TOOLS
+from tests.masking.test_family_masks import _call, _specials_removed, answer, upper
 
 U = {"role": "user", "content": "What is 2+2?"}
 A4 = {"role": "assistant", "content": "4"}
@@ -388,7 +388,7 @@ def test_every_format_builds_on_qwen3(qwen3_tok):
 
 
 # ------------------------------------------------------------------------------------------ every family, random pairs
-# Every family template (tests/data/family_templates/), its markers as tokens on the real Qwen and the real Llama 3
+# Every family template (tests/masking/family_templates/), its markers as tokens on the real Qwen and the real Llama 3
 # vocabularies. Prompt text (system, user, the prompt's own assistant turns) and tool results are upper-case, response
 # text lower-case: "no prompt character is trained" == "no upper-case letter is trained" (markers removed first).
 # Each side must equal SFT's row for the same conversation with the prompt marked untrained, ids and labels, and the

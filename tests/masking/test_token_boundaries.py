@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from qlora_train.data import IGNORE_INDEX, DataConfig, build_preference_example, process_rows
 from qlora_train.masking import DEFAULT_POLICY, LossPolicy, encode_rendered, render_conversation
-from tests.data.oracle import tokens
+from tests.masking.oracle import tokens
 
 Q = {"role": "user", "content": "Say hello."}
 

@@ -19,7 +19,7 @@ from qlora_train.data import (
 from qlora_train.masking import mask_conversation
 from qlora_train.masking.policy import LossPolicy
 from qlora_train.masking.tokenize import OffsetArray, project_char_mask
-from tests.data.oracle import tokens
+from tests.masking.oracle import tokens
 
 mark = LossPolicy().mark  # messages written by hand get their train flags as the parse stage gives them
 
