@@ -20,7 +20,8 @@ browser:
 		|| echo "could not install chromium: the browser check will be skipped"; \
 	else echo "no apt-get or not root: install chromium yourself to run the browser check"; fi
 
-# one worker per core (at most 4), whole files per worker: a file's module fixtures are built once
+# one worker per core (at most 4), whole files per worker: a file's module fixtures are built once; each worker's
+# torch gets its share of the cores (OMP_NUM_THREADS, tests/conftest.py)
 PYTEST_PAR = -n auto --maxprocesses 4 --dist loadfile
 
 test:
