@@ -20,7 +20,8 @@ browser:
 		|| echo "could not install chromium: the browser check will be skipped"; \
 	else echo "no apt-get or not root: install chromium yourself to run the browser check"; fi
 
-# one worker per core (at most 4), whole files per worker: a file's module fixtures are built once
+# one worker per core (at most 4), whole files per worker: a file's module fixtures are built once; each worker's
+# torch gets its share of the cores (OMP_NUM_THREADS, tests/conftest.py)
 PYTEST_PAR = -n auto --maxprocesses 4 --dist loadfile
 
 test:
@@ -71,7 +72,7 @@ vocab:
 	$(PYTHON) -m tests.vocabularies
 
 # every family template x vocabulary (markers as tokens, as plain text): the engine's masks vs the prefix-render
-# oracle (tests/data/oracle.py); `make audit AUDIT_ARGS="--n 50 --only llama3-original"`
+# oracle (tests/masking/oracle.py); `make audit AUDIT_ARGS="--n 50 --only llama3-original"`
 audit: vocab
 	$(PYTHON) benchmarks/mask_audit.py $(AUDIT_ARGS)
 

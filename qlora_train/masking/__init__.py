@@ -35,17 +35,21 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
 - ``pair``       a prompt and its responses: ``mask_pair`` / ``mask_response``, the pair's sides (``SIDES``,
                  ``mark_side``, ``pair_policy``) and its shared prompt (``shared_prompt_length``);
 - ``expand``     ``reasoning_history: expand``: prefix examples for reasoning the full render drops;
-- ``messages``   the canonical ``Message``, ``DropReason`` (every reason a row is refused) and ``RowRejected``;
+- ``messages``   the canonical ``Message``, the engine's ``DropReason`` (``data.drops.DropReason`` extends it)
+                 and ``RowRejected``;
 - ``policy``     ``LossPolicy``: which messages are trained (``mark`` flags each one) and which parts;
 - ``layout``     ``TemplateLayout``, the template's facts as named parts (turn openers, end markers, reasoning
                  block, answer marker, leads, trailer, ...), found by ``probe_layout`` from a few probe renders
-                 and cached per template and vocabulary (``template_layout``); its ``layout_class`` names where
-                 a turn's prompt ends (``LAYOUT_CLASSES``); a fact the probe cannot find stays unknown;
-- ``layout_declaration``  ``model.template_layout``: a layout declared in the config, merged with the probe's;
+                 (cached per template and vocabulary by ``layout_declaration.template_layout``); its
+                 ``layout_class`` names where a turn's prompt ends (``LAYOUT_CLASSES``); a fact the probe cannot find stays unknown;
+- ``layout_declaration``  ``model.template_layout``: a layout declared in the config, merged with the probe's
+                 (``template_layout``: the probe's layout with the declaration over it, cached);
 - ``row_text``   row text outside content (roles, names, ids, tool names, argument names, tool schemas) holding
                  the template's markers refuses the row (``marker_in_row_text``) before any span is looked for;
 - ``apply_template``  the template's text, exactly ``apply_chat_template``'s, without transformers' per-call
                  copies of plain data (checked against it on each tokenizer's first renders);
+- ``rendered``   what both paths make: ``RenderedConversation`` (text, char mask, ``TurnSpan`` per trained turn),
+                 the template's text (``render_text``);
 - ``render``     **the fast path**: one render of the whole conversation, walked message by message with the
                  layout, each trained turn verified (its reasoning, content, calls and end marker inside its own
                  span) -> ``RenderedConversation`` (text, char mask, ``TurnSpan`` per trained turn);
@@ -56,6 +60,7 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
                  over it is ``over_budget`` (``RowSpending``, entered around each part of a row's work);
 - ``tokenize``   one batched tokenizer call with offsets (``encode_rendered``: the one encode step of a render,
                  cut at its trained turns' starts), the char mask projected onto tokens, labels;
+- ``count``      ``count_tokens``: exact token counts of texts (reasoning the template drops), piece by piece;
 - ``check``      the fast path checked against the rule on a conversation, token by token (``check_with_rule``:
                  agree, undecided where the template is not prefix-stable, disagree).
 
@@ -68,8 +73,8 @@ counted (``TurnSpan.reasoning_dropped``).
 **To add a layout class**: give ``TemplateLayout`` the part it lacks (a field with its default "unknown"), let
 ``probe_layout`` find it from its probe texts (never from added-token boundaries: plain-text markers must probe
 the same), teach ``render``'s walk to use it, name the class in ``LAYOUT_CLASSES``, and add a family template of
-ours under tests/data/family_templates/ with its facts in tests/data/families.py; the hypothesis properties
-against the prefix-render oracle (tests/data/oracle.py) and ``make audit`` then check it on three vocabularies.
+ours under tests/masking/family_templates/ with its facts in tests/masking/families.py; the hypothesis properties
+against the prefix-render oracle (tests/masking/oracle.py) and ``make audit`` then check it on three vocabularies.
 docs/masking.md is the long form.
 """
 

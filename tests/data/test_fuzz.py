@@ -14,7 +14,7 @@ processed batch by batch as a run does (``dataset._process_raw_batch``: ``batche
 - accounting: per source, one processed row per row written (a ``.json`` array that cannot be read at all is
   one row), each kept or refused under a known reason with a detail naming its file and line;
 - nothing but generated text is trained: every kept row's trained tokens against the prefix-render rule as
-  the tests apply it (``tests/data/oracle.py``), no token trained the rule does not train; where the rule cannot
+  the tests apply it (``tests/masking/oracle.py``), no token trained the rule does not train; where the rule cannot
   decide the row, no token trained inside a user, system or tool message's content.
 
 On three templates x vocabularies: the Qwen3 vocabulary (the tiny Qwen3's) with our qwen3 template, the
@@ -47,7 +47,7 @@ from qlora_train.data.parse import canonicalize_row
 from qlora_train.data.processed import SFT_ROW
 from qlora_train.data.sources import SourceError, _json_rows
 from qlora_train.masking import IGNORE_INDEX, LossPolicy
-from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens, weak_violations
+from tests.masking.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens, weak_violations
 
 # ---------------------------------------------------------------------------------------------- run length
 # FUZZ_SECONDS (make fuzz): the whole budget, shared out over the fuzz tests and the xdist workers; each test

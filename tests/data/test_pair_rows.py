@@ -439,6 +439,7 @@ def model_dir(tmp_path, qwen_tokenizer_dir):
     return path
 
 
+@pytest.mark.slow  # --preprocess through the CLI, then the data built twice: make test (CI) runs it
 def test_preprocess_round_trip_keeps_the_pair_columns(tmp_path, model_dir, pairs_file):
     from qlora_train.data.prepared import training_data
     from qlora_train.tokenizer import load_tokenizer

@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 from qlora_train.data import DataConfig, build_preference_example, canonicalize_pair, process_rows
 from qlora_train.masking import IGNORE_INDEX, RowRejected
 from qlora_train.masking.policy import LossPolicy
-from tests.data.families import FAMILIES
-from tests.data.oracle import DECIDED, check_kept_row, prefix_oracle
-from tests.data.test_family_masks import TOOLS as FAMILY_TOOLS
-from tests.data.test_family_masks import _call, _specials_removed, answer, upper
+from tests.masking.families import FAMILIES
+from tests.masking.oracle import DECIDED, check_kept_row, prefix_oracle
+from tests.masking.test_family_masks import TOOLS as FAMILY_TOOLS
+from tests.masking.test_family_masks import _call, _specials_removed, answer, upper
 
 U = {"role": "user", "content": "What is 2+2?"}
 A4 = {"role": "assistant", "content": "4"}
@@ -382,7 +382,7 @@ def test_every_format_builds_on_qwen3(qwen3_tok):
 
 
 # ------------------------------------------------------------------------------------------ every family, random pairs
-# Every family template (tests/data/family_templates/), its markers as tokens on the real Qwen and the real Llama 3
+# Every family template (tests/masking/family_templates/), its markers as tokens on the real Qwen and the real Llama 3
 # vocabularies. Prompt text (system, user, the prompt's own assistant turns) and tool results are upper-case, response
 # text lower-case: "no prompt character is trained" == "no upper-case letter is trained" (markers removed first).
 # Each side must equal SFT's row for the same conversation with the prompt marked untrained, ids and labels, and the
@@ -467,8 +467,14 @@ def check_pair_properties(tok, fam, prompt, chosen, rejected):
     return "built"
 
 
-@pytest.mark.parametrize("vocab", VOCABS)
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+# every family on both vocabularies: make test (CI) runs all of them; make test-fast two (tool calls, reasoning and
+# a system prompt, one on each vocabulary)
+FAST_FAMILIES = {("mistral-v7", "qwen"), ("gpt-oss", "llama3")}
+
+
+@pytest.mark.parametrize(("name", "vocab"), [
+    pytest.param(name, vocab, id=f"{name}-{vocab}", marks=() if (name, vocab) in FAST_FAMILIES else pytest.mark.slow)
+    for name in sorted(FAMILIES) for vocab in VOCABS])
 def test_property_pairs_on_every_family(family_tok, name, vocab):
     tok, fam = family_tok(name, vocab), FAMILIES[name]
 

@@ -6,7 +6,7 @@ import pytest
 
 from qlora_train.data import DataConfig, process_rows
 from qlora_train.masking.layout import probe_tool_block, tool_block
-from tests.data.families import FAMILIES, family_tokenizer
+from tests.masking.families import FAMILIES, family_tokenizer
 
 # every family template's tool block probed (~30 s on 2 cores): make test (CI) runs it, make test-fast does not
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from qlora_train.export.generate import Answer, ChatModel, answer, greedy
 from qlora_train.export.stop_tokens import eos_ids, serving_generation_config, stop_tokens
-from tests.data.families import FAMILIES, family_tokenizer
+from tests.masking.families import FAMILIES, family_tokenizer
 
 # every family's tokenizer on two vocabularies (~35 s on 2 cores): make test (CI) runs it, make test-fast does not
 pytestmark = pytest.mark.slow

@@ -312,6 +312,9 @@ class Snapshot(TrainerCallback):
         self.model = model
 
 
+# trains (two real QLoRA DPO steps through run.train): make test (CI) runs it, make test-fast does not; the loss,
+# its gradients and the reference are checked fast above on the same model
+@pytest.mark.slow
 def test_train_runs_two_qlora_dpo_steps_logs_rewards_and_changes_the_adapter(tiny_model_dir, tmp_path,
                                                                               pair_examples, monkeypatch):
     """run.train with train.method: dpo on pair rows (the data pipeline does not make them yet: its result is
@@ -342,6 +345,7 @@ def test_train_runs_two_qlora_dpo_steps_logs_rewards_and_changes_the_adapter(tin
     assert (out / "adapter_model.safetensors").is_file() and (out / "training_complete.json").is_file()
 
 
+@pytest.mark.slow  # trains; fast: test_fresh_adapter_dpo_loss_is_log_2_with_zero_rewards, test_starting_adapter_is_...
 def test_train_from_an_sft_adapter_starts_at_log_2_and_saves_only_the_trained_copy(tiny_model_dir, tmp_path,
                                                                                      pair_examples, monkeypatch):
     """model.adapter_path through run.train: the starting adapter is both the policy and the reference at step 1

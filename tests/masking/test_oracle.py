@@ -1,4 +1,4 @@
-"""The prefix-render oracle (tests/data/oracle.py) against layouts written by hand.
+"""The prefix-render oracle (tests/masking/oracle.py) against layouts written by hand.
 
 The oracle reads no fact from the engine, so the mask tests and the mask audit can
 judge the engine by it; here it is judged itself: on every family's ``EXAMPLE`` it
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.data.families import FAMILIES, example_messages
-from tests.data.oracle import (
+from tests.masking.families import FAMILIES, example_messages
+from tests.masking.oracle import (
     DECIDED,
     REFUSE,
     UNDECIDED,

@@ -1,6 +1,6 @@
 """Issue 24: the engine's masks on the first Llama 3 template, five turn shapes, and markers that are plain text.
 
-Every test compares the engine with the prefix-render oracle (tests/data/oracle.py), never with a probed layout:
+Every test compares the engine with the prefix-render oracle (tests/masking/oracle.py), never with a probed layout:
 
 - the first Llama 3 template (``header_after_every_render``) and the five shapes A-E of families.py
   (``SHAPES``), on the real Qwen vocabulary with their markers as tokens and on the real Llama 3 vocabulary
@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from qlora_train.data import DataConfig, process_rows
 from qlora_train.masking import IGNORE_INDEX, template_layout
-from tests.data.conversations import conversation
-from tests.data.families import FAMILIES, ISSUE24_NAMES, ISSUE34_NAMES, example_messages
-from tests.data.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens
+from tests.masking.conversations import conversation
+from tests.masking.families import FAMILIES, ISSUE24_NAMES, ISSUE34_NAMES, example_messages
+from tests.masking.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens
 from tests.vocabularies import SHIPPED_TEMPLATES
 
 # every family template probed on three vocabularies: make test (CI) runs it, make test-fast does not

@@ -37,8 +37,8 @@ from qlora_train.masking.layout_declaration import (
     template_layout,
 )
 from qlora_train.tokenizer import load_tokenizer
-from tests.data.families import FAMILIES, family_tokenizer
-from tests.data.test_family_masks import NO_VERIFIABLE_TOOL_CALLS, TOOLS, conversations
+from tests.masking.families import FAMILIES, family_tokenizer
+from tests.masking.test_family_masks import NO_VERIFIABLE_TOOL_CALLS, TOOLS, conversations
 
 # declared layouts round-tripped on every family template: make test (CI) runs it, make test-fast does not
 pytestmark = pytest.mark.slow

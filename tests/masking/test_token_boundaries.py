@@ -18,7 +18,7 @@ from qlora_train.data import DataConfig, build_preference_example, process_rows
 from qlora_train.masking import DEFAULT_POLICY, IGNORE_INDEX, LossPolicy
 from qlora_train.masking.render import render_conversation
 from qlora_train.masking.tokenize import encode_rendered
-from tests.data.oracle import tokens
+from tests.masking.oracle import tokens
 
 Q = {"role": "user", "content": "Say hello."}
 

@@ -1,4 +1,4 @@
-"""Smoke tests of the family stand-in templates (tests/data/families.py) on the real Qwen vocabulary.
+"""Smoke tests of the family stand-in templates (tests/masking/families.py) on the real Qwen vocabulary.
 
 The expected texts are written by hand from each family's documented format, not
 produced by the templates; date-dependent lines use today's date.
@@ -13,7 +13,7 @@ from datetime import datetime
 import jinja2
 import pytest
 
-from tests.data.families import EXAMPLE, FAMILIES, example_messages
+from tests.masking.families import EXAMPLE, FAMILIES, example_messages
 
 # every family template's tokenizer built and rendered: make test (CI) runs it, make test-fast does not
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from qlora_train.masking import IGNORE_INDEX, RowRejected, mask_conversation, te
 from qlora_train.masking.policy import LossPolicy
 from qlora_train.masking.render import build_text_and_masks, render_conversation
 from qlora_train.masking.tokenize import OffsetArray, encode_batch, make_labels, project_char_mask
-from tests.data.oracle import tokens
+from tests.masking.oracle import tokens
 
 
 def tokenize_with_char_mask(text: str, mask, tokenizer) -> dict:

@@ -24,8 +24,8 @@ from qlora_train.data import DataConfig, process_rows
 from qlora_train.masking import IGNORE_INDEX, RowRejected, template_layout
 from qlora_train.masking.policy import LossPolicy
 from qlora_train.masking.render import render_conversation
-from tests.data.families import FAMILIES, example_messages
-from tests.data.oracle import DECIDED, prefix_oracle, tokens, trained_text
+from tests.masking.families import FAMILIES, example_messages
+from tests.masking.oracle import DECIDED, prefix_oracle, tokens, trained_text
 
 # every family template on real vocabularies (a tokenizer per family and vocabulary): make test (CI) runs it,
 # make test-fast does not
@@ -169,7 +169,7 @@ def name_has_private_openers(fam) -> bool:
 
 def oracle(tok, fam, msgs) -> str | None:
     """What each assistant turn adds after the render of the conversation before it with the generation prompt,
-    through its end marker (tests/data/oracle.py, from the family's documented end markers, not the probe's);
+    through its end marker (tests/masking/oracle.py, from the family's documented end markers, not the probe's);
     None where the template is not prefix-stable on the row or refuses it."""
     verdict = prefix_oracle(tok, msgs, end_markers=fam.end_markers, think_open=fam.think_open)
     return trained_text(verdict) if verdict.kind == DECIDED else None

@@ -15,8 +15,8 @@ from jinja2 import pass_context, pass_environment, pass_eval_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, unsafe
 
 from qlora_train.masking import apply_template as at
-from tests.data.conversations import conversation
-from tests.data.families import FAMILIES
+from tests.masking.conversations import conversation
+from tests.masking.families import FAMILIES
 
 
 def reference(messages, tok, tools=None, gen=False):
