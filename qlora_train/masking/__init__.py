@@ -41,7 +41,8 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
 - ``layout``     ``TemplateLayout``, the template's facts as named parts (turn openers, end markers, reasoning
                  block, answer marker, leads, trailer, ...), found by ``probe_layout`` from a few probe renders
                  (cached per template and vocabulary by ``layout_declaration.template_layout``); its
-                 ``layout_class`` names where a turn's prompt ends (``LAYOUT_CLASSES``); a fact the probe cannot find stays unknown;
+                 ``layout_class`` names where a turn's prompt ends (``LAYOUT_CLASSES``); a fact the probe cannot
+                 find stays unknown;
 - ``layout_declaration``  ``model.template_layout``: a layout declared in the config, merged with the probe's
                  (``template_layout``: the probe's layout with the declaration over it, cached);
 - ``row_text``   row text outside content (roles, names, ids, tool names, argument names, tool schemas) holding
