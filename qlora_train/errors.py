@@ -46,7 +46,7 @@ class DataError(QloraError):
 
 
 class InternalError(QloraError):
-    """A bug in our code, not bad data: rows failed with exceptions no stage foresaw (``pipeline.guarded``) on
+    """A bug in our code, not bad data: rows failed with exceptions no stage foresaw (``rows.guarded``) on
     more than ``UNEXPECTED_ROWS_STOP`` of a dataset. The message carries the first one's traceback."""
 
     exit_code = 70  # EX_SOFTWARE

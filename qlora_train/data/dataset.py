@@ -301,7 +301,7 @@ UNEXPECTED_ROWS_STOP = 0.01  # the share of rows failing with unexpected excepti
 
 
 def check_unexpected_errors(processed: datasets.Dataset) -> None:
-    """Rows refused by an unexpected exception (``pipeline.guarded``: a bug in our code, not bad data): the
+    """Rows refused by an unexpected exception (``rows.guarded``: a bug in our code, not bad data): the
     first one's location and traceback logged; more than ``UNEXPECTED_ROWS_STOP`` of the rows stop the run
     with it (``InternalError``, exit 70)."""
     failed = pc.not_equal(processed.data.column("error_traceback"), "")

@@ -58,13 +58,13 @@ class RowRejected(Exception):
     def __init__(self, reason: str, detail: str, *, traceback: str = ""):
         self.reason = reason
         self.detail = detail
-        self.traceback = traceback  # an unexpected exception's, when one caused the refusal (pipeline.guarded)
+        self.traceback = traceback  # an unexpected exception's, when one caused the refusal (rows.guarded)
         super().__init__(f"{reason}: {detail}")
 
     @classmethod
     def unexpected(cls, exc: BaseException) -> RowRejected:
         """An exception nobody foresaw, on one row -> its refusal (``bad_row``) with the exception's traceback: a
-        bug in our code or an input nobody foresaw, counted like a bad row (``pipeline.guarded``).
+        bug in our code or an input nobody foresaw, counted like a bad row (``rows.guarded``).
 
         >>> rej = RowRejected.unexpected(ValueError("x" * 300))
         >>> rej.reason, len(rej.detail), rej.detail[:30]
