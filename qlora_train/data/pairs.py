@@ -22,7 +22,6 @@ import re
 from dataclasses import dataclass, field
 
 from qlora_train.config import DataConfig
-from qlora_train.data import rule_check
 from qlora_train.data.drops import DropReason
 from qlora_train.data.parse import (
     ParseReport,
@@ -39,7 +38,6 @@ from qlora_train.data.rows import Batch, check_length, content_chars, content_ha
 from qlora_train.data.truncate import exchanges_to_fit, measure, middle_exchanges, trim_reasoning
 from qlora_train.masking import (
     DEFAULT_POLICY,
-    DISAGREE,
     IGNORE_INDEX,
     SIDES,
     LossPolicy,
@@ -597,14 +595,8 @@ def process_pair_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str]
         out["parse_report"] = report_json(pair.report)  # a pair refused from here on is counted as parsed
         check_score_margin(pair, cfg.min_score_margin)
         check_length(content_chars(pair.prompt + pair.chosen + pair.rejected), cfg)
-        if b.checked(i):
-            check = guarded(rule_check.check_responses, pair.prompt, {"chosen": pair.chosen, "rejected": pair.rejected},
-                            pair.tools, tokenizer, policy=b.policy, layout=b.layout)
-            if check is not None:
-                rule_check.count(pair.report, check)
-                out["parse_report"] = report_json(pair.report)
-                if check.outcome == DISAGREE:
-                    raise rule_check.refusal(check)
+        b.check_responses(i, pair.report, pair.prompt, {"chosen": pair.chosen, "rejected": pair.rejected},
+                          pair.tools, tokenizer)
         if cfg.dedup:
             out["content_hash"] = guarded(content_hash, ["preference", pair.prompt, pair.chosen, pair.rejected,
                                                          pair.tools])

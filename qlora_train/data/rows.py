@@ -21,6 +21,7 @@ from qlora_train.data.drops import DropReason
 from qlora_train.data.parse import ParseReport
 from qlora_train.data.processed import RowType
 from qlora_train.masking import (
+    DISAGREE,
     LossPolicy,
     RowBudget,
     RowRejected,
@@ -81,6 +82,21 @@ class Batch:
         """Whether ``data.rule_check`` checks row ``i`` against the rule."""
         text = self.texts[i] if self.texts is not None else partial(rule_check.row_text, self.rows[i])
         return rule_check.selected(self.cfg.rule_check, self.positions[i], text, rule_check.first_rows(self.layout))
+
+    def check_responses(self, i: int, report: ParseReport, prompt: list, responses: dict[str, list],
+                        tools: list[dict] | None, tokenizer) -> None:
+        """``data.rule_check`` on row ``i``'s responses (a pair's sides, an unpaired row's completion) where it is
+        selected: the outcome counted in its report (written to the row), a disagreement refusing it."""
+        if not self.checked(i):
+            return
+        check = guarded(rule_check.check_responses, prompt, responses, tools, tokenizer, policy=self.policy,
+                        layout=self.layout)
+        if check is None:  # a side the fast path refuses: fitting the row refuses it with that reason
+            return
+        rule_check.count(report, check)
+        self.outs[i]["parse_report"] = report_json(report)
+        if check.outcome == DISAGREE:
+            raise rule_check.refusal(check)
 
     def refuse(self, i: int, rej: RowRejected) -> None:
         out = self.outs[i]

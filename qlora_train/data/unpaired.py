@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qlora_train.config import DataConfig
-from qlora_train.data import rule_check
 from qlora_train.data.drops import DropReason
 from qlora_train.data.pairs import PROMPT_KEYS, _check_messages, _messages, check_prompt, check_response, side_limit
 from qlora_train.data.parse import ParseReport, instruction_prompt, map_fields, row_tools
@@ -36,7 +35,6 @@ from qlora_train.data.rows import Batch, check_length, content_chars, content_ha
 from qlora_train.data.truncate import middle_exchanges
 from qlora_train.masking import (
     DEFAULT_POLICY,
-    DISAGREE,
     IGNORE_INDEX,
     LossPolicy,
     Message,
@@ -233,14 +231,8 @@ def process_unpaired_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[
         unpaired = guarded(canonicalize_unpaired, row, cfg, tokenizer=tokenizer)
         out["parse_report"] = report_json(unpaired.report)  # a row refused from here on is counted as parsed
         check_length(content_chars(unpaired.prompt + unpaired.completion), cfg)
-        if b.checked(i):
-            check = guarded(rule_check.check_responses, unpaired.prompt, {"completion": unpaired.completion},
-                            unpaired.tools, tokenizer, policy=b.policy, layout=b.layout)
-            if check is not None:
-                rule_check.count(unpaired.report, check)
-                out["parse_report"] = report_json(unpaired.report)
-                if check.outcome == DISAGREE:
-                    raise rule_check.refusal(check)
+        b.check_responses(i, unpaired.report, unpaired.prompt, {"completion": unpaired.completion}, unpaired.tools,
+                          tokenizer)
         if cfg.dedup:
             out["content_hash"] = guarded(content_hash, ["unpaired", unpaired.prompt, unpaired.completion,
                                                          unpaired.desirable, unpaired.tools])
