@@ -40,7 +40,8 @@ from typing import Any
 from qlora_train.errors import ConfigError
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
-ALIASES = {"qwen2": "qwen2.5", "qwen3_5": "qwen3.5", "llama3.1": "llama3", "gemma2": "gemma", "gemma3": "gemma"}
+ALIASES = {"qwen2": "qwen2.5", "qwen3_5": "qwen3.5", "llama3.1": "llama3", "gemma2": "gemma", "gemma3": "gemma",
+           "qwen2_vl": "qwen2.5-vl", "qwen2_5_vl": "qwen2.5-vl"}
 
 
 def shipped_templates() -> list[str]:

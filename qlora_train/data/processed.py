@@ -5,7 +5,8 @@ A row type (``RowType``) is what one objective's pipeline writes for each raw ro
 refused rows a ``drop_reason``) and ``dataset`` adds to it (where the row came from):
 
 - ``SFT_ROW`` (``data.objective: sft``): an example's ``input_ids`` / ``attention_mask`` / ``labels``, its extra
-  examples (``reasoning_history: expand``), truncation's counts (``token_fallback``: the side cut);
+  examples (``reasoning_history: expand``), truncation's counts (``token_fallback``: the side cut), its images
+  (references, not pixels: the collator reads them) and their tokens;
 - ``PAIR_ROW`` (``preference``): the two sides' ids and labels and their shared ``prompt_length``;
   ``num_tokens*`` / ``num_trained_tokens`` / ``reasoning_trimmed_tokens`` count both sides together,
   ``dropped_turns`` the prompt exchanges dropped, ``cut_sides`` the sides whose response was cut;
@@ -75,6 +76,11 @@ _WHERE = (
     _c("source", "string", STATS, KEPT, written_by="dataset"),  # index:path of its data.datasets entry
     _c("location", "string", written_by="dataset"),  # file:line
     _c("domain", "string", KEPT, written_by="dataset"),  # data.domain_key's value
+)
+_IMAGES = (  # a vision-language model's rows (masking.images); a text row's are [] and 0
+    _c("images", "string", MODEL, KEPT, depth=1),  # the kept turns' images, in order: absolute paths or data: URIs
+    _c("num_images", "int64", REPORT, STATS),
+    _c("num_image_tokens", "int64", REPORT, STATS),  # their tokens in input_ids (never trained)
 )
 _PROMPT_LENGTH = _c("prompt_length", "int64", MODEL, KEPT, STATS)  # tokens before the response(s), never trained
 
@@ -166,6 +172,7 @@ SFT_ROW = RowType("sft", (
     _c("expanded_tokens", "int64", REPORT, STATS),
     _c("expanded_trained_tokens", "int64", REPORT, STATS),
     _c("tool_schema_tokens", "int64", STATS),  # tokens of the template's tool block; -1: tools, block not found
+    *_IMAGES,
     *_WHERE,
 ))
 PAIR_ROW = RowType("preference", (

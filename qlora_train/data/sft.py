@@ -32,6 +32,8 @@ from qlora_train.masking import (
     RowRejected,
     count_tokens,
     finish_examples,
+    image_rule,
+    message_images,
     render_example,
     text_example,
     token_example,
@@ -160,7 +162,18 @@ def _fit_chat(out: dict, masked: MaskedConversation, b: Batch, tokenizer) -> Non
         masked = tr.final
         out["dropped_turns"] = tr.dropped_turns
         out["reasoning_trimmed_tokens"] = tr.reasoning_trimmed_tokens
+    images = message_images(masked.messages)
+    if images:  # an image's tokens are never cut: a row whose kept turns do not fit is refused
+        if masked.num_tokens > cfg.max_length:
+            raise RowRejected(DropReason.TOO_LONG, f"{masked.num_tokens} tokens > max_length={cfg.max_length} with "
+                              f"{len(images)} image(s) in the turns kept: images are never cut")
+        rule = image_rule(tokenizer)
+        out["images"] = [im["ref"] for im in images]
+        out["num_images"] = len(images)
+        out["num_image_tokens"] = masked.input_ids.count(rule.image_token_id)
     _labels(out, masked, cfg, max_length=cfg.max_length)
+    if images and rule.image_token_id in out["labels"]:  # cannot happen (expand_images): checked, not trusted
+        raise RowRejected(DropReason.MASK_UNVERIFIED, "an image token is trained")
 
 
 def tool_schema_tokens(masked: MaskedConversation, tokenizer, with_system: bool) -> int:

@@ -94,6 +94,7 @@ from qlora_train.masking.example import (
     text_example,
     token_example,
 )
+from qlora_train.masking.images import ImageRule, expand_images, image_rule, set_image_rule
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, tool_block
 from qlora_train.masking.layout_declaration import (
     check_declaration,
@@ -103,12 +104,15 @@ from qlora_train.masking.layout_declaration import (
     template_layout,
 )
 from qlora_train.masking.messages import (
+    IMAGE_SLOT,
     KNOWN_ROLES,
     THINK_CLOSE,
     THINK_OPEN,
     DropReason,
+    ImageInfo,
     Message,
     RowRejected,
+    message_images,
 )
 from qlora_train.masking.pair import SIDES, MaskedPair, MaskedResponse, mark_side, mask_pair, mask_response, pair_policy
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, ReasoningHistory, ThinkLoss, TrainOnEos
@@ -122,6 +126,8 @@ __all__ = [
     "render_example", "finish_examples", "RenderedExample", "text_example", "token_example",
     # what goes in: canonical messages, the loss policy, a pair's sides
     "Message", "LossPolicy", "DEFAULT_POLICY", "SIDES", "mark_side", "pair_policy",
+    # images in messages (masking.images): where they sit, the processor's rule for their tokens
+    "IMAGE_SLOT", "ImageInfo", "ImageRule", "expand_images", "image_rule", "message_images", "set_image_rule",
     # what comes out: labels, refusals and their reasons
     "IGNORE_INDEX", "RowRejected", "DropReason",
     # the fast path checked against the rule (data.rule_check)

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from qlora_train.masking.expand import expand_dropped_reasoning
+from qlora_train.masking.images import expand_images, image_rule
 from qlora_train.masking.layout import TemplateLayout
-from qlora_train.masking.messages import Message, RowRejected, check_unicode
+from qlora_train.masking.messages import DropReason, Message, RowRejected, check_unicode, message_images
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy
 from qlora_train.masking.render import render_conversation
 from qlora_train.masking.rendered import RenderedConversation
@@ -94,7 +95,8 @@ def render_example(messages: list[Message], tokenizer, *, tools: list[dict] | No
     refused where it holds a lone surrogate (``invalid_unicode``); with ``expand`` (``reasoning_history:
     expand``), the extra prefix examples for the turns whose reasoning the render drops (``expand``), an extra
     one no tokenizer could encode left out and counted."""
-    rendered = render_conversation(messages, tokenizer, tools=tools, policy=policy, layout=layout)
+    rendered = _expanded(render_conversation(messages, tokenizer, tools=tools, policy=policy, layout=layout),
+                         messages, tokenizer)
     check_unicode(rendered.text, rendered.message_ends)
     dropped = tuple(t.index for t in rendered.turns if t.reasoning_dropped)
     if not (dropped and expand and policy.reasoning_history_max_examples):
@@ -102,13 +104,30 @@ def render_example(messages: list[Message], tokenizer, *, tools: list[dict] | No
     ex = expand_dropped_reasoning(messages, rendered, tokenizer, tools=tools, policy=policy)
     extra, left_out = [], 0
     for m, r in ex.extra:
+        if message_images(m):  # an extra example's images would need their own pixels: left out, counted
+            left_out += len(r.turns)
+            continue
         try:  # reasoning only an extra example writes, with a lone surrogate: left out like a refused one
+            r = _expanded(r, m, tokenizer)
             check_unicode(r.text, r.message_ends)
         except RowRejected:
             left_out += len(r.turns)
             continue
         extra.append(RenderedExample(m, tools, r))
-    return RenderedExample(ex.messages, tools, ex.primary, tuple(extra), ex.moved, ex.still_dropped, left_out)
+    primary = _expanded(ex.primary, ex.messages, tokenizer)
+    return RenderedExample(ex.messages, tools, primary, tuple(extra), ex.moved, ex.still_dropped, left_out)
+
+
+def _expanded(rendered: RenderedConversation, messages: list[Message], tokenizer) -> RenderedConversation:
+    """The render with each image's tokens as the processor expands them (``images.expand_images``), for a
+    vision-language model's tokenizer (``images.image_rule``); a row with images for a text-only model is refused."""
+    rule = image_rule(tokenizer)
+    if rule is not None:
+        return expand_images(rendered, message_images(messages), rule)
+    if any(m.get("images") for m in messages):
+        raise RowRejected(DropReason.BAD_IMAGE, "the row has images and the model reads none (model.name_or_path "
+                          "is not a vision-language model with an image processor)")
+    return rendered
 
 
 def text_example(text: str, char_mask: np.ndarray) -> RenderedExample:

@@ -6,7 +6,8 @@ A message is a plain dict (what ``apply_chat_template`` takes)::
      "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}], "train": True}
 
 ``role``, ``content`` (a str) and ``train`` (a bool) are always present;
-``reasoning_content``, ``tool_calls``, ``name`` and ``tool_call_id`` only when
+``reasoning_content``, ``tool_calls``, ``name``, ``tool_call_id`` and ``images``
+(``masking.images``: content then holds an ``IMAGE_SLOT`` per image) only when
 the row has them. ``train`` is decided once, by the parse stage
 (``LossPolicy.mark``), and only read afterwards.
 """
@@ -23,6 +24,13 @@ KNOWN_ROLES = ("system", "user", "assistant", "tool")
 WHITESPACE = " \t\r\n"  # what a template may write around a part of a message (stripped when parts are compared)
 # the inline reasoning block of assistant content in data, and the block a template writes when the probe finds no other
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+IMAGE_SLOT = "\ufffc"  # where an image sits in a message's content (masking.images)
+
+
+class ImageInfo(TypedDict):
+    ref: str  # an absolute path or a data: URI (``data.images``)
+    width: int
+    height: int
 
 
 class Message(TypedDict):
@@ -32,7 +40,27 @@ class Message(TypedDict):
     tool_calls: NotRequired[list[dict[str, Any]]]
     name: NotRequired[str]
     tool_call_id: NotRequired[str]
+    images: NotRequired[list[ImageInfo]]  # one per IMAGE_SLOT in content, in order
     train: bool
+
+
+def message_images(messages: list[Message]) -> list[ImageInfo]:
+    """The images of the messages, in the order the template writes them (message order, slot order)."""
+    return [im for m in messages for im in m.get("images", ())]
+
+
+def template_content(message: Message) -> Message:
+    """A message as the template reads it: content with image slots -> content parts (``{"type": "text"}`` and
+    ``{"type": "image"}``, in order; empty text parts left out); a message without images as it is."""
+    if not message.get("images"):
+        return message
+    parts: list[dict] = []
+    for k, piece in enumerate(message["content"].split(IMAGE_SLOT)):
+        if k:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return {k: v for k, v in message.items() if k != "images"} | {"content": parts}
 
 
 class DropReason:
@@ -50,6 +78,8 @@ class DropReason:
     # a preference pair (pair.mask_pair)
     PAIR_IDENTICAL = "pair_identical"  # the two sides are the same tokens
     PAIR_PROMPT_DIFFERS = "pair_prompt_differs"  # the prompt rendered or tokenized differently on the two sides
+    # a row's images (masking.images, data.images): missing, unreadable, too large, or not where the template puts one
+    BAD_IMAGE = "bad_image"
 
 
 class RowRejected(Exception):

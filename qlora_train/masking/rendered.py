@@ -18,7 +18,7 @@ import numpy as np
 from qlora_train.masking.apply_template import apply_template
 from qlora_train.masking.layout import TemplateLayout
 from qlora_train.masking.layout_declaration import template_layout
-from qlora_train.masking.messages import DropReason, Message, RowRejected
+from qlora_train.masking.messages import DropReason, Message, RowRejected, template_content
 
 
 class TurnSpan(NamedTuple):
@@ -52,13 +52,15 @@ class RenderedConversation(NamedTuple):
 
 def template_messages(messages: list[Message], layout: TemplateLayout) -> list[Message]:
     """Messages as the template reads them: reasoning under the key it reads (``reasoning`` for some), tool
-    call arguments as a JSON string for templates that write them as given (DeepSeek)."""
+    call arguments as a JSON string for templates that write them as given (DeepSeek), content with images as
+    content parts (``template_content``)."""
     key = layout.reasoning_key
     rename = key is not None and key != "reasoning_content"
-    if not rename and not layout.tool_arguments_as_string:
+    if not rename and not layout.tool_arguments_as_string and not any("images" in m for m in messages):
         return messages
     out = []
     for m in messages:
+        m = template_content(m)
         if rename and "reasoning_content" in m:
             m = {k: v for k, v in m.items() if k != "reasoning_content"} | {key: m["reasoning_content"]}
         if layout.tool_arguments_as_string and m.get("tool_calls"):

@@ -1,0 +1,134 @@
+"""Images in a conversation: where they sit in the messages, what the template writes for each, and the
+processor's expansion of each into its image tokens, made on the render so that the char mask follows it exactly.
+
+A message with images holds ``IMAGE_SLOT`` (U+FFFC, the object replacement character) in its ``content`` where
+each image sits, and ``images``: one ``ImageInfo`` per slot, in order (``data.parse`` makes both from a row's
+content parts, ``<image>`` placeholders and image columns). The template reads such a message as content parts
+(``template_content``: text parts and ``{"type": "image"}`` parts), and writes its own placeholder for each image
+(Qwen2.5-VL: ``<|vision_start|><|image_pad|><|vision_end|>``).
+
+The processor then replaces each image token (``<|image_pad|>``) by as many image tokens as the image's size makes
+(``ImageRule.tokens``: the image processor's own rule). ``expand_images`` makes that replacement on the render, its
+text and its char mask together (every character of an image's tokens untrained), so that tokenizing the expanded
+render gives exactly the processor's ids, and every span of the render moves with it.
+
+    >>> rule = ImageRule("<|image_pad|>", 151655, _Fixed(3))
+    >>> r = RenderedConversation("<u><|image_pad|>x<a>y", np.array([0] * 20 + [1], np.uint8), (17, 21), ())
+    >>> e = expand_images(r, [ImageInfo(ref="a.png", width=28, height=28)], rule)
+    >>> e.text, e.message_ends, "".join(c for c, m in zip(e.text, e.char_mask) if m)
+    ('<u><|image_pad|><|image_pad|><|image_pad|>x<a>y', (43, 47), 'y')
+
+The rule reaches the pipeline on the tokenizer it renders with (``set_image_rule`` where a vision-language model's
+processor is loaded, ``image_rule`` where rows are rendered): the tokenizer is what turns a row into ids, and for
+such a model the image processor's rule is part of that.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from qlora_train.masking.messages import IMAGE_SLOT, DropReason, ImageInfo, RowRejected, message_images
+from qlora_train.masking.rendered import RenderedConversation, TurnSpan
+
+
+@dataclass(frozen=True)
+class ImageRule:
+    """The processor's rule for images: the token the template writes for an image and the processor repeats, and
+    how many of it an image of a given size becomes (the image processor's ``get_number_of_image_patches``, merged
+    ``merge_size``² patches to a token, as the processor's ``_get_num_multimodal_tokens`` counts them)."""
+
+    image_token: str  # "<|image_pad|>"
+    image_token_id: int
+    image_processor: Any  # a transformers image processor (or anything with that method and ``merge_size``)
+    other_tokens: tuple[str, ...] = ()  # placeholders no row may hold (``<|video_pad|>``): no video is read
+
+    @classmethod
+    def of(cls, image_processor, tokenizer, image_token: str = "<|image_pad|>",
+           other_tokens: tuple[str, ...] = ("<|video_pad|>",)) -> ImageRule:
+        """The rule of a Qwen2-VL-style processor: ``image_token`` repeated once per merged patch."""
+        return cls(image_token, tokenizer.convert_tokens_to_ids(image_token), image_processor,
+                   tuple(t for t in other_tokens if t in tokenizer.get_added_vocab()))
+
+    def tokens(self, width: int, height: int) -> int:
+        """Image tokens of an image of this size; ``RowRejected`` (``bad_image``) for one the processor refuses
+        (an aspect ratio over 200:1)."""
+        try:
+            patches = self.image_processor.get_number_of_image_patches(height, width, {})
+        except ValueError as exc:
+            raise RowRejected(DropReason.BAD_IMAGE, f"image {width}x{height}: {exc}") from None
+        return int(patches) // int(self.image_processor.merge_size) ** 2
+
+
+class _Fixed:
+    """A stand-in image processor: ``n`` tokens per image (doctests)."""
+
+    merge_size = 1
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def get_number_of_image_patches(self, height: int, width: int, kwargs: dict) -> int:
+        return self.n
+
+
+def image_rule(tokenizer) -> ImageRule | None:
+    """The image rule set on this tokenizer (``set_image_rule``); None for a text-only model."""
+    return getattr(tokenizer, "qlora_image_rule", None)
+
+
+def set_image_rule(tokenizer, rule: ImageRule | None):
+    """Carry ``rule`` on ``tokenizer`` (pickled with it into ``datasets`` workers and its fingerprint)."""
+    tokenizer.qlora_image_rule = rule
+    return tokenizer
+
+
+def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule: ImageRule
+                  ) -> RenderedConversation:
+    """The render with each image token the template wrote replaced by the image's tokens (``rule.tokens`` of its
+    size), untrained; every position of the render (message ends, turns) moved with the text. The template must
+    have written exactly one image token per image, and no other placeholder (``bad_image`` otherwise: an image it
+    does not write, or a row whose text holds the placeholder itself)."""
+    text, token = rendered.text, rule.image_token
+    for other in rule.other_tokens:
+        if other in text:
+            raise RowRejected(DropReason.BAD_IMAGE, f"the render holds {other!r}, a placeholder of inputs this "
+                              "trainer does not read (video)")
+    starts, at = [], text.find(token)
+    while at >= 0:
+        starts.append(at)
+        at = text.find(token, at + len(token))
+    if len(starts) != len(images):
+        raise RowRejected(DropReason.BAD_IMAGE, f"the template wrote {len(starts)} image placeholder(s) "
+                          f"{token!r} for the row's {len(images)} image(s) (an image the template does not write, "
+                          "or the placeholder in the row's text)")
+    if not images:
+        return rendered
+    counts = [rule.tokens(im["width"], im["height"]) for im in images]
+    pieces, masks, prev = [], [], 0
+    for s, n in zip(starts, counts):
+        if rendered.char_mask[s:s + len(token)].any():
+            raise RowRejected(DropReason.BAD_IMAGE, "an image inside a trained turn: a model does not write images")
+        pieces += [text[prev:s], token * n]
+        masks += [rendered.char_mask[prev:s], np.zeros(len(token) * n, np.uint8)]
+        prev = s + len(token)
+    pieces.append(text[prev:])
+    masks.append(rendered.char_mask[prev:])
+    grown = [(n - 1) * len(token) for n in counts]
+    shift = np.concatenate([[0], np.cumsum(grown)])
+
+    def moved(p: int) -> int:  # a position at or after a placeholder's end moves by the growth before it
+        return p + int(shift[bisect.bisect_right(starts, p - len(token))]) if p > starts[0] else p
+
+    turns = tuple(TurnSpan(t.index, moved(t.start), moved(t.end), moved(t.body_start),
+                           None if t.reasoning is None else (moved(t.reasoning[0]), moved(t.reasoning[1])),
+                           None if t.eot_start is None else moved(t.eot_start), t.reasoning_dropped)
+                  for t in rendered.turns)
+    return rendered._replace(text="".join(pieces), char_mask=np.concatenate(masks),
+                             message_ends=tuple(moved(e) for e in rendered.message_ends), turns=turns)
+
+
+__all__ = ["IMAGE_SLOT", "ImageInfo", "ImageRule", "expand_images", "image_rule", "message_images", "set_image_rule"]
