@@ -50,17 +50,19 @@ class RenderedConversation(NamedTuple):
         return tuple(t.start for t in self.turns)
 
 
-def template_messages(messages: list[Message], layout: TemplateLayout) -> list[Message]:
+def template_messages(messages: list[Message], layout: TemplateLayout, *, parts: bool = True) -> list[Message]:
     """Messages as the template reads them: reasoning under the key it reads (``reasoning`` for some), tool
     call arguments as a JSON string for templates that write them as given (DeepSeek), content with images as
-    content parts (``template_content``)."""
+    content parts (``template_content``; ``parts=False``: left to the caller, who reads the content as text)."""
     key = layout.reasoning_key
     rename = key is not None and key != "reasoning_content"
-    if not rename and not layout.tool_arguments_as_string and not any("images" in m for m in messages):
+    with_parts = parts and any("images" in m for m in messages)
+    if not rename and not layout.tool_arguments_as_string and not with_parts:
         return messages
     out = []
     for m in messages:
-        m = template_content(m)
+        if with_parts:
+            m = template_content(m)
         if rename and "reasoning_content" in m:
             m = {k: v for k, v in m.items() if k != "reasoning_content"} | {key: m["reasoning_content"]}
         if layout.tool_arguments_as_string and m.get("tool_calls"):
