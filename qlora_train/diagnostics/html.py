@@ -5,6 +5,8 @@ One self-contained page (inline CSS, no script, no network): every token is a
 (``on``) have a green background, masked ones (``off``) grey text. Hovering a
 token outlines it and shows its position, id and label. Long samples wrap and
 scroll inside their box (drag its corner to enlarge); each sample can be folded.
+An image's run of image tokens is one span (``tok off image``): a thumbnail of the
+image (a ``data:`` PNG, at most 96 px) and its marker ``[image WxH → N tokens]``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from html import escape as escape_html
 from html.parser import HTMLParser
 
+from qlora_train.diagnostics.images import ImageRun, thumbnail_uri
 from qlora_train.diagnostics.samples import Sample, raw_preview, sample_summary
 from qlora_train.terminal import visible
 
@@ -26,6 +29,8 @@ pre { white-space: pre-wrap; word-break: break-word; font-size: .85rem; line-hei
 .tok.on { background: #c8f7c5; color: #0b3d0b; }
 .tok.off { color: #777; }
 .tok:hover { outline: 1px solid #c00; background: #ffe9a8; }
+.tok.image { border: 1px dashed #999; border-radius: 3px; padding: 0 .2em; }
+.thumb { max-height: 96px; max-width: 96px; vertical-align: middle; margin-right: .3em; }
 .refused { border-color: #d98; }
 .reason { color: #a00; font-weight: 600; }
 nav a { margin-right: .6em; }
@@ -38,9 +43,26 @@ def escape(text: str) -> str:
     return escape_html(visible(text))
 
 
+def _image_span(run: ImageRun, labels: list[int], on: bool) -> str:
+    """An image's run of tokens as one span: its thumbnail (when its file can be read) and its marker."""
+    uri = thumbnail_uri(run.ref) if run.ref and run.size else None
+    img = f'<img class="thumb" src="{uri}" alt="image {run.size[0]}x{run.size[1]}">' if uri else ""
+    shown = ",".join(map(str, sorted(set(labels[run.start:run.end]))))
+    return (f'<span class="tok {"on" if on else "off"} image" title="#{run.start}-{run.end - 1} {run.tokens} image '
+            f'tokens label {shown}">{img}{escape(run.marker)}</span>')
+
+
 def _token_spans(sample: Sample) -> str:
     out = []
+    runs = {run.start: run for run in sample.images}
+    skip_to = 0
     for pos, (tid, label, piece, on) in enumerate(zip(sample.input_ids, sample.labels, sample.pieces, sample.trained)):
+        if pos < skip_to:  # inside an image's run, shown once as its marker
+            continue
+        if (run := runs.get(pos)) is not None:
+            out.append(_image_span(run, sample.labels, any(sample.trained[run.start:run.end])))
+            skip_to = run.end
+            continue
         if not piece:  # ends mid-character: its text shows with the token that completes it
             continue
         out.append(f'<span class="tok {"on" if on else "off"}" title="#{pos} id {tid} label {label}">'

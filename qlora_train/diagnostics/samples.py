@@ -6,6 +6,9 @@ A sample as ``format_sample(load_samples(raw, processed, tok, [0])[0], color=Fal
     tokens 21 before truncation, 21 after; trained 6; truncation: none
     <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n⟦Hello!<|im_end|>⟧\\n
 
+An image's run of image tokens shows as one marker, ``[image 448x448 → 256 tokens]`` (``diagnostics.images``):
+its size read from the file's header, the count from the ids; outside ``⟦ ⟧``, as no image token is trained.
+
 What is shown is decoded from the processed ``input_ids`` and ``labels``, the
 exact tensors training would get: a token is trained when its label is not
 ``IGNORE_INDEX``. Each token's text comes from a streaming decode, so the pieces
@@ -24,6 +27,7 @@ from tokenizers.decoders import DecodeStream
 from qlora_train.config import DataConfig
 from qlora_train.data.batches import read_json
 from qlora_train.data.drops import DropReason
+from qlora_train.diagnostics.images import ImageRun, image_runs
 from qlora_train.masking import IGNORE_INDEX, SIDES, RowRejected
 from qlora_train.terminal import visible
 
@@ -51,6 +55,7 @@ class Sample:
     prompt_length: int = 0  # a side's tokens shared with the other side
     mask_by: str = ""  # a row refused as mask_disagrees: whose mask this is ("by the layout", "chosen by the rule")
     label: str = ""  # an unpaired preference row (KTO): "desirable" or "undesirable"; prompt_length its prompt's
+    images: tuple[ImageRun, ...] = ()  # its images' runs of tokens, in order (a vision-language model's rows)
 
     @property
     def name(self) -> str:
@@ -73,6 +78,30 @@ class Sample:
     def num_trained(self) -> int:
         return sum(self.trained)
 
+    @property
+    def trained_image_tokens(self) -> int:
+        """Tokens of its images' runs that are trained (0 for every row the engine makes)."""
+        trained = self.trained
+        return sum(sum(trained[run.start:run.end]) for run in self.images)
+
+
+def shown_tokens(sample: Sample) -> list[tuple[str, bool, ImageRun | None]]:
+    """The sample's tokens as shown: ``(text, trained, None)`` per token, each image's run as one
+    ``(marker, any of it trained, run)``."""
+    runs = {run.start: run for run in sample.images}
+    trained = sample.trained
+    out = []
+    p = 0
+    while p < len(sample.pieces):
+        run = runs.get(p)
+        if run is not None:
+            out.append((run.marker, any(trained[run.start:run.end]), run))
+            p = run.end
+            continue
+        out.append((sample.pieces[p], trained[p], None))
+        p += 1
+    return out
+
 
 def token_pieces(ids: list[int], tokenizer) -> list[str]:
     """Token ids -> the text each token adds (a token that ends mid-character adds ``""``)."""
@@ -86,7 +115,7 @@ def token_pieces(ids: list[int], tokenizer) -> list[str]:
 def spans(sample: Sample) -> list[tuple[str, bool]]:
     """Consecutive tokens of equal trained-ness merged: ``[(text, trained), …]``."""
     out: list[tuple[str, bool]] = []
-    for piece, trained in zip(sample.pieces, sample.trained):
+    for piece, trained, _ in shown_tokens(sample):
         if out and out[-1][1] == trained:
             out[-1] = (out[-1][0] + piece, trained)
         else:
@@ -137,6 +166,7 @@ def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig
             ) for side in SIDES]
             continue
         extras = list(zip(p.get("expanded_input_ids") or [], p.get("expanded_labels") or []))
+        refs = p.get("images") or []
         out.append(Sample(
             index=i, location=r["location"], source=r["source"], input_ids=p.get("input_ids", []),  # not a pair's
             labels=p.get("labels", []), pieces=token_pieces(p.get("input_ids", []), tokenizer),
@@ -144,17 +174,18 @@ def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig
             truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"],
                                           p.get("token_fallback", "")),
             drop_reason=p["drop_reason"], drop_detail=p["drop_detail"], raw=r["row"] or "", extras=len(extras),
-            **_unpaired_fields(p),
+            images=image_runs(p.get("input_ids", []), refs, tokenizer), **_unpaired_fields(p),
         ))
         if p["drop_reason"] == DropReason.MASK_DISAGREES and data is not None:
             out += [Sample(index=i, location=r["location"], source=r["source"], input_ids=m.input_ids,
                            labels=m.labels, pieces=token_pieces(m.input_ids, tokenizer),
-                           num_tokens_before=len(m.input_ids), truncation="none", mask_by=by)
+                           num_tokens_before=len(m.input_ids), truncation="none", mask_by=by,
+                           images=image_runs(m.input_ids, refs, tokenizer))
                     for by, m in _both_masks(r, tokenizer, data)]
         for k, (ids, labels) in enumerate(extras, start=1):
             out.append(Sample(index=i, location=r["location"], source=r["source"], input_ids=ids, labels=labels,
                               pieces=token_pieces(ids, tokenizer), num_tokens_before=len(ids), truncation="none",
-                              extra=k, extras=len(extras)))
+                              extra=k, extras=len(extras), images=image_runs(ids, refs, tokenizer)))
     return out
 
 
@@ -201,7 +232,16 @@ def sample_summary(sample: Sample) -> str:
                 f"{sample.num_trained}; truncation: {truncation}")
     line = (f"tokens {sample.num_tokens_before} before truncation, {len(sample.input_ids)} after; "
             f"trained {sample.num_trained}; truncation: {sample.truncation}")
-    return line + (f"; {sample.extras} extra examples follow (reasoning_history: expand)" if sample.extras else "")
+    return line + image_summary(sample) + (
+        f"; {sample.extras} extra examples follow (reasoning_history: expand)" if sample.extras else "")
+
+
+def image_summary(sample: Sample) -> str:
+    """``"; images 2 (320 image tokens, 0 trained)"`` for a sample with images, else ``""``."""
+    if not sample.images:
+        return ""
+    return (f"; images {len(sample.images)} ({sum(run.tokens for run in sample.images)} image tokens, "
+            f"{sample.trained_image_tokens} trained)")
 
 
 def raw_preview(raw: str) -> str:
@@ -230,8 +270,16 @@ def format_sample(sample: Sample, *, color: bool, show_tokens: bool = False) -> 
     lines.append(body)
     if show_tokens:
         lines.append(f"{'pos':>6} {'label':>7} {'id':>7}  token")
-        lines += [f"{pos:>6} {label:>7} {tid:>7}  {piece!r}"
-                  for pos, (tid, label, piece) in enumerate(zip(sample.input_ids, sample.labels, sample.pieces))]
+        runs = {run.start: run for run in sample.images}
+        pos = 0
+        while pos < len(sample.input_ids):  # an image's run is one line: its positions, its marker
+            if (run := runs.get(pos)) is not None:
+                labels = ",".join(map(str, sorted(set(sample.labels[run.start:run.end]))))
+                lines.append(f"{f'{run.start}-{run.end - 1}':>6} {labels:>7} {'image':>7}  {run.marker}")
+                pos = run.end
+                continue
+            lines.append(f"{pos:>6} {sample.labels[pos]:>7} {sample.input_ids[pos]:>7}  {sample.pieces[pos]!r}")
+            pos += 1
     return "\n".join(lines)
 
 

@@ -34,6 +34,7 @@ PERCENTILES = (25, 50, 75, 90, 95, 99)
 AT_MAX_SHARE = 0.30
 UNDER_QUARTER_SHARE = 0.50
 TOOL_SCHEMA_SHARE = 0.20
+IMAGE_SHARE = 0.50  # image tokens of a row with images, as a share of max_length (its median)
 
 
 def percentiles(values) -> dict[str, int | None]:
@@ -107,6 +108,50 @@ def pair_stats(cols: dict[str, list]) -> dict:
     }
 
 
+def share_percentiles(values) -> dict[str, float | None]:
+    """Nearest-rank percentiles, max and mean of shares (floats): ``[0.5, 0.25]`` -> ``{"p25": 0.25, "p50":
+    0.25, …, "max": 0.5, "mean": 0.375}``."""
+    arr = np.sort(np.asarray(values, dtype=np.float64))
+    out: dict[str, float | None] = {}
+    for p in PERCENTILES:
+        out[f"p{p}"] = float(arr[max(math.ceil(p / 100 * len(arr)), 1) - 1]) if len(arr) else None
+    out["max"] = float(arr[-1]) if len(arr) else None
+    out["mean"] = float(arr.mean()) if len(arr) else None
+    return out
+
+
+def image_stats(cols: dict[str, list], *, max_length: int) -> dict | None:
+    """A vision-language run's images (``num_images`` / ``num_image_tokens``), over the kept rows that have any:
+    images and image tokens per row, the image tokens' share of ``max_length`` and of the row's tokens, and the
+    rows refused as ``bad_image``. ``None`` when no row has an image or was refused for one (a text run).
+
+    >>> s = image_stats({"drop_reason": ["", "", "", "bad_image"], "num_images": [1, 3, 0, 0],
+    ...                  "num_image_tokens": [64, 128, 0, 0], "num_tokens": [100, 200, 10, 0]}, max_length=256)
+    >>> s["rows_with_images"], s["images_per_row"]["max"], s["image_tokens_per_row"]["p50"], s["bad_image"]
+    (2, 3, 64, 1)
+    >>> s["share_of_max_length"]["mean"], s["share_of_row_tokens"]["p50"]
+    (0.375, 0.64)
+    """
+    if "num_images" not in cols:
+        return None
+    kept = [i for i, (r, n) in enumerate(zip(cols["drop_reason"], cols["num_images"])) if not r and n]
+    bad = sum(1 for r in cols["drop_reason"] if r == DropReason.BAD_IMAGE)
+    if not kept and not bad:
+        return None
+    images = [cols["num_images"][i] for i in kept]
+    tokens = [cols["num_image_tokens"][i] for i in kept]
+    return {
+        "rows_with_images": len(kept),
+        "images": int(sum(images)),
+        "image_tokens": int(sum(tokens)),
+        "images_per_row": percentiles(images),
+        "image_tokens_per_row": percentiles(tokens),
+        "share_of_max_length": share_percentiles([n / max_length for n in tokens]),
+        "share_of_row_tokens": share_percentiles([n / cols["num_tokens"][i] for n, i in zip(tokens, kept)]),
+        "bad_image": bad,
+    }
+
+
 def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None,
                 pairs: bool = False) -> dict:
     """Statistics of one group of processed rows (its row type's ``stats_columns``); with ``pairs`` (preference
@@ -120,6 +165,9 @@ def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int
     fallback = Counter(s for s in cols.get("token_fallback", ()) if s)
     tools = list((tool_tokens or {}).values())
     extra = {"pairs": pair_stats(cols)} if pairs else {}
+    images = image_stats(cols, max_length=max_length)
+    if images:  # a text run's statistics stay as they were
+        extra["images"] = images
     return {
         **extra,
         "rows_in": report.rows_in,
@@ -349,6 +397,12 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, ma
         out.append(f"tool schemas add {tools['mean_per_row']:.0f} tokens per row on average "
                    f"({tools['share_of_their_tokens']:.0%} of the {tools['rows_with_tools']} rows with tools): "
                    "drop unused tools or shorten their descriptions")
+    images = overall.get("images")
+    if images and (images["share_of_max_length"]["p50"] or 0) > IMAGE_SHARE:
+        out.append(f"image tokens take {images['share_of_max_length']['p50']:.0%} of max_length={max_length} in the "
+                   f"median row with images (more than {IMAGE_SHARE:.0%}; p95 "
+                   f"{images['image_tokens_per_row']['p95']} tokens): lower the image processor's max_pixels, or "
+                   "raise data.max_length, to leave room for the text")
     for line in (reasoning_advice(overall["reasoning"], data), unrendered_messages_advice(
             overall["unrendered_messages"]), unrendered_role_advice(overall), marker_advice(markers or {}),
             *layout_advice(overall)):
@@ -402,6 +456,24 @@ def rule_check_line(s: dict) -> str:
     return (f"checked against the rule (data.rule_check): rule_checked_rows {s['rule_checked_rows']}, "
             f"rule_disagreements {s['rule_disagreements']} (refused: mask_disagrees), rule_unchecked_rows "
             f"{s['rule_unchecked_rows']} (the template is not prefix-stable on them)")
+
+
+def _shares(d: dict) -> str:
+    if d["max"] is None:
+        return "none (no rows)"
+    return "  ".join(f"{k} {v:.1%}" for k, v in d.items())
+
+
+def image_lines(s: dict, max_length: int) -> list[str]:
+    """The ``images`` section (``image_stats``) as readable lines."""
+    return [
+        f"images: {s['images']} in {s['rows_with_images']} kept rows ({s['image_tokens']} image tokens, never "
+        f"trained); refused as bad_image {s['bad_image']}; per row with images:",
+        f"  images             {_pct(s['images_per_row'])}",
+        f"  image tokens       {_pct(s['image_tokens_per_row'])}",
+        f"  share of max_length={max_length}  {_shares(s['share_of_max_length'])}",
+        f"  share of its tokens  {_shares(s['share_of_row_tokens'])}",
+    ]
 
 
 def parse_lines(p: dict) -> list[str]:
@@ -480,6 +552,7 @@ def stats_lines(stats: dict) -> list[str]:
             f"tokens); per row {_pct(s['trained_tokens']['per_row'])}",
             f"tool schemas: {s['tool_schema_tokens']['rows_with_tools']} rows, "
             f"{s['tool_schema_tokens']['mean_per_row']:.0f} tokens per row on average",
+            *(image_lines(s["images"], stats["max_length"]) if "images" in s else ()),
             rule_check_line(s),
             *reasoning_lines(s["reasoning"], s["unrendered_messages"]),
             *parse_lines(s["parse"]),

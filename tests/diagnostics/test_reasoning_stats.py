@@ -25,7 +25,8 @@ def row(source="0:a", *, reason="", detail="", tokens=100, trained=20, parse=Non
             "num_tokens": 0 if reason else tokens, "num_trained_tokens": 0 if reason else trained,
             "dropped_turns": 0, "reasoning_trimmed_tokens": 0, "token_fallback": "", "straddling_tokens": 0,
             "parse_report": json.dumps(parse) if parse else "{}", "expanded_tokens": extra_tokens,
-            "expanded_trained_tokens": extra_trained, "tool_schema_tokens": 0, "source": source}
+            "expanded_trained_tokens": extra_trained, "tool_schema_tokens": 0, "num_images": 0,
+            "num_image_tokens": 0, "source": source}
 
 
 def columns(rows: list[dict]) -> dict[str, list]:

@@ -1,0 +1,128 @@
+"""Images in ``--debug-samples``: each image's run of image tokens found in a sample's ids and shown as one marker,
+``[image 448x448 → 256 tokens]``, never as its hundreds of ``<|image_pad|>`` tokens; a thumbnail of it in the page.
+
+The run is found in the ids (the image rule's token, ``masking.image_rule``, with the template's
+``<|vision_start|>`` / ``<|vision_end|>`` around it when they are there), so its token count is what training gets;
+the k-th run is the row's k-th image (the processed row's ``images``). The image's size is read from its file's
+header (Pillow opens it lazily: no pixel is decoded); a reference that cannot be read is said so in its marker.
+
+    >>> ImageRun(3, 9, 5, "/d/cat.png", (448, 448)).marker
+    '[image 448x448 → 5 tokens]'
+    >>> ImageRun(3, 9, 5, "/d/gone.png", None, "not found").marker
+    '[image /d/gone.png (not found) → 5 tokens]'
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass
+
+from qlora_train.data.images import image_bytes_or_path
+from qlora_train.masking import RowRejected, image_rule
+
+THUMBNAIL_PX = 96  # the longer side of a thumbnail in the page
+RUN_OPEN, RUN_CLOSE = "<|vision_start|>", "<|vision_end|>"  # around a Qwen-VL image's tokens, shown in its marker
+
+
+@dataclass(frozen=True)
+class ImageRun:
+    """One image in a sample: its tokens ``[start, end)`` (its open and close markers with them), how many of
+    them are the image's tokens, its reference and its size (``None`` when the reference cannot be read, with
+    ``problem`` saying why)."""
+
+    start: int
+    end: int
+    tokens: int
+    ref: str = ""  # "" when the row's images do not match its runs (then only the token count is shown)
+    size: tuple[int, int] | None = None
+    problem: str = ""
+    now_tokens: int | None = None  # the tokens its size makes now, where that differs from the ids' (file changed)
+
+    @property
+    def marker(self) -> str:
+        if self.size:
+            what = f"{self.size[0]}x{self.size[1]}"
+        elif self.ref:
+            what = f"{shown_ref(self.ref)} ({self.problem})"
+        else:
+            what = "(its reference is not known)"
+        now = f"; its file now makes {self.now_tokens}" if self.now_tokens is not None else ""
+        return f"[image {what} → {self.tokens} tokens{now}]"
+
+
+def shown_ref(ref: str) -> str:
+    """A reference as a marker names it: a ``data:`` URI cut to its head."""
+    return ref if not ref.startswith("data:") or len(ref) <= 48 else ref[:40] + f"… ({len(ref)} chars)"
+
+
+def image_size(ref: str) -> tuple[tuple[int, int] | None, str]:
+    """A reference -> ``((width, height), "")`` from its header (no pixel decoded), or ``(None, why)``."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(image_bytes_or_path(ref)) as im:
+            return im.size, ""
+    except FileNotFoundError:
+        return None, "not found"
+    except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
+        return None, f"cannot be read: {type(exc).__name__}"
+
+
+def thumbnail_uri(ref: str, max_px: int = THUMBNAIL_PX) -> str | None:
+    """A reference -> a ``data:image/png`` URI of its thumbnail (longer side ``max_px``), or None when it cannot be
+    read. Decodes the image: for the few samples a page shows, never for statistics."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(image_bytes_or_path(ref)) as im:
+            im.draft("RGB", (max_px, max_px))  # a JPEG decodes at a reduced scale
+            thumb = im.convert("RGB")
+            thumb.thumbnail((max_px, max_px))
+    except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError):
+        return None
+    png = io.BytesIO()
+    thumb.save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")
+
+
+def _token_id(tokenizer, token: str) -> int | None:
+    i = tokenizer.convert_tokens_to_ids(token)
+    return i if isinstance(i, int) and i != tokenizer.unk_token_id else None
+
+
+def image_runs(ids: list[int], refs: list[str], tokenizer) -> tuple[ImageRun, ...]:
+    """A sample's ids and its row's image references -> its images' runs, in order (``()`` for a text model).
+
+    Each maximal run of the image token is one image, with the open and close markers right around it; the k-th
+    run is ``refs[k]`` when there are as many runs as references (else no reference is named: only the counts)."""
+    rule = image_rule(tokenizer)
+    if rule is None:
+        return ()
+    pad, open_id, close_id = rule.image_token_id, _token_id(tokenizer, RUN_OPEN), _token_id(tokenizer, RUN_CLOSE)
+    spans = []
+    p = 0
+    while p < len(ids):
+        if ids[p] != pad:
+            p += 1
+            continue
+        q = p
+        while q < len(ids) and ids[q] == pad:
+            q += 1
+        start = p - 1 if p and open_id is not None and ids[p - 1] == open_id else p
+        end = q + 1 if q < len(ids) and close_id is not None and ids[q] == close_id else q
+        spans.append((start, end, q - p))
+        p = end
+    named = refs if len(refs) == len(spans) else [""] * len(spans)
+    out = []
+    for (start, end, n), ref in zip(spans, named):
+        size, problem = image_size(ref) if ref else (None, "")
+        now = None
+        if size is not None:
+            try:
+                made = rule.tokens(*size)
+            except RowRejected:  # the processor refuses its size now: shown as a change
+                made = -1
+            now = made if made != n else None
+        out.append(ImageRun(start, end, n, ref, size, problem, now))
+    return tuple(out)
