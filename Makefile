@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto docs vocab audit audit-pairs
+.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto docs vocab audit audit-pairs bench-vl
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -56,6 +56,12 @@ profile-cli: $(TINY)/config.json
 # per-row cost and memory by dataset size through datasets.map (add 100000 for the full check: ~8 min on 2 cores)
 bench-scale:
 	$(PYTHON) benchmarks/bench_preprocess.py --scale 1000,20000
+
+# --stats-only on 1,000 image rows (1-2 PNGs each) vs the same rows without images, through the CLI, fresh processes:
+# both times, their ratio (target <= 2x) and the pixels decoded (0). `make bench-vl BENCH_VL_ARGS="--repeats 2"`
+bench-vl:
+	@test -f .cache/tiny-qwen2.5-vl/config.json || $(PYTHON) -m qlora_train.tiny --vision
+	$(PYTHON) benchmarks/bench_vl_stats.py $(BENCH_VL_ARGS)
 
 # training-step peak memory and step time, the model's own loss vs the fused one (a fresh process per run;
 # runs that would not fit in memory are skipped): `make bench-train BENCH_TRAIN_ARGS="--max-gib 9 --repeats 2"`

@@ -9,9 +9,10 @@ saved there, after checking that the saved fingerprint matches the current one. 
     rows/raw rows/processed every raw row and its processed row, aligned (``load_and_process``): the diagnostics
     dataset_report.json     the report training prints and writes
     data_config.yaml        the data config as resolved
+    images.json             each image the rows refer to (by path): its size in bytes and modification time
     fingerprint.json        the fingerprint and its parts (written into the staging directory last)
 
-The fingerprint is a blake2b over six part hashes, each cheap and deterministic:
+The fingerprint is a blake2b over seven part hashes, each cheap and deterministic:
 
     data         the data config as canonical JSON, less the keys that do not change the rows
                  (``UNFINGERPRINTED``), source paths written relative to the working directory
@@ -22,8 +23,13 @@ The fingerprint is a blake2b over six part hashes, each cheap and deterministic:
                  a probe that reads the same template differently refuses the data too
     code         ``pipeline_code_hash()``: the data package, ``chat_templates.py`` and the shipped templates
     packing      ``train.packing``, its length and ``split_long`` (training only; the diagnostics skip it)
+    images       each image file the saved rows refer to: its path, size in bytes and modification time (whole
+                 seconds), as ``images.json`` lists them; ``data:`` URIs are in the rows themselves
 
-The raw files' contents are not fingerprinted: a prepared directory stands for the files as they were.
+The raw files' contents are not fingerprinted: a prepared directory stands for the files as they were. Images are:
+the rows keep their references, not their pixels (training reads the files), and each image's tokens in the ids
+were counted from its size then, so a file changed since (or missing) is a difference the check names. A copy
+that does not keep modification times (``cp -p`` and ``rsync -a`` keep them) reads as changed.
 
     >>> differing_keys({"max_length": 128, "mask": {"user": "mask"}}, {"max_length": 256, "mask": {"user": "mask"}})
     ['max_length: 128 when prepared, 256 now']
@@ -53,10 +59,12 @@ log = logging.getLogger(__name__)
 # trained turn's generated part begins (masking.encode_rendered), so directories of format 1 are refused
 FORMAT = 2
 FINGERPRINT_FILE, REPORT_FILE, DATA_CONFIG_FILE = "fingerprint.json", "dataset_report.json", "data_config.yaml"
+IMAGES_FILE = "images.json"
 TRAIN_DIR, EVAL_DIR, RAW_DIR, PROCESSED_DIR = "train", "eval", "rows/raw", "rows/processed"
 # data keys that change how the rows are computed, not what they are (num_proc: tested to give the same rows)
 UNFINGERPRINTED = ("prepared_path", "num_proc", "batch_size", "cache_dir")
-PARTS = ("data", "tokenizer", "template", "layout", "code", "packing")
+PARTS = ("data", "tokenizer", "template", "layout", "code", "packing", "images")
+SHOWN_IMAGES = 3  # changed images named in the check's message (and how many more)
 
 
 @dataclass
@@ -110,15 +118,64 @@ def tokenizer_identity(tokenizer) -> dict:
             "size": len(tokenizer)}
 
 
-def fingerprint(cfg: Config, tokenizer) -> dict:
+def image_refs(*datasets) -> list[str]:
+    """The image files the rows of ``datasets`` (None skipped) refer to, each once, in first-seen order; ``data:``
+    URIs left out (their pixels are in the rows)."""
+    seen: dict[str, None] = {}
+    for ds in datasets:
+        if ds is None or "images" not in ds.column_names:
+            continue
+        for refs in ds["images"]:
+            seen.update(dict.fromkeys(r for r in refs if not r.startswith("data:")))
+    return list(seen)
+
+
+def image_stamps(refs: list[str]) -> list[list]:
+    """Each image file -> ``[path, size in bytes, modification time in whole seconds]`` (``None`` twice when it is
+    missing): what ``images`` fingerprints. A stat per file, no read."""
+    out = []
+    for ref in refs:
+        try:
+            st = os.stat(ref)
+        except OSError:
+            out.append([ref, None, None])
+            continue
+        out.append([ref, st.st_size, int(st.st_mtime)])
+    return out
+
+
+def with_images(stamp: dict, stamps: list[list]) -> dict:
+    """A fingerprint with its ``images`` part made from ``stamps`` (``image_stamps``), the whole hash again."""
+    parts = {**stamp["parts"], "images": _hash(stamps)}
+    return {**stamp, "fingerprint": _hash(parts), "parts": parts, "images": stamps}
+
+
+def fingerprint(cfg: Config, tokenizer, image_files: list[list] | None = None) -> dict:
     """The fingerprint of what ``cfg`` and ``tokenizer`` make: ``{"fingerprint": hex, "parts": {part: hex}, …}``
-    with the compared values themselves (data config, packing, tokenizer name, layout) to say what differs."""
+    with the compared values themselves (data config, packing, tokenizer name, layout, the image files'
+    ``image_stamps``: none by default) to say what differs."""
     data, packing, tok = data_identity(cfg), packing_identity(cfg), tokenizer_identity(tokenizer)
     layout = layout_dict(template_layout(tokenizer))
     parts = {"data": _hash(data), "tokenizer": tok["hash"], "template": _hash(tokenizer.chat_template),
              "layout": _hash(layout), "code": pipeline_code_hash(), "packing": _hash(packing)}
-    return {"format": FORMAT, "fingerprint": _hash(parts), "parts": parts, "data_config": data, "packing": packing,
-            "tokenizer": {"name_or_path": tok["name_or_path"], "size": tok["size"]}, "layout": layout}
+    return with_images({"format": FORMAT, "parts": parts, "data_config": data, "packing": packing,
+                        "tokenizer": {"name_or_path": tok["name_or_path"], "size": tok["size"]}, "layout": layout},
+                       image_files or [])
+
+
+def changed_images(saved: list[list], now: list[list]) -> list[str]:
+    """The image files whose stamps differ, one line each: ``/d/a.png: missing`` or ``/d/a.png: 1200 bytes,
+    modified 1700000000 when prepared; 1300 bytes, modified 1700000100 now``."""
+    out = []
+    for (ref, size, mtime), (_, size_now, mtime_now) in zip(saved, now):
+        if (size, mtime) == (size_now, mtime_now):
+            continue
+        if size_now is None:
+            out.append(f"{ref}: missing")
+        else:
+            out.append(f"{ref}: {size} bytes, modified {mtime} when prepared; {size_now} bytes, modified "
+                       f"{mtime_now} now")
+    return out
 
 
 _ABSENT = object()
@@ -174,6 +231,12 @@ def fingerprint_problems(saved: dict, now: dict, *, parts: tuple[str, ...] = PAR
     if "packing" in differ:
         problems.append(f"the packing settings differ: prepared {_packing_note(saved.get('packing', {}))}, now "
                         f"{_packing_note(now['packing'])}")
+    if "images" in differ:
+        changed = changed_images(saved.get("images", []), now.get("images", []))
+        more = f" (and {len(changed) - SHOWN_IMAGES} more)" if len(changed) > SHOWN_IMAGES else ""
+        problems += [f"an image changed since the data was prepared (its tokens were counted from its size then): "
+                     f"{line}" for line in changed[:SHOWN_IMAGES]] or ["the image files differ"]
+        problems[-1] += more
     return problems
 
 
@@ -248,6 +311,8 @@ def write_prepared(cfg: Config, tokenizer, dest: str | Path) -> TrainingData:
     stamp = fingerprint(cfg, tokenizer)
     raw, processed = load_and_process(cfg.data, tokenizer)
     data = _packed(cfg, *datasets_from_processed(processed, cfg.data, tokenizer))
+    # the files the saved rows refer to, as they are now (the rows were just made from them)
+    stamp = with_images(stamp, image_stamps(image_refs(processed, data.train, data.eval)))
     staging = fresh_dir(dest.with_name(f".{dest.name}.tmp"))  # made new: nothing planted there is written through
     save = lambda ds, sub: ds.save_to_disk(str(staging / sub))
     save(data.train, TRAIN_DIR)
@@ -257,6 +322,8 @@ def write_prepared(cfg: Config, tokenizer, dest: str | Path) -> TrainingData:
     save(processed, PROCESSED_DIR)
     write_atomic(staging / REPORT_FILE, data.report.to_json())
     write_atomic(staging / DATA_CONFIG_FILE, yaml.safe_dump(cfg.data.model_dump(mode="json"), sort_keys=False))
+    images = stamp.pop("images")  # their own file: a run's thousands of images are not printed with the rest
+    write_atomic(staging / IMAGES_FILE, json.dumps(images, ensure_ascii=False))
     write_atomic(staging / FINGERPRINT_FILE, json.dumps(
         {**stamp, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1, ensure_ascii=False))
     publish_dir(staging, dest)
@@ -278,6 +345,14 @@ def _saved_fingerprint(path: Path) -> dict:
         raise ConfigError([f"{where}: {FINGERPRINT_FILE} cannot be read ({exc}); run --preprocess again"]) from None
     if not isinstance(saved, dict) or saved.get("format") != FORMAT or not isinstance(saved.get("parts"), dict):
         raise ConfigError([f"{where}: {FINGERPRINT_FILE} is not of format {FORMAT}; run --preprocess again"])
+    try:
+        saved["images"] = json.loads((path / IMAGES_FILE).read_text())
+    except FileNotFoundError:  # written before images were fingerprinted: the code part names the difference
+        saved["images"] = []
+    except (OSError, ValueError) as exc:
+        raise ConfigError([f"{where}: {IMAGES_FILE} cannot be read ({exc}); run --preprocess again"]) from None
+    if not isinstance(saved["images"], list) or not all(isinstance(s, list) and len(s) == 3 for s in saved["images"]):
+        raise ConfigError([f"{where}: {IMAGES_FILE} is not a list of [path, size, mtime]; run --preprocess again"])
     return saved
 
 
@@ -288,7 +363,8 @@ def check_prepared(cfg: Config, tokenizer, *, parts: tuple[str, ...] = PARTS) ->
     """
     path = Path(cfg.data.prepared_path)
     saved = _saved_fingerprint(path)
-    problems = fingerprint_problems(saved, fingerprint(cfg, tokenizer), parts=parts)
+    now = fingerprint(cfg, tokenizer, image_stamps([ref for ref, *_ in saved["images"]]))
+    problems = fingerprint_problems(saved, now, parts=parts)
     if problems:
         raise ConfigError([f"data.prepared_path: {path} was prepared differently: {p}" for p in problems] + [
             "data.prepared_path: run `qlora-train --config … --preprocess` again, or unset data.prepared_path to "

@@ -1,0 +1,128 @@
+"""``--preprocess`` on image rows: the prepared directory keeps each row's image references (paths, ``data:``
+URIs; never pixels), training from it reads the same references, and its fingerprint names an image file changed
+or gone since it was prepared (``images.json``: each file's size and modification time)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from qlora_train.config import Config, ConfigError
+from qlora_train.data.prepared import (
+    IMAGES_FILE,
+    changed_images,
+    check_prepared,
+    fingerprint,
+    image_refs,
+    image_stamps,
+    load_prepared,
+    write_prepared,
+)
+from qlora_train.data.processed import SFT_ROW
+from qlora_train.masking import IMAGE_SLOT, ImageRule, mask_conversation, set_image_rule
+
+DATA_URI = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAE"
+            "lFTkSuQmCC")  # a 1x1 PNG
+
+
+@pytest.fixture(scope="module")
+def vl_tok():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from qlora_train.tiny import build_qwen_tokenizer
+
+    tok = build_qwen_tokenizer("qwen2.5-vl")
+    ip = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
+    return set_image_rule(tok, ImageRule.of(ip, tok))
+
+
+def png(path, w: int, h: int) -> str:
+    from PIL import Image
+
+    Image.new("RGB", (w, h), (10, 200, 30)).save(path)
+    return str(path)
+
+
+def processed_rows(tok, images_per_row: list[list[tuple[str, int, int]]]):
+    """(raw, processed) datasets as ``load_and_process`` makes them, one SFT row per list of images."""
+    import datasets
+
+    rows, raw = [], []
+    for i, images in enumerate(images_per_row):
+        msgs = [{"role": "user", "content": IMAGE_SLOT * len(images) + f" question {i}",
+                 "images": [{"ref": r, "width": w, "height": h} for r, w, h in images]},
+                {"role": "assistant", "content": f"answer {i}"}]
+        m = mask_conversation(msgs, tok)
+        row = SFT_ROW.empty() | {"input_ids": m.input_ids, "attention_mask": [1] * len(m.input_ids),
+                                 "labels": m.labels, "num_tokens_before": len(m.input_ids),
+                                 "num_tokens": len(m.input_ids), "num_trained_tokens": sum(t != -100 for t in m.labels),
+                                 "images": [r for r, _, _ in images], "num_images": len(images),
+                                 "num_image_tokens": m.input_ids.count(tok.convert_tokens_to_ids("<|image_pad|>")),
+                                 "source": "0:d.jsonl", "location": f"d.jsonl:{i + 1}", "domain": ""}
+        rows.append(row)
+        raw.append({"row": json.dumps({"messages": "…"}), "source": "0:d.jsonl", "location": f"d.jsonl:{i + 1}"})
+    return datasets.Dataset.from_list(raw), datasets.Dataset.from_list(rows, features=SFT_ROW.features())
+
+
+@pytest.fixture
+def prepared(tmp_path, vl_tok, monkeypatch):
+    """A prepared directory of three image rows (two files, one ``data:`` URI), made by ``write_prepared``."""
+    a, b = png(tmp_path / "a.png", 112, 112), png(tmp_path / "b.png", 224, 56)
+    raw, processed = processed_rows(vl_tok, [[(a, 112, 112)], [(b, 224, 56), (a, 112, 112)], [(DATA_URI, 1, 1)]])
+    monkeypatch.setattr("qlora_train.data.prepared.load_and_process", lambda data, tok: (raw, processed))
+    cfg = Config.model_validate({"model": {"name_or_path": "tiny-vl"}, "data": {
+        "datasets": [{"path": str(tmp_path / "d.jsonl")}], "eval_fraction": 0, "cache_dir": str(tmp_path / "c")},
+        "train": {"output_dir": str(tmp_path / "out"), "report_to": "none"}})
+    dest = tmp_path / "prepared"
+    write_prepared(cfg, vl_tok, dest)
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared_path": str(dest)})}), a, b
+
+
+def test_the_prepared_rows_keep_their_image_references_and_training_reads_them(prepared, vl_tok):
+    cfg, a, b = prepared
+    train = load_prepared(cfg, vl_tok).train
+    assert train["images"] == [[a], [b, a], [DATA_URI]]  # references, in order; no pixel column
+    assert "pixel_values" not in train.column_names
+    with open(os.path.join(cfg.data.prepared_path, IMAGES_FILE)) as f:
+        saved = json.load(f)
+    assert [s[0] for s in saved] == [a, b]  # the files; the data: URI's pixels are in the row
+    assert saved[0][1] == os.path.getsize(a)
+
+
+def test_an_image_changed_or_missing_since_preparing_is_named(prepared, vl_tok):
+    cfg, a, b = prepared
+    assert check_prepared(cfg, vl_tok)  # unchanged: passes
+    png(a, 224, 224)  # another image at the same path: another size in bytes
+    os.utime(a, (1_700_000_000, 1_700_000_000))
+    os.remove(b)
+    with pytest.raises(ConfigError) as err:
+        check_prepared(cfg, vl_tok)
+    text = str(err.value)
+    assert f"an image changed since the data was prepared (its tokens were counted from its size then): {a}: " in text
+    assert "modified 1700000000 now" in text
+    assert f"{b}: missing" in text
+
+
+def test_image_stamps_and_refs(tmp_path):
+    import datasets
+
+    a = png(tmp_path / "a.png", 8, 8)
+    ds = datasets.Dataset.from_dict({"images": [[a, DATA_URI], [], [a, str(tmp_path / "none.png")]]})
+    refs = image_refs(ds, None, datasets.Dataset.from_dict({"input_ids": [[1]]}))  # a text dataset has none
+    assert refs == [a, str(tmp_path / "none.png")]
+    stamps = image_stamps(refs)
+    assert stamps == [[a, os.path.getsize(a), int(os.path.getmtime(a))], [str(tmp_path / "none.png"), None, None]]
+    assert changed_images(stamps, stamps) == []
+    assert changed_images([[a, 1, 2]], [[a, 1, 3]]) == [f"{a}: 1 bytes, modified 2 when prepared; 1 bytes, "
+                                                        "modified 3 now"]
+
+
+def test_a_text_run_fingerprints_no_images(vl_tok, tmp_path):
+    cfg = Config.model_validate({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d.jsonl"}]}})
+    a = png(tmp_path / "a.png", 8, 8)
+    plain, with_one = fingerprint(cfg, vl_tok), fingerprint(cfg, vl_tok, image_stamps([a]))
+    assert plain["images"] == [] and with_one["images"] == image_stamps([a])
+    assert plain["parts"]["images"] != with_one["parts"]["images"]
+    assert plain["fingerprint"] != with_one["fingerprint"]
