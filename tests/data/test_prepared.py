@@ -89,7 +89,8 @@ def assert_same_training_data(a, b):
     assert a.packing == b.packing
 
 
-MODEL, PACKED = ["input_ids", "attention_mask", "labels"], ["input_ids", "labels", "position_ids", "seq_lens"]
+MODEL = ["input_ids", "attention_mask", "labels", "images"]  # images: references ([] in a text row)
+PACKED = ["input_ids", "labels", "position_ids", "seq_lens"]
 
 
 @pytest.mark.parametrize(("train", "fed_columns"), [
@@ -123,11 +124,12 @@ def test_what_a_prepared_directory_holds(tmp_path, model_dir):
     data = write_prepared(cfg, tok, tmp_path / "p")
     names = {str(p.relative_to(tmp_path / "p")) for p in (tmp_path / "p").rglob("*") if p.is_file()}
     assert {"fingerprint.json", "dataset_report.json", "data_config.yaml", "train/state.json", "eval/state.json",
-            "rows/raw/state.json", "rows/processed/state.json"} <= names
+            "rows/raw/state.json", "rows/processed/state.json", "images.json"} <= names
+    assert json.loads((tmp_path / "p" / "images.json").read_text()) == []  # text rows refer to no image
     assert not (tmp_path / ".p.tmp").exists()
     saved = json.loads((tmp_path / "p" / FINGERPRINT_FILE).read_text())
     assert saved["fingerprint"] == fingerprint(cfg, tok)["fingerprint"]
-    assert set(saved["parts"]) == {"data", "tokenizer", "template", "layout", "code", "packing"}
+    assert set(saved["parts"]) == {"data", "tokenizer", "template", "layout", "code", "packing", "images"}
     assert saved["layout"]["end_markers"] == ["<|im_end|>"]  # the resolved layout, part by part
     assert json.loads((tmp_path / "p" / "dataset_report.json").read_text())["train_rows"] == data.report.train_rows
     assert yaml.safe_load((tmp_path / "p" / "data_config.yaml").read_text())["max_length"] == 96
