@@ -1,7 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 
-.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto docs vocab audit audit-pairs bench-vl
+.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -59,6 +59,7 @@ bench-scale:
 
 # --stats-only on 1,000 image rows (1-2 PNGs each) vs the same rows without images, through the CLI, fresh processes:
 # both times, their ratio (target <= 2x) and the pixels decoded (0). `make bench-vl BENCH_VL_ARGS="--repeats 2"`
+.PHONY: bench-vl
 bench-vl:
 	@test -f .cache/tiny-qwen2.5-vl/config.json || $(PYTHON) -m qlora_train.tiny --vision
 	$(PYTHON) benchmarks/bench_vl_stats.py $(BENCH_VL_ARGS)
