@@ -35,7 +35,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "qlora_train.cli"]
-SIZES = ((64, 64), (224, 224), (320, 180), (448, 336))  # 4, 64, 60 and 54 image tokens with the tiny processor (at most 64)
+SIZES = ((64, 64), (224, 224), (320, 180), (448, 336))  # 4, 64, 60, 54 tokens with the tiny processor (<= 64)
 TARGET = 2.0
 
 SITECUSTOMIZE = '''\

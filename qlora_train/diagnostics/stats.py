@@ -466,14 +466,13 @@ def _shares(d: dict) -> str:
 
 def image_lines(s: dict, max_length: int) -> list[str]:
     """The ``images`` section (``image_stats``) as readable lines."""
-    return [
-        f"images: {s['images']} in {s['rows_with_images']} kept rows ({s['image_tokens']} image tokens, never "
-        f"trained); refused as bad_image {s['bad_image']}; per row with images:",
-        f"  images             {_pct(s['images_per_row'])}",
-        f"  image tokens       {_pct(s['image_tokens_per_row'])}",
-        f"  share of max_length={max_length}  {_shares(s['share_of_max_length'])}",
-        f"  share of its tokens  {_shares(s['share_of_row_tokens'])}",
-    ]
+    rows = [("images", _pct(s["images_per_row"])), ("image tokens", _pct(s["image_tokens_per_row"])),
+            (f"share of max_length={max_length}", _shares(s["share_of_max_length"])),
+            ("share of its tokens", _shares(s["share_of_row_tokens"]))]
+    width = max(len(name) for name, _ in rows)
+    return [f"images: {s['images']} in {s['rows_with_images']} kept rows ({s['image_tokens']} image tokens, never "
+            f"trained); refused as bad_image {s['bad_image']}; per row with images:",
+            *(f"  {name:<{width}}  {values}" for name, values in rows)]
 
 
 def parse_lines(p: dict) -> list[str]:

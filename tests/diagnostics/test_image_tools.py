@@ -81,8 +81,8 @@ def test_stats_count_images_and_their_tokens_by_hand():
     text = "\n".join(stats_lines(compute_stats(cols, max_length=128)))
     assert "dropped       1  bad_image  (first: d.jsonl:4: why)" in text
     assert "images: 4 in 2 kept rows (100 image tokens, never trained); refused as bad_image 1" in text
-    assert "  images             p25 1  p50 1  p75 3  p90 3  p95 3  p99 3  max 3" in text
-    assert "share of max_length=128  p25 12.5%  p50 12.5%" in text
+    assert "\n  images                   p25 1  p50 1  p75 3  p90 3  p95 3  p99 3  max 3\n" in text
+    assert "\n  share of max_length=128  p25 12.5%  p50 12.5%" in text
 
 
 def test_text_runs_print_what_they_printed():
