@@ -8,7 +8,9 @@ sizes from 64x64 to 448x336) and a question, an assistant answer; and the same r
 Each is run as users run it, ``qlora-train --config … --stats-only``, in a fresh process with a fresh datasets
 cache (``data.cache_dir`` in a new folder), interleaved (images, text, images, …), best of ``--repeats`` by wall
 time and by CPU time (the process's user + system time). Prints both times, their ratio (the target: at most 2x)
-and how many images' pixels the image runs decoded.
+and how many images' pixels the image runs decoded. The start-up (imports, tokenizer and processor, template
+probe: most of a 1,000-row run) is the same for both; so the first ``--small`` rows of each are run too, and the
+cost per row beyond the start-up, (time of ``--rows`` - time of ``--small``) / (rows - small), is compared as well.
 
 Pixels decoded: every run gets a ``sitecustomize.py`` (a folder first on ``PYTHONPATH``) that wraps Pillow's
 ``ImageFile.ImageFile.load`` (where a file's pixels are decoded) to count its calls and write the count to the
@@ -58,8 +60,9 @@ class Took(NamedTuple):
     decodes: int
 
 
-def write_rows(work: Path, n: int) -> tuple[Path, Path, int]:
-    """``n`` image rows and the same rows without images -> (image data file, text data file, images written)."""
+def write_rows(work: Path, n: int, small: int) -> tuple[dict[tuple[str, int], Path], int]:
+    """``n`` image rows and the same rows without images, and their first ``small`` rows -> ({(kind, rows): data
+    file}, images written)."""
     from PIL import Image
 
     images = work / "images"
@@ -76,10 +79,12 @@ def write_rows(work: Path, n: int) -> tuple[Path, Path, int]:
         answer = {"role": "assistant", "content": f"A plain colour, shade {i % 97}. " * (1 + i % 4)}
         with_images.append({"messages": [{"role": "user", "content": [*parts, question]}, answer]})
         text_only.append({"messages": [{"role": "user", "content": [question]}, answer]})
-    paths = work / "images.jsonl", work / "text.jsonl"
-    for path, rows in zip(paths, (with_images, text_only)):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return *paths, k
+    files = {}
+    for kind, rows in (("images", with_images), ("text", text_only)):
+        for size in (n, small):
+            files[kind, size] = work / f"{kind}-{size}.jsonl"
+            files[kind, size].write_text("".join(json.dumps(r) + "\n" for r in rows[:size]))
+    return files, k
 
 
 def children_cpu() -> float:
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-qwen2.5-vl")
     p.add_argument("--rows", type=int, default=1000)
+    p.add_argument("--small", type=int, default=100, help="rows of the runs whose time is the start-up's share")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-length", type=int, default=1024)
     args = p.parse_args(argv)
@@ -125,27 +131,37 @@ def main(argv: list[str] | None = None) -> dict:
         (work / "site").mkdir()
         (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
         start = time.perf_counter()
-        images_file, text_file, n_images = write_rows(work, args.rows)
+        files, n_images = write_rows(work, args.rows, args.small)
         print(f"{args.rows} rows, {n_images} PNG files of sizes {', '.join(f'{w}x{h}' for w, h in SIZES)} "
               f"written in {time.perf_counter() - start:.1f} s; model {args.model}")
-        runs: dict[str, list[Took]] = {"images": [], "text": []}
+        runs: dict[tuple[str, int], list[Took]] = {key: [] for key in files}
         for r in range(args.repeats):
-            for kind, data in (("images", images_file), ("text", text_file)):
-                runs[kind].append(stats_run(work, args.model, data, f"{kind}-{r}", args.max_length))
-                t = runs[kind][-1]
-                print(f"  run {r + 1} {kind:<6} wall {t.wall:6.2f} s  cpu {t.cpu:6.2f} s  pixels decoded "
-                      f"{t.decodes}", flush=True)
-    best = {kind: (min(t.wall for t in ts), min(t.cpu for t in ts)) for kind, ts in runs.items()}
-    decoded = max(t.decodes for t in runs["images"])
-    result = {"rows": args.rows, "images": n_images, "wall_s": {k: v[0] for k, v in best.items()},
-              "cpu_s": {k: v[1] for k, v in best.items()},
-              "ratio_wall": best["images"][0] / best["text"][0], "ratio_cpu": best["images"][1] / best["text"][1],
+            for (kind, size), data in files.items():
+                t = stats_run(work, args.model, data, f"{kind}-{size}-{r}", args.max_length)
+                runs[kind, size].append(t)
+                print(f"  run {r + 1} {kind:<6} {size:>5} rows  wall {t.wall:6.2f} s  cpu {t.cpu:6.2f} s  pixels "
+                      f"decoded {t.decodes}", flush=True)
+    best = {key: Took(min(t.wall for t in ts), min(t.cpu for t in ts), max(t.decodes for t in ts))
+            for key, ts in runs.items()}
+    big, small = args.rows, args.small
+    per_row = {kind: ((best[kind, big].wall - best[kind, small].wall) / (big - small) * 1e3,
+                      (best[kind, big].cpu - best[kind, small].cpu) / (big - small) * 1e3)
+               for kind in ("images", "text")}
+    decoded = max(best["images", big].decodes, best["images", small].decodes)
+    result = {"rows": big, "images": n_images, "wall_s": {k: best[k, big].wall for k in ("images", "text")},
+              "cpu_s": {k: best[k, big].cpu for k in ("images", "text")},
+              "ratio_wall": best["images", big].wall / best["text", big].wall,
+              "ratio_cpu": best["images", big].cpu / best["text", big].cpu,
+              "per_row_ms": per_row, "per_row_ratio_cpu": per_row["images"][1] / per_row["text"][1],
               "pixels_decoded": decoded, "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
-    print(f"--stats-only, {args.rows} rows, best of {args.repeats} (fresh process and datasets cache each):")
-    print(f"  with images ({n_images})  wall {best['images'][0]:6.2f} s  cpu {best['images'][1]:6.2f} s")
-    print(f"  same rows, text only   wall {best['text'][0]:6.2f} s  cpu {best['text'][1]:6.2f} s")
-    print(f"  ratio images/text      wall {result['ratio_wall']:.2f}x  cpu {result['ratio_cpu']:.2f}x  "
-          f"(target <= {TARGET:.0f}x: {'met' if result['ratio_wall'] <= TARGET else 'NOT met'})")
+    print(f"--stats-only, best of {args.repeats} (fresh process and datasets cache each):")
+    for kind, label in (("images", f"{big} rows, {n_images} images"), ("text", f"{big} rows, text only")):
+        b = best[kind, big]
+        print(f"  {label:<24} wall {b.wall:6.2f} s  cpu {b.cpu:6.2f} s;  per row beyond the start-up "
+              f"({big} - {small} rows): wall {per_row[kind][0]:5.2f} ms  cpu {per_row[kind][1]:5.2f} ms")
+    print(f"  ratio images/text: whole run wall {result['ratio_wall']:.2f}x  cpu {result['ratio_cpu']:.2f}x "
+          f"(target <= {TARGET:.0f}x: {'met' if result['ratio_wall'] <= TARGET else 'NOT met'}); per row cpu "
+          f"{result['per_row_ratio_cpu']:.2f}x")
     print(f"  images whose pixels were decoded: {decoded} (Pillow's ImageFile.load calls)")
     return result
 
