@@ -92,10 +92,10 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def stats_run(work: Path, model: Path, data: Path, run: str, max_length: int) -> Took:
+def stats_run(work: Path, model: Path, data: Path, run: str, max_length: int, image_check: str = "header") -> Took:
     """One ``--stats-only`` run of ``data``: a fresh process, a fresh datasets cache, decodes counted."""
     cfg = {"model": {"name_or_path": str(model)},
-           "data": {"datasets": [{"path": str(data)}], "max_length": max_length, "image_check": "header",
+           "data": {"datasets": [{"path": str(data)}], "max_length": max_length, "image_check": image_check,
                     "cache_dir": str(work / "cache" / run)},
            "train": {"output_dir": str(work / "out" / run), "report_to": "none"}}
     config = work / f"{run}.yaml"
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--small", type=int, default=100, help="rows of the runs whose time is the start-up's share")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--image-check", default="header", help="data.image_check (decode: the counter's own check)")
     args = p.parse_args(argv)
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"{args.model}: no model there; build it with `python -m qlora_train.tiny --vision`")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs: dict[tuple[str, int], list[Took]] = {key: [] for key in files}
         for r in range(args.repeats):
             for (kind, size), data in files.items():
-                t = stats_run(work, args.model, data, f"{kind}-{size}-{r}", args.max_length)
+                t = stats_run(work, args.model, data, f"{kind}-{size}-{r}", args.max_length, args.image_check)
                 runs[kind, size].append(t)
                 print(f"  run {r + 1} {kind:<6} {size:>5} rows  wall {t.wall:6.2f} s  cpu {t.cpu:6.2f} s  pixels "
                       f"decoded {t.decodes}", flush=True)
