@@ -326,6 +326,23 @@ def test_the_rule_check_of_a_row_with_images(tmp_path, vl_tok):
     assert out["drop_reason"] == [""], out["drop_detail"]
 
 
+def test_a_saved_dataset_with_an_image_feature(tmp_path, vl_tok):
+    import datasets
+
+    from qlora_train.data.dataset import load_and_process_sources
+
+    raw = png(tmp_path / "a.png").read_bytes()
+    ds = datasets.Dataset.from_dict({
+        "messages": [[{"role": "user", "content": "<image>what?"}, {"role": "assistant", "content": "a square"}]],
+        "images": [[{"bytes": raw, "path": None}]]}).cast_column("images", datasets.List(datasets.Image()))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    cfg = DataConfig(datasets=[DatasetSource(path=str(tmp_path / "saved"))], cache_dir=str(tmp_path / "cache"),
+                     rule_check="off")
+    _, processed = load_and_process_sources(cfg.datasets, cfg, vl_tok)
+    assert processed["drop_reason"] == [""], processed["drop_detail"]
+    assert processed["images"] == [["data:image/png;base64," + base64.b64encode(raw).decode()]]
+
+
 def test_source_image_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a").mkdir()
