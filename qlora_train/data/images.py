@@ -127,7 +127,7 @@ def image_ref(value: Any, base_dir: str | None, where: str) -> str:
     elif scheme:
         raise _refuse(where, f"an image URL of scheme {scheme}:// (a local path or a data: URI expected): {value}")
     path = os.path.expanduser(value)
-    return os.path.normpath(os.path.join(base_dir or os.getcwd(), path))
+    return os.path.abspath(os.path.join(os.path.expanduser(base_dir or ""), path))  # abspath: against the cwd
 
 
 @contextlib.contextmanager

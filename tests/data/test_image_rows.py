@@ -313,6 +313,7 @@ def test_relative_paths_resolve_against_the_data_files_directory(tmp_path, vl_to
     _, _, report = build_datasets(cfg, vl_tok)
     assert report.rows_kept == 2 and report.dropped == {"bad_image": 8}
     assert report.parse["images"] == {"placeholder": 1} and report.parse["image_rows"] == 1
+    assert "images: 1 in 1 rows read (placeholder 1)" in report.lines()
 
 
 @pytest.mark.xfail(strict=True, reason="masking.prefix.prefix_turn reads the content of messages made into content "
