@@ -392,3 +392,22 @@ def test_content_split_at_slots_gives_back_the_texts_and_refs_in_order(three_png
     assert out["content"].count(IMAGE_SLOT) == len(out["images"]) == len(refs)
     assert [im["ref"] for im in out["images"]] == refs
     assert [im["width"] for im in out["images"]] == [Image.open(r).size[0] for r in refs]
+
+
+def test_stats_only_reads_image_headers_only(tmp_path, qwen_tokenizer_dir, monkeypatch):
+    import yaml
+
+    from qlora_train.cli import main
+    from qlora_train.data import parse
+
+    png(tmp_path / "a.png")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(chat("<image>x", images=["a.png"])) + "\n" + json.dumps(chat("text")) + "\n")
+    cfg = {"model": {"name_or_path": str(qwen_tokenizer_dir), "chat_template": "qwen3"},
+           "data": {"datasets": [{"path": str(data)}], "cache_dir": str(tmp_path / "cache")},
+           "train": {"output_dir": str(tmp_path / "out"), "report_to": "none"}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    checks, real = [], parse.image_info
+    monkeypatch.setattr(parse, "image_info", lambda ref, **kw: checks.append(kw["check"]) or real(ref, **kw))
+    assert main(["--config", str(tmp_path / "cfg.yaml"), "--stats-only"]) == 0
+    assert checks == ["header"]  # the image row is read, then refused: qwen3 reads no image
