@@ -295,9 +295,7 @@ def test_relative_paths_resolve_against_the_data_files_directory(tmp_path, vl_to
     data = d / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.chdir(tmp_path)  # the data file's directory, not the current one
-    # rule_check off: the engine's rule check fails on rows with images (test_the_rule_check_of_a_row_with_images)
-    cfg = DataConfig(datasets=[DatasetSource(path="set/train.jsonl")], cache_dir=str(tmp_path / "cache"),
-                     rule_check="off")
+    cfg = DataConfig(datasets=[DatasetSource(path="set/train.jsonl")], cache_dir=str(tmp_path / "cache"))
     assert cfg.for_source(cfg.datasets[0]).image_dir == str(d)
     _, processed = load_and_process_sources(cfg.datasets, cfg, vl_tok)
     reasons = processed["drop_reason"]
@@ -316,8 +314,6 @@ def test_relative_paths_resolve_against_the_data_files_directory(tmp_path, vl_to
     assert "images: 1 in 1 rows read (placeholder 1)" in report.lines()
 
 
-@pytest.mark.xfail(strict=True, reason="masking.prefix.prefix_turn reads the content of messages made into content "
-                   "parts (template_content) as a str: AttributeError on a row with images (the mask engine's)")
 def test_the_rule_check_of_a_row_with_images(tmp_path, vl_tok):
     from qlora_train.data.pipeline import process_rows
 
