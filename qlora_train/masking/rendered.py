@@ -33,6 +33,17 @@ class TurnSpan(NamedTuple):
     reasoning_dropped: bool = False  # the message has reasoning the template did not render
 
 
+class ImageRuns(NamedTuple):
+    """Where a render holds images' tokens (``images.expand_images``): the image token, its id, and each image's
+    run as (its first character, its length in tokens). ``tokenize.encode_rendered`` tokenizes the text with each
+    run as one token and repeats its id: an added token is matched whole before anything around it is tokenized,
+    so that is the whole text's tokenization (tested against it), with no per-token work for an image."""
+
+    token: str
+    token_id: int
+    runs: tuple[tuple[int, int], ...]
+
+
 class RenderedConversation(NamedTuple):
     text: str
     char_mask: np.ndarray  # uint8, one entry per character of text
@@ -41,6 +52,7 @@ class RenderedConversation(NamedTuple):
     unrendered: tuple[str, ...] = ()  # roles of untrained messages the template does not write
     verified_by: str = "layout"  # or "prefix_renders": the rule applied with per-turn prefix renders (prefix.py)
     renders: int = 1  # chat-template renders this result cost
+    images: ImageRuns | None = None  # a vision-language model's render: its images' tokens (``images.expand_images``)
 
     @property
     def cuts(self) -> tuple[int, ...]:

@@ -127,6 +127,21 @@ def test_rows_with_images_match_the_processor(vision, msgs):
     assert trained(m) == trained(text_only)  # the trained tokens: exactly those of the text row
 
 
+@hsettings(max_examples=30, deadline=None)
+@given(vision_rows())
+def test_image_runs_tokenized_once_equal_the_whole_text(vision, msgs):
+    """``encode_rendered`` tokenizes each image's run as one token and repeats it: the ids and every offset equal
+    the tokenization of the whole expanded text."""
+    from qlora_train.masking.tokenize import _offset_pairs, encode_batch, encode_rendered
+
+    tok, _ = vision
+    r = render_example(LossPolicy().mark(msgs), tok).rendered
+    (fast_ids, fast_offsets), = encode_rendered([r], tok)
+    (ids, offsets), = encode_batch([r.text], tok, cuts=[r.cuts])
+    assert fast_ids == ids
+    assert _offset_pairs(fast_offsets).tolist() == _offset_pairs(offsets).tolist()
+
+
 def test_all_turns_trained_and_rule_check_agree(vision):
     tok, _ = vision
     msgs = [{"role": "user", "content": f"one {IMAGE_SLOT}", "images": [image(64, 64)]},
