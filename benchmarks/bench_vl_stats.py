@@ -92,17 +92,27 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def stats_run(work: Path, model: Path, data: Path, run: str, max_length: int, image_check: str = "header") -> Took:
+def counted_env(work: Path, run: str) -> dict[str, str]:
+    """The environment of a counted run: ``work/site`` (with ``SITECUSTOMIZE``) first on ``PYTHONPATH``, the
+    count written to ``work/<run>.decodes``."""
+    path = os.pathsep.join(filter(None, [str(work / "site"), str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "QLORA_BENCH_DECODES": str(work / f"{run}.decodes"), "PYTHONPATH": path}
+
+
+def write_site(work: Path) -> None:
+    (work / "site").mkdir(exist_ok=True)
+    (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+
+
+def stats_run(work: Path, model: Path, data: Path, run: str, max_length: int) -> Took:
     """One ``--stats-only`` run of ``data``: a fresh process, a fresh datasets cache, decodes counted."""
     cfg = {"model": {"name_or_path": str(model)},
-           "data": {"datasets": [{"path": str(data)}], "max_length": max_length, "image_check": image_check,
+           "data": {"datasets": [{"path": str(data)}], "max_length": max_length, "image_check": "header",
                     "cache_dir": str(work / "cache" / run)},
            "train": {"output_dir": str(work / "out" / run), "report_to": "none"}}
     config = work / f"{run}.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    decodes = work / f"{run}.decodes"
-    env = {**os.environ, "QLORA_BENCH_DECODES": str(decodes),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "site"), str(REPO), os.environ.get("PYTHONPATH")]))}
+    decodes, env = work / f"{run}.decodes", counted_env(work, run)
     cpu, start = children_cpu(), time.perf_counter()
     out = subprocess.run([*CLI, "--config", str(config), "--stats-only", "--stats-dir", str(work / "stats" / run)],
                          cwd=work, capture_output=True, text=True, env=env)
@@ -123,14 +133,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--small", type=int, default=100, help="rows of the runs whose time is the start-up's share")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--image-check", default="header", help="data.image_check (decode: the counter's own check)")
     args = p.parse_args(argv)
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"{args.model}: no model there; build it with `python -m qlora_train.tiny --vision`")
     with tempfile.TemporaryDirectory(prefix="bench-vl-") as tmp:
         work = Path(tmp)
-        (work / "site").mkdir()
-        (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        write_site(work)
         start = time.perf_counter()
         files, n_images = write_rows(work, args.rows, args.small)
         print(f"{args.rows} rows, {n_images} PNG files of sizes {', '.join(f'{w}x{h}' for w, h in SIZES)} "
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs: dict[tuple[str, int], list[Took]] = {key: [] for key in files}
         for r in range(args.repeats):
             for (kind, size), data in files.items():
-                t = stats_run(work, args.model, data, f"{kind}-{size}-{r}", args.max_length, args.image_check)
+                t = stats_run(work, args.model, data, f"{kind}-{size}-{r}", args.max_length)
                 runs[kind, size].append(t)
                 print(f"  run {r + 1} {kind:<6} {size:>5} rows  wall {t.wall:6.2f} s  cpu {t.cpu:6.2f} s  pixels "
                       f"decoded {t.decodes}", flush=True)

@@ -4,21 +4,23 @@
 The run is found in the ids (the image rule's token, ``masking.image_rule``, with the template's
 ``<|vision_start|>`` / ``<|vision_end|>`` around it when they are there), so its token count is what training gets;
 the k-th run is the row's k-th image (the processed row's ``images``). The image's size is read from its file's
-header (Pillow opens it lazily: no pixel is decoded); a reference that cannot be read is said so in its marker.
+header (``data.images.image_info`` with ``check="header"``: no pixel is decoded); a reference that cannot be read
+now is said so in its marker, with the reason the row would be refused for it.
 
     >>> ImageRun(3, 9, 5, "/d/cat.png", (448, 448)).marker
     '[image 448x448 → 5 tokens]'
-    >>> ImageRun(3, 9, 5, "/d/gone.png", None, "not found").marker
-    '[image /d/gone.png (not found) → 5 tokens]'
+    >>> ImageRun(3, 9, 5, "/d/gone.png", None, "image: /d/gone.png: no such file").marker
+    '[image: /d/gone.png: no such file → 5 tokens]'
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import sys
 from dataclasses import dataclass
 
-from qlora_train.data.images import image_bytes_or_path
+from qlora_train.data.images import image_bytes_or_path, image_info
 from qlora_train.masking import RowRejected, image_rule
 
 THUMBNAIL_PX = 96  # the longer side of a thumbnail in the page
@@ -41,32 +43,22 @@ class ImageRun:
 
     @property
     def marker(self) -> str:
-        if self.size:
-            what = f"{self.size[0]}x{self.size[1]}"
-        elif self.ref:
-            what = f"{shown_ref(self.ref)} ({self.problem})"
-        else:
-            what = "(its reference is not known)"
         now = f"; its file now makes {self.now_tokens}" if self.now_tokens is not None else ""
-        return f"[image {what} → {self.tokens} tokens{now}]"
-
-
-def shown_ref(ref: str) -> str:
-    """A reference as a marker names it: a ``data:`` URI cut to its head."""
-    return ref if not ref.startswith("data:") or len(ref) <= 48 else ref[:40] + f"… ({len(ref)} chars)"
+        if self.size:
+            return f"[image {self.size[0]}x{self.size[1]} → {self.tokens} tokens{now}]"
+        if self.problem:
+            return f"[{self.problem} → {self.tokens} tokens]"
+        return f"[image (its reference is not known) → {self.tokens} tokens]"
 
 
 def image_size(ref: str) -> tuple[tuple[int, int] | None, str]:
-    """A reference -> ``((width, height), "")`` from its header (no pixel decoded), or ``(None, why)``."""
-    from PIL import Image, UnidentifiedImageError
-
+    """A reference -> ``((width, height), "")`` from its header (no pixel decoded; no size limit: a debug view
+    shows what is there), or ``(None, why)``: the ``bad_image`` detail ``data.images.image_info`` gives."""
     try:
-        with Image.open(image_bytes_or_path(ref)) as im:
-            return im.size, ""
-    except FileNotFoundError:
-        return None, "not found"
-    except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
-        return None, f"cannot be read: {type(exc).__name__}"
+        info = image_info(ref, max_pixels=sys.maxsize, check="header")
+    except RowRejected as exc:
+        return None, exc.detail
+    return (info["width"], info["height"]), ""
 
 
 def thumbnail_uri(ref: str, max_px: int = THUMBNAIL_PX) -> str | None:

@@ -141,9 +141,9 @@ def test_a_missing_image_is_said_so_and_the_page_renders(vl_tok, tmp_path):
     (tmp_path / "gone.png").unlink()
     raw = {"location": "d.jsonl:1", "source": "0:d.jsonl", "row": ""}
     samples = load_samples([raw], [row], vl_tok, [0])
-    assert f"[image {path} (not found) → 16 tokens]" in format_sample(samples[0], color=False)
+    assert f"[image: {path}: no such file → 16 tokens]" in format_sample(samples[0], color=False)
     page = debug_html(samples)
-    assert "<img" not in page and "(not found) → 16 tokens]" in page
+    assert "<img" not in page and ": no such file → 16 tokens]" in page
 
 
 def test_an_image_changed_since_processing_is_said_so(vl_tok, tmp_path):
