@@ -302,8 +302,8 @@ class DataConfig(_Section):
     prepared_path: str | None = Field(
         None, description="A directory written by `--preprocess`: training and the diagnostics read the processed "
         "datasets from it instead of the raw files (which need not exist), refusing when its fingerprint does not "
-        "match this data config, the tokenizer, its chat template, the pipeline code or the packing settings. "
-        "Also where `--preprocess` writes when `--preprocess-dir` is not given.",
+        "match this data config, the tokenizer, its chat template, the pipeline code, the packing settings or the "
+        "image files its rows refer to. Also where `--preprocess` writes when `--preprocess-dir` is not given.",
     )
     on_bad_row: Literal["skip", "error"] = Field(
         "skip", description="`skip`: drop a refused row, count it, warn once per reason with the first row's "
