@@ -20,8 +20,7 @@ from qlora_train.data.prepared import (
     load_prepared,
     write_prepared,
 )
-from qlora_train.data.processed import SFT_ROW
-from qlora_train.masking import IMAGE_SLOT, ImageRule, mask_conversation, set_image_rule
+from qlora_train.masking import ImageRule, set_image_rule
 
 DATA_URI = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAE"
             "lFTkSuQmCC")  # a 1x1 PNG
@@ -45,38 +44,27 @@ def png(path, w: int, h: int) -> str:
     return str(path)
 
 
-def processed_rows(tok, images_per_row: list[list[tuple[str, int, int]]]):
-    """(raw, processed) datasets as ``load_and_process`` makes them, one SFT row per list of images."""
-    import datasets
-
-    rows, raw = [], []
-    for i, images in enumerate(images_per_row):
-        msgs = [{"role": "user", "content": IMAGE_SLOT * len(images) + f" question {i}",
-                 "images": [{"ref": r, "width": w, "height": h} for r, w, h in images]},
-                {"role": "assistant", "content": f"answer {i}"}]
-        m = mask_conversation(msgs, tok)
-        row = SFT_ROW.empty() | {"input_ids": m.input_ids, "attention_mask": [1] * len(m.input_ids),
-                                 "labels": m.labels, "num_tokens_before": len(m.input_ids),
-                                 "num_tokens": len(m.input_ids), "num_trained_tokens": sum(t != -100 for t in m.labels),
-                                 "images": [r for r, _, _ in images], "num_images": len(images),
-                                 "num_image_tokens": m.input_ids.count(tok.convert_tokens_to_ids("<|image_pad|>")),
-                                 "source": "0:d.jsonl", "location": f"d.jsonl:{i + 1}", "domain": ""}
-        rows.append(row)
-        raw.append({"row": json.dumps({"messages": "…"}), "source": "0:d.jsonl", "location": f"d.jsonl:{i + 1}"})
-    return datasets.Dataset.from_list(raw), datasets.Dataset.from_list(rows, features=SFT_ROW.features())
+def image_row(i: int, refs: list[str]) -> dict:
+    """A row with ``refs`` as OpenAI content parts (paths relative to the data file, or ``data:`` URIs)."""
+    return {"messages": [{"role": "user", "content": [*({"type": "image", "image": r} for r in refs),
+                                                      {"type": "text", "text": f"question {i}"}]},
+                         {"role": "assistant", "content": f"answer {i}"}]}
 
 
 @pytest.fixture
-def prepared(tmp_path, vl_tok, monkeypatch):
-    """A prepared directory of three image rows (two files, one ``data:`` URI), made by ``write_prepared``."""
-    a, b = png(tmp_path / "a.png", 112, 112), png(tmp_path / "b.png", 224, 56)
-    raw, processed = processed_rows(vl_tok, [[(a, 112, 112)], [(b, 224, 56), (a, 112, 112)], [(DATA_URI, 1, 1)]])
-    monkeypatch.setattr("qlora_train.data.prepared.load_and_process", lambda data, tok: (raw, processed))
+def prepared(tmp_path, vl_tok):
+    """A prepared directory of three image rows (two files, one ``data:`` URI), written by ``write_prepared`` from
+    a data file."""
+    (tmp_path / "img").mkdir()
+    a, b = png(tmp_path / "img" / "a.png", 112, 112), png(tmp_path / "img" / "b.png", 224, 56)
+    rows = [image_row(0, ["img/a.png"]), image_row(1, ["img/b.png", "img/a.png"]), image_row(2, [DATA_URI])]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = Config.model_validate({"model": {"name_or_path": "tiny-vl"}, "data": {
         "datasets": [{"path": str(tmp_path / "d.jsonl")}], "eval_fraction": 0, "cache_dir": str(tmp_path / "c")},
         "train": {"output_dir": str(tmp_path / "out"), "report_to": "none"}})
     dest = tmp_path / "prepared"
-    write_prepared(cfg, vl_tok, dest)
+    data = write_prepared(cfg, vl_tok, dest)
+    assert data.report.rows_kept == 3
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared_path": str(dest)})}), a, b
 
 
