@@ -163,3 +163,19 @@ def test_text_model_rows_have_no_runs(vl_tok):
         assert image_runs(ids, [], vl_tok) == ()
     finally:
         set_image_rule(vl_tok, rule)
+
+
+@pytest.mark.slow
+def test_an_image_page_renders_in_chromium(vl_tok, tmp_path):
+    from qlora_train.diagnostics.browser import check_page, chromium_binary
+
+    if chromium_binary() is None:
+        pytest.skip("no chromium (make browser installs it)")
+    refs = [(png(tmp_path / "a.png", 112, 112), 112, 112), (str(tmp_path / "gone.png"), 56, 56)]
+    png(tmp_path / "gone.png", 56, 56)
+    row = processed_row(vl_tok, image_messages(refs))
+    (tmp_path / "gone.png").unlink()
+    raw = {"location": "d.jsonl:1", "source": "0:d.jsonl", "row": ""}
+    page = tmp_path / "page.html"
+    page.write_text(debug_html(load_samples([raw], [row], vl_tok, [0])))
+    assert check_page(page, tmp_path / "page.png") == []  # every span back as written; not blank
