@@ -29,6 +29,10 @@ def test_text_rows_are_the_image_rows_without_their_images(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not (TINY_VL / "config.json").is_file(), reason="python -m qlora_train.tiny --vision first")
 def test_a_small_run_reads_every_image_row_and_decodes_no_pixel():
+    import qlora_train
+
+    if not (Path(qlora_train.__file__).parent / "vision.py").is_file():
+        pytest.skip("the vision-language loader (issue 38's trainer, qlora_train/vision.py) is not merged")
     bench = load_bench("bench_vl_stats")
     result = bench.main(["--model", str(TINY_VL), "--rows", "12", "--small", "4", "--repeats", "1"])
     assert result["images"] == 18 and result["pixels_decoded"] == 0  # stats_run refuses a run with refused rows
