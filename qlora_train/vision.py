@@ -43,10 +43,13 @@ class VisionBase:
         return self.tower is not None
 
 
-def model_config_dict(cfg: ModelConfig) -> dict:
+def model_config_dict(cfg: ModelConfig) -> dict | None:
     """The base's ``config.json`` as a dict: read from a local folder directly (no torch), else through
-    ``AutoConfig`` (a hub id). ``ModelLoadError`` when it cannot be read."""
+    ``AutoConfig`` (a hub id); None for a local folder without one (a tokenizer alone). ``ModelLoadError`` when
+    it cannot be read."""
     local = Path(cfg.name_or_path) / "config.json"
+    if Path(cfg.name_or_path).is_dir() and not local.is_file():
+        return None
     if local.is_file():
         try:
             return json.loads(local.read_text(encoding="utf-8"))
@@ -61,10 +64,18 @@ def model_config_dict(cfg: ModelConfig) -> dict:
             from None
 
 
-def vision_base(cfg: ModelConfig) -> VisionBase | None:
-    """``VisionBase`` of a vision-language base (its config has a ``vision_config``), None for a text-only one."""
-    config = model_config_dict(cfg)
-    if not config.get("vision_config"):
+def vision_base(cfg: ModelConfig, *, strict: bool = True) -> VisionBase | None:
+    """``VisionBase`` of a vision-language base (its config has a ``vision_config``), None for a text-only one and
+    for a folder without a model config. Not ``strict`` (a tokenizer-only run, whose tokenizer loaded): a hub
+    config that cannot be fetched reads as a text-only base (training, strict, then says why it cannot load)."""
+    try:
+        config = model_config_dict(cfg)
+    except ModelLoadError:
+        if strict:
+            raise
+        log.info("the model config of %s cannot be read: its rows are read as a text-only model's", cfg.name_or_path)
+        return None
+    if not config or not config.get("vision_config"):
         return None
     model_type = str(config.get("model_type", ""))
     return VisionBase(model_type, SUPPORTED.get(model_type))
@@ -89,7 +100,7 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
     text-only base and for a vision-language one whose images this trainer does not read (logged)."""
     from qlora_train.masking import ImageRule
 
-    base = vision_base(cfg) if base is None else base
+    base = vision_base(cfg, strict=False) if base is None else base
     if base is None:
         return None
     if not base.supported:
