@@ -142,6 +142,14 @@ def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
         raise ConfigError(problems)
 
 
+def tower_line(base: VisionBase | None, train_vision: bool, dtype) -> str | None:
+    """The run summary's line on the vision tower, or None for a base whose images are not read."""
+    if base is None or not base.supported:
+        return None
+    how = "LoRA on its linear layers (lora.train_vision)" if train_vision else "frozen (lora.train_vision: false)"
+    return f"tower {base.tower} ({base.model_type}) not quantised, in {str(dtype).removeprefix('torch.')}; {how}"
+
+
 UNREAD_IMAGES = "the model reads none"  # in the engine's bad_image detail of an image row for a text-only tokenizer
 
 

@@ -55,7 +55,7 @@ from qlora_train.train.resume import (
     run_fingerprint,
 )
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
-from qlora_train.vision import check_images_readable, check_vision_training, vision_base
+from qlora_train.vision import VisionBase, check_images_readable, check_vision_training, tower_line, vision_base
 
 log = logging.getLogger("qlora_train")
 
@@ -162,8 +162,9 @@ def check_rows_fit_method(cfg: Config, dataset) -> None:
 
 
 def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None,
-                  new_tokens: NewTokens = NO_NEW_TOKENS) -> list[str]:
+                  new_tokens: NewTokens = NO_NEW_TOKENS, vision: VisionBase | None = None) -> list[str]:
     trainable, total = count_parameters(model)
+    tower = tower_line(vision, cfg.lora.train_vision, runtime.compute_dtype)
     return [
         "=" * 72,
         f"model      {cfg.model.name_or_path}  (4-bit: {cfg.model.load_in_4bit}, template: {template_note(cfg.model)})",
@@ -172,6 +173,7 @@ def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | N
         f"({trainable / total:.2%})",
         *([f"tokens     added {', '.join(f'{t} ({i})' for t, i in zip(new_tokens.tokens, new_tokens.ids))}: only "
            "their embedding rows train (and the output head's, when untied)"] if new_tokens else []),
+        *([f"vision     {tower}"] if tower else []),
         *[f"data       {line}" for line in report.lines()],
         *([f"batches    {packing.line()}"] if packing else []),
         f"output     {cfg.train.output_dir}",
@@ -296,7 +298,7 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
     if main:
         prepare_output_dir(start, fingerprint, out)  # the others wait for rank 0 at the first step's collectives
         write_atomic(out / "dataset_report.json", report.to_json())
-        print(visible("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens))), flush=True)
+        print(visible("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens, vision))), flush=True)
 
     if args.world_size > 1:  # the epoch's ragged last step: blank rows, not repeated ones
         trainer_class = with_global_batches(trainer_class)

@@ -205,7 +205,7 @@ def test_fused_loss_equals_the_models_own_on_image_rows(tiny_vl_dir, tmp_path, v
 
 
 @pytest.mark.slow
-def test_trains_image_rows_through_the_real_path(tiny_vl_dir, tmp_path, vl_tokenizer, monkeypatch, caplog):
+def test_trains_image_rows_through_the_real_path(tiny_vl_dir, tmp_path, vl_tokenizer, monkeypatch, caplog, capsys):
     from qlora_train.cli import main
 
     caplog.set_level(logging.INFO, logger="qlora_train")
@@ -213,6 +213,8 @@ def test_trains_image_rows_through_the_real_path(tiny_vl_dir, tmp_path, vl_token
     feed_rows(monkeypatch, rows)
     assert main(["--config", str(write_vl_config(tmp_path, tiny_vl_dir, max_steps=6))]) == 0
     assert any(r.getMessage().startswith("loss: fused LM head") for r in caplog.records)
+    assert ("vision     tower model.visual (qwen2_5_vl) not quantised, in float32; frozen (lora.train_vision: false)"
+            in capsys.readouterr().out)
     out = tmp_path / "out"
     losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
     assert len(losses) == 6 and losses[-1] < losses[0]
