@@ -42,7 +42,9 @@ Distributed = Literal["ddp", "fsdp"]  # train.distributed
 QuantStorage = Literal["auto", "uint8", "bfloat16", "float16", "float32"]  # model.bnb_4bit_quant_storage
 # DatasetSource keys that override the data-level value of the same name for that source's rows
 FORMAT_OVERRIDES = ("dataset_schema", "messages_field", "message_property_mappings", "roles", "field_mappings",
-                    "format", "no_input_format")
+                    "format", "no_input_format", "image_dir")
+ImageCheck = Literal["decode", "header"]  # data.image_check: how much of each image preprocessing reads
+DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # data.max_image_pixels: 8000x8000
 
 
 class RowHandlerSpec(_Section):
@@ -93,10 +95,34 @@ class DatasetSource(_Section):
     field_mappings: dict[str, str] | None = Field(None, description="Overrides `data.field_mappings` for this source.")
     format: str | None = Field(None, description="Overrides `data.format` for this source.")
     no_input_format: str | None = Field(None, description="Overrides `data.no_input_format` for this source.")
+    image_dir: str | None = Field(None, description="Overrides `data.image_dir` for this source.")
 
     @property
     def paths(self) -> list[str]:
         return [self.path] if isinstance(self.path, str) else list(self.path)
+
+
+def source_image_dir(src: DatasetSource) -> str | None:
+    """The directory a source's relative image paths resolve against when ``image_dir`` is unset: a local file's
+    directory, a local directory itself, a glob's leading directory (the part before its first wildcard); None (the
+    current directory) for a hub dataset or paths that do not share one such directory."""
+    dirs = set()
+    for path in src.paths:
+        p = Path(path).expanduser()
+        if is_glob(path):
+            fixed = []
+            for part in p.parts:
+                if is_glob(part):
+                    break
+                fixed.append(part)
+            dirs.add(Path(*fixed) if fixed else Path("."))
+        elif p.is_file():
+            dirs.add(p.parent)
+        elif p.is_dir():
+            dirs.add(p)
+        else:
+            return None  # a hub dataset
+    return str(dirs.pop()) if len(dirs) == 1 else None
 
 
 class MixingConfig(_Section):
@@ -239,6 +265,29 @@ class DataConfig(_Section):
         default_factory=lambda: list(DEFAULT_TOOLS_COLUMNS),
         description="Columns searched, in order, for tool schemas (list, dict or JSON string).",
     )
+    image_columns: list[str] = Field(
+        default_factory=lambda: ["images", "image"], description="Row columns of images (a list, or one image), "
+        "used in order by the `<image>` placeholders and the content parts `{type: image}` without a reference "
+        "(docs/datasets.md#rows-with-images).",
+    )
+    image_placeholder: str = Field(
+        "<image>", min_length=1, description="Text that marks where a row's next column image sits (LLaVA, "
+        "ShareGPT, LLaMA-Factory); plain text in a row without an images column.",
+    )
+    image_dir: str | None = Field(
+        None, description="Directory relative image paths resolve against. Unset: each source's own: a local data "
+        "file's directory, a local directory source itself, a glob's leading directory; the current directory for "
+        "a hub dataset or sources whose files lie in different directories.",
+    )
+    max_image_pixels: int = Field(
+        DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="Images with more pixels (read from the header, before "
+        "decoding) are refused with their row (`bad_image`).",
+    )
+    image_check: ImageCheck = Field(
+        "decode", description="`decode`: every image decoded once at preprocessing, so a corrupt file is refused "
+        "with its row, not met in training; `header`: size and structure only (`Image.verify`), no pixels read "
+        "(what `--stats-only` uses).",
+    )
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Share of rows held out for evaluation.")
     shuffle_seed: int = Field(42, description="Seed of the train/eval split and of `shuffle`.")
     shuffle: bool = Field(False, description="Shuffle the training rows once after mixing.")
@@ -278,8 +327,11 @@ class DataConfig(_Section):
 
     def for_source(self, src: DatasetSource) -> DataConfig:
         """The options that process ``src``'s rows: its format overrides (``FORMAT_OVERRIDES``) applied, and
-        the source lists and mixing left out, so that one source's cache does not depend on the others."""
+        the source lists and mixing left out, so that one source's cache does not depend on the others. ``image_dir``
+        is made absolute: set, or the source's own (``source_image_dir``)."""
         update = {k: getattr(src, k) for k in FORMAT_OVERRIDES if getattr(src, k) is not None}
+        image_dir = update.get("image_dir", self.image_dir) or source_image_dir(src)
+        update["image_dir"] = str(Path(image_dir).expanduser().absolute()) if image_dir else None
         return self.model_copy(update={**update, "datasets": [], "eval_datasets": [], "mixing": MixingConfig()})
 
     # Section checks name their key first ("key: why"); _describe joins it to the section's path.

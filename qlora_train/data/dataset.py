@@ -136,6 +136,10 @@ class DatasetReport:
             out.append(f"checked against the rule (data.rule_check): {self.rule_checked_rows} rows agree, "
                        f"{self.rule_disagreements} disagree (refused: mask_disagrees), {self.rule_unchecked_rows} not "
                        "checked (the template is not prefix-stable on them)")
+        if self.parse.get("image_rows"):
+            forms = self.parse.get("images", {})
+            out.append(f"images: {sum(forms.values())} in {self.parse['image_rows']} rows read (" + ", ".join(
+                f"{form} {n}" for form, n in sorted(forms.items())) + ")")
         if self.unrendered_messages:
             out.append("messages the chat template does not render (the model never sees them): " + ", ".join(
                 f"{role} {n}" for role, n in sorted(self.unrendered_messages.items(), key=lambda kv: -kv[1])))

@@ -31,6 +31,7 @@ from qlora_train.data.parse import (
     instruction_prompt,
     is_text_parts,
     map_fields,
+    refuse_row_images,
     row_tools,
 )
 from qlora_train.data.processed import PAIR_ROW
@@ -101,6 +102,7 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
         raise RowRejected(DropReason.BAD_ROW, f"row is a {type(row).__name__}, not a mapping")
     row = map_fields(row, cfg.field_mappings)
     report = ParseReport(schema="preference", schemas={"preference": 1}, rows=1)
+    refuse_row_images(row, cfg)  # images in preference rows: not supported yet
     present = [side for side in SIDES if row.get(side) is not None]
     if len(present) < 2:
         if "completion" in row and "label" in row:

@@ -19,7 +19,18 @@ from typing import Any
 from qlora_train.config import DataConfig
 from qlora_train.data.batches import JSONLimitError, read_json
 from qlora_train.data.drops import DropReason
-from qlora_train.masking import KNOWN_ROLES, THINK_CLOSE, THINK_OPEN, LossPolicy, Message, RowRejected
+from qlora_train.data.images import REF_KEYS, image_info, image_ref, shown
+from qlora_train.masking import (
+    IMAGE_SLOT,
+    KNOWN_ROLES,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ImageInfo,
+    LossPolicy,
+    Message,
+    RowRejected,
+    image_rule,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +71,8 @@ class ParseReport:
     tools_present: int = 0
     tools_parsed_from_string: int = 0
     unknown_roles: dict[str, int] = field(default_factory=dict)
+    image_rows: int = 0  # rows with images
+    images: dict[str, int] = field(default_factory=dict)  # images read, by form (RowImages.FORMS)
     # filled after the render (pipeline): what the chat template did with the row's reasoning and messages
     reasoning_dropped_rows: int = 0  # rows with at least one trained turn whose reasoning the template dropped
     reasoning_dropped_turns: int = 0  # trained turns trained without their reasoning
@@ -180,6 +193,9 @@ def content_text(value: Any, where: str) -> str:
         return value
     if is_text_parts(value):
         return "".join(str(p.get("text", "")) for p in value)
+    if has_image_parts(value):
+        raise RowRejected(DropReason.BAD_IMAGE, f"{where}: an image content part where only text is read ("
+                          f"{PREFERENCE_IMAGES}; in a chat row only message content holds images)")
     if isinstance(value, dict):
         return json.dumps(value, ensure_ascii=False)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -192,6 +208,127 @@ def content_text(value: Any, where: str) -> str:
 def is_text_parts(value: Any) -> bool:
     """A list of ``{"type": "text", "text": …}`` parts (OpenAI's content parts): one text, not messages."""
     return isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value)
+
+
+IMAGE_PART_TYPES = frozenset({"image", "image_url"})  # OpenAI-style content parts that hold an image
+PREFERENCE_IMAGES = "images in preference rows are not supported yet"
+
+
+def has_image_parts(value: Any) -> bool:
+    """A list of content parts of which at least one is an image (``{"type": "image" | "image_url"}``)."""
+    return isinstance(value, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in value)
+
+
+def row_image_column(row: dict, cfg: DataConfig) -> tuple[str, list] | None:
+    """The row's images column: the first of ``cfg.image_columns`` with a value -> (its name, its images: a list, or
+    one image as a list of one); None when the row has none (absent, null, empty)."""
+    for column in cfg.image_columns:
+        value = row.get(column)
+        if value is None or value == [] or value == "":
+            continue
+        return column, value if isinstance(value, list) else [value]
+    return None
+
+
+def refuse_row_images(row: dict, cfg: DataConfig) -> None:
+    """A preference or unpaired row with an images column is refused (``bad_image``): not supported yet."""
+    found = row_image_column(row, cfg)
+    if found is not None:
+        raise RowRejected(DropReason.BAD_IMAGE, f"column '{found[0]}': {PREFERENCE_IMAGES}")
+
+
+def _part_ref(part: dict) -> Any:
+    """An image content part's own reference (None: it takes the next column image, TRL's ``{"type": "image"}``):
+    ``image_url`` (``{"url": …}`` or a string), or the first of ``image`` / ``path`` / ``url``."""
+    if part.get("type") == "image_url" and part.get("image_url"):
+        value = part["image_url"]
+        return value.get("url") if isinstance(value, dict) else value
+    return next((part[k] for k in ("image", *REF_KEYS) if part.get(k)), None)
+
+
+class RowImages:
+    """One row's images, read as its messages are: an image content part with its own reference (``part``), one
+    without (``part_from_column``) and each ``data.image_placeholder`` in message text (``placeholder``) take
+    their image, the latter two the next one of the row's images column (``row_image_column``). Each image is
+    resolved (relative paths against ``data.image_dir``), read and checked (``data.images.image_info``), and, for a
+    tokenizer with an image rule, checked to be one the processor takes; counted by form in the report.
+    ``finish`` checks the row as a whole."""
+
+    FORMS = ("part", "part_from_column", "placeholder")
+
+    def __init__(self, row: dict, cfg: DataConfig, report: ParseReport, tokenizer=None):
+        self.cfg, self.report, self.tokenizer = cfg, report, tokenizer
+        found = row_image_column(row, cfg)
+        self.column, self.pending = found if found is not None else (None, [])
+        self.taken = 0  # column images asked for (more than the column holds: refused by ``finish``)
+        self.read_any = False
+
+    def read(self, value: Any, where: str, form: str) -> ImageInfo:
+        info = image_info(image_ref(value, self.cfg.image_dir, where), max_pixels=self.cfg.max_image_pixels,
+                          check=self.cfg.image_check, where=where)
+        rule = image_rule(self.tokenizer) if self.tokenizer is not None else None
+        if rule is not None:
+            try:
+                rule.tokens(info["width"], info["height"])
+            except RowRejected as rej:
+                raise RowRejected(DropReason.BAD_IMAGE, f"{where}: {shown(info['ref'])}: the image processor "
+                                  f"refuses it ({rej.detail})") from None
+        _count(self.report.images, form)
+        self.read_any = True
+        return info
+
+    def from_column(self, where: str, form: str) -> ImageInfo | None:
+        k, self.taken = self.taken, self.taken + 1
+        if k >= len(self.pending):
+            return None
+        return self.read(self.pending[k], f"{where} <- column '{self.column}'[{k}]", form)
+
+    def from_parts(self, parts: list, where: str) -> tuple[str, list[ImageInfo]]:
+        """Content parts -> (content with an ``IMAGE_SLOT`` per image, the images)."""
+        pieces, images = [], []
+        for j, part in enumerate(parts):
+            at = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                pieces.append(content_text(part.get("text"), at))
+            elif kind in IMAGE_PART_TYPES:
+                ref = _part_ref(part)
+                info = self.read(ref, at, "part") if ref is not None else self.from_column(at, "part_from_column")
+                pieces.append(IMAGE_SLOT)
+                images += [info] if info is not None else []
+            else:
+                what = repr(kind) if isinstance(part, dict) else type(part).__name__
+                raise RowRejected(DropReason.BAD_CONTENT_TYPE, f"{at}: a content part of type {what}")
+        return "".join(pieces), images
+
+    def from_placeholders(self, text: str, where: str) -> tuple[str, list[ImageInfo]]:
+        """Text with ``data.image_placeholder`` -> (each placeholder an ``IMAGE_SLOT``, the next column images)."""
+        placeholder = self.cfg.image_placeholder
+        pieces, images = text.split(placeholder), []
+        for k in range(1, len(pieces)):
+            info = self.from_column(f"{where} {placeholder} #{k - 1}", "placeholder")
+            images += [info] if info is not None else []
+        return IMAGE_SLOT.join(pieces), images
+
+    def finish(self, messages: list[Message]) -> None:
+        """The row's images as a whole: every column image placed, none asked for beyond them, and in a row with
+        images no other ``IMAGE_SLOT`` than the images' own (a literal U+FFFC in the row's text)."""
+        if self.taken != len(self.pending):
+            places = f"{self.cfg.image_placeholder!r} placeholders and image parts without a reference"
+            holds = (f"column '{self.column}' holds {len(self.pending)}" if self.column is not None else
+                     f"the row has no images column (data.image_columns: {list(self.cfg.image_columns)})")
+            raise RowRejected(DropReason.BAD_IMAGE, f"{self.taken} image(s) asked for ({places}), but {holds}")
+        if not self.read_any:
+            return
+        self.report.image_rows = 1
+        for i, m in enumerate(messages):
+            slots, n = m["content"].count(IMAGE_SLOT), len(m.get("images", ()))
+            if slots > n or IMAGE_SLOT in m.get("reasoning_content", ""):
+                raise RowRejected(DropReason.BAD_IMAGE, f"messages[{i}]: the text holds U+FFFC (the object "
+                                  "replacement character), which marks where an image sits: not in a row with images")
+            if slots < n:
+                raise RowRejected(DropReason.BAD_IMAGE, f"messages[{i}]: an image inside the reasoning block "
+                                  f"({n} image(s), {slots} in the content)")
 
 
 def check_user_turns(messages: list[Message], where: str = "messages") -> None:
@@ -333,7 +470,7 @@ class _MessageRules:
 _OPTIONAL_KEYS = frozenset({"training", "weight", "tool_calls", "name", "tool_call_id"})
 
 
-def _message(raw: Any, i: int, rules: _MessageRules, report: ParseReport) -> Message:
+def _message(raw: Any, i: int, rules: _MessageRules, report: ParseReport, images: RowImages | None) -> Message:
     if not isinstance(raw, dict):
         raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: expected a mapping, got {type(raw).__name__}")
     style = "sharegpt" if rules.schema == "sharegpt" or ("role" not in raw and "from" in raw) else "messages"
@@ -348,9 +485,17 @@ def _message(raw: Any, i: int, rules: _MessageRules, report: ParseReport) -> Mes
         raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: missing role (key '{rules.props[style]['role']}')")
     if rules.aliases:
         role = rules.aliases.get(role.lower(), role)
+    found: list[ImageInfo] = []
     if not isinstance(content, str):
-        content = content_text(content, f"messages[{i}]")
+        if images is not None and has_image_parts(content):
+            content, found = images.from_parts(content, f"messages[{i}]")
+        else:
+            content = content_text(content, f"messages[{i}]")
+    elif images is not None and images.column is not None and images.cfg.image_placeholder in content:
+        content, found = images.from_placeholders(content, f"messages[{i}]")
     msg: Message = {"role": role, "content": content}
+    if found:
+        msg["images"] = found
     if role not in KNOWN_ROLES:
         _count(report.unknown_roles, role)
         if role not in _warned_roles:
@@ -419,7 +564,10 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
     ``cfg.dataset_schema``), maps message keys and roles, moves reasoning
     fields into ``reasoning_content``, extracts inline think blocks, applies
     ``think_mode`` / ``think_max_tokens`` (needs ``tokenizer``), finds tools in
-    the first matching tools column, and marks every message with its ``train``
+    the first matching tools column, reads the row's images (``RowImages``:
+    image content parts, ``<image>`` placeholders, the images column; each an
+    ``IMAGE_SLOT`` in its message's content and an ``ImageInfo`` in its
+    ``images``; checked against ``tokenizer``'s image rule when it has one), and marks every message with its ``train``
     flag (``LossPolicy.mark``; ``policy`` defaults to ``LossPolicy.of(cfg)``):
     the one place that decides which messages are trained. A bare list is a
     list of messages.
@@ -436,7 +584,8 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"no known schema among keys {sorted(row)[:8]}")
     if schema not in CHAT_SCHEMAS:
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"schema {schema!r} is template-free: it has no messages")
-    messages = canonical_messages(_raw_messages(row, schema, cfg), cfg, report, schema=schema, tokenizer=tokenizer)
+    messages = canonical_messages(_raw_messages(row, schema, cfg), cfg, report, schema=schema, tokenizer=tokenizer,
+                                  images=RowImages(row, cfg, report, tokenizer))
     messages = (policy or LossPolicy.of(cfg)).mark(messages)
     trained = [i for i, m in enumerate(messages) if m["train"]]
     if not trained:
@@ -451,7 +600,7 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
 
 
 def canonical_messages(raw: list, cfg: DataConfig, report: ParseReport, *, schema: str = "messages",
-                       tokenizer=None) -> list[Message]:
+                       tokenizer=None, images: RowImages | None = None) -> list[Message]:
     """A row's raw message list -> canonical Messages, not yet marked (no ``train`` flag unless a message's
     own ``training`` / ``weight`` sets one).
 
@@ -459,14 +608,18 @@ def canonical_messages(raw: list, cfg: DataConfig, report: ParseReport, *, schem
     ``schema='sharegpt'``), content made text, reasoning keys moved into ``reasoning_content``, inline
     ``<think>`` blocks extracted, tool calls normalised, then ``think_mode`` / ``think_max_tokens`` applied
     (the latter needs ``tokenizer``). What the row's messages and a preference pair's prompt and responses
-    (``pairs.canonicalize_pair``) both go through.
+    (``pairs.canonicalize_pair``) both go through. With ``images`` (a chat row's ``RowImages``), image content
+    parts and placeholders become ``IMAGE_SLOT``s and ``images``; without, an image content part is refused
+    (``bad_image``: not supported in preference rows yet).
 
         >>> canonical_messages([{"from": "gpt", "value": "<think>r</think>a"}], DataConfig(), ParseReport(),
         ...                    schema="sharegpt")
         [{'role': 'assistant', 'content': 'a', 'reasoning_content': 'r'}]
     """
     rules = _MessageRules.of(schema, cfg)
-    messages = [_message(m, i, rules, report) for i, m in enumerate(raw)]
+    messages = [_message(m, i, rules, report, images) for i, m in enumerate(raw)]
+    if images is not None:
+        images.finish(messages)
     check_user_turns(messages)
     if cfg.think_mode == "drop":
         for m in messages:

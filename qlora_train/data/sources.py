@@ -22,6 +22,7 @@ A row may be a mapping or, in JSON files, a bare list (of messages).
 
 from __future__ import annotations
 
+import copy
 import glob as globlib
 import json
 import os
@@ -223,8 +224,31 @@ def _to_rows(batch: dict, indices: list[int], name: str) -> dict:
     }
 
 
+def _undecoded(feature):
+    """A feature with each ``Image`` in it not decoded (its stored ``{"bytes", "path"}``); None when it has none."""
+    if isinstance(feature, datasets.Image):
+        return datasets.Image(decode=False) if feature.decode else None
+    if isinstance(feature, dict):
+        inner = {k: _undecoded(v) for k, v in feature.items()}
+        return None if all(v is None for v in inner.values()) else {
+            k: feature[k] if v is None else v for k, v in inner.items()}
+    if isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence)):
+        inner = _undecoded(feature.feature)
+        if inner is None:
+            return None
+        out = copy.copy(feature)
+        out.feature = inner
+        return out
+    return None
+
+
 def _as_raw(ds: datasets.Dataset, name: str) -> datasets.Dataset:
-    """A datasets table -> Dataset(row, location, load_error), one JSON row per table row."""
+    """A datasets table -> Dataset(row, location, load_error), one JSON row per table row. ``Image`` columns are
+    read as stored, ``{"bytes", "path"}`` (``data.images.image_ref`` reads them), not decoded into pictures."""
+    for column, feature in ds.features.items():
+        undecoded = _undecoded(feature)
+        if undecoded is not None:
+            ds = ds.cast_column(column, undecoded)
     return ds.map(_to_rows, batched=True, with_indices=True, fn_kwargs={"name": name},
                   remove_columns=ds.column_names, features=FEATURES, desc=f"reading {name}")
 

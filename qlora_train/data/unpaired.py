@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from qlora_train.config import DataConfig
 from qlora_train.data.drops import DropReason
 from qlora_train.data.pairs import PROMPT_KEYS, _check_messages, _messages, check_prompt, check_response, side_limit
-from qlora_train.data.parse import ParseReport, instruction_prompt, map_fields, row_tools
+from qlora_train.data.parse import ParseReport, instruction_prompt, map_fields, refuse_row_images, row_tools
 from qlora_train.data.processed import UNPAIRED_ROW
 from qlora_train.data.rows import Batch, check_length, content_chars, content_hash, guarded, report_json
 from qlora_train.data.truncate import middle_exchanges
@@ -71,6 +71,7 @@ def canonicalize_unpaired(row: dict, cfg: DataConfig | None = None, *, tokenizer
         raise RowRejected(DropReason.BAD_ROW, f"row is a {type(row).__name__}, not a mapping")
     row = map_fields(row, cfg.field_mappings)
     report = ParseReport(schema="unpaired", schemas={"unpaired": 1}, rows=1)
+    refuse_row_images(row, cfg)  # images in preference rows: not supported yet
     if "completion" not in row or "label" not in row:
         paired = "chosen" in row and "rejected" in row
         hint = (": a pair (chosen, rejected) trains with train.method: dpo or orpo" if paired else

@@ -2,7 +2,8 @@
 
 ``--stats-only`` prints the length report and writes ``stats.json`` and
 ``token_lengths.png``; ``--debug-samples N`` prints N processed samples and
-writes ``debug_samples.html``. Both first print the chat template's resolved
+writes ``debug_samples.html``. ``--stats-only`` checks images by their header alone (``data.image_check:
+header``: no pixel decoded) unless it reads prepared rows. Both first print the chat template's resolved
 layout as YAML that pastes into ``model.template_layout`` and write it to
 ``template_layout.yaml``. Both write into ``out_dir`` (``--stats-dir``,
 default ``train.output_dir``). With ``data.prepared_path`` set they read the rows ``--preprocess`` saved there.
@@ -126,6 +127,8 @@ def diagnose(cfg: Config, *, stats: bool, debug: DebugOptions, out_dir: str | Pa
     out.mkdir(parents=True, exist_ok=True)
     tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)
     result = {"layout": layout_report(tokenizer, out_dir=out, stream=stream)}
+    if stats and not cfg.data.prepared_path:  # images' sizes from their headers: no pixel read
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"image_check": "header"})})
     raw, processed = diagnostic_rows(cfg, tokenizer)  # or the rows saved under data.prepared_path
     if stats:
         result["stats"] = stats_report(raw, processed, tokenizer, cfg, out_dir=out, stream=stream,

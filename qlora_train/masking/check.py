@@ -37,9 +37,10 @@ from typing import NamedTuple
 import numpy as np
 
 from qlora_train.masking.example import RenderedExample, finish_examples
+from qlora_train.masking.images import expand_images, image_rule
 from qlora_train.masking.layout import TemplateLayout, probe_key
 from qlora_train.masking.layout_declaration import resolve_layout, template_layout
-from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected
+from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected, message_images
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 from qlora_train.masking.prefix import PrefixRenderer, common_prefix_length, prefix_turn, render_by_prefixes
 from qlora_train.masking.render import render_conversation  # noqa: F401 (the doctest)
@@ -89,9 +90,12 @@ def check_with_rule(messages: list[Message], rendered: RenderedConversation, tok
     if policy.train_on_eos == "all":  # the markers after untrained messages are the layout's alone
         return _answers_check(renders, rendered, tokenizer, layout, policy, "train_on_eos: all trains the end "
                               "markers of untrained messages, which the rule does not place")
-    try:
-        rule = render_by_prefixes(messages, tokenizer, tools=tools, policy=policy, text=rendered.text,
-                                  renders=renders)
+    images = image_rule(tokenizer)
+    try:  # (a vision-language model's render is checked before the processor's expansion, then both expanded)
+        rule = render_by_prefixes(messages, tokenizer, tools=tools, policy=policy,
+                                  text=rendered.text if images is None else None, renders=renders)
+        if images is not None:
+            rule = expand_images(rule, message_images(messages), images)
     except RowRejected as rej:
         if rej.reason == DropReason.TEMPLATE_ERROR or NOT_PREFIX_STABLE in rej.detail or _prompt_side_moves(
                 renders, rendered):

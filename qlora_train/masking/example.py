@@ -23,7 +23,7 @@ from qlora_train.masking.expand import expand_dropped_reasoning
 from qlora_train.masking.images import expand_images, image_rule
 from qlora_train.masking.layout import TemplateLayout
 from qlora_train.masking.messages import DropReason, Message, RowRejected, check_unicode, message_images
-from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy
+from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 from qlora_train.masking.render import render_conversation
 from qlora_train.masking.rendered import RenderedConversation
 from qlora_train.masking.tokenize import (
@@ -95,6 +95,13 @@ def render_example(messages: list[Message], tokenizer, *, tools: list[dict] | No
     refused where it holds a lone surrogate (``invalid_unicode``); with ``expand`` (``reasoning_history:
     expand``), the extra prefix examples for the turns whose reasoning the render drops (``expand``), an extra
     one no tokenizer could encode left out and counted."""
+    for i, m in enumerate(messages):
+        if m.get("images") and image_rule(tokenizer) is None:
+            raise RowRejected(DropReason.BAD_IMAGE, "the row has images and the model reads none (model.name_or_path "
+                              "is not a vision-language model with an image processor)")
+        if m.get("images") and is_trained(m, i):
+            raise RowRejected(DropReason.BAD_IMAGE, f"messages[{i}]: an image in a trained turn (a model does not "
+                              "write images: put it in the user turn before, or train another turn)")
     rendered = _expanded(render_conversation(messages, tokenizer, tools=tools, policy=policy, layout=layout),
                          messages, tokenizer)
     check_unicode(rendered.text, rendered.message_ends)
@@ -120,14 +127,9 @@ def render_example(messages: list[Message], tokenizer, *, tools: list[dict] | No
 
 def _expanded(rendered: RenderedConversation, messages: list[Message], tokenizer) -> RenderedConversation:
     """The render with each image's tokens as the processor expands them (``images.expand_images``), for a
-    vision-language model's tokenizer (``images.image_rule``); a row with images for a text-only model is refused."""
+    vision-language model's tokenizer (``images.image_rule``)."""
     rule = image_rule(tokenizer)
-    if rule is not None:
-        return expand_images(rendered, message_images(messages), rule)
-    if any(m.get("images") for m in messages):
-        raise RowRejected(DropReason.BAD_IMAGE, "the row has images and the model reads none (model.name_or_path "
-                          "is not a vision-language model with an image processor)")
-    return rendered
+    return rendered if rule is None else expand_images(rendered, message_images(messages), rule)
 
 
 def text_example(text: str, char_mask: np.ndarray) -> RenderedExample:

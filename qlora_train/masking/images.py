@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from qlora_train.masking.messages import IMAGE_SLOT, DropReason, ImageInfo, RowRejected, message_images
-from qlora_train.masking.rendered import RenderedConversation, TurnSpan
+from qlora_train.masking.rendered import ImageRuns, RenderedConversation, TurnSpan
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,9 @@ def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule:
                            None if t.reasoning is None else (moved(t.reasoning[0]), moved(t.reasoning[1])),
                            None if t.eot_start is None else moved(t.eot_start), t.reasoning_dropped)
                   for t in rendered.turns)
+    runs = ImageRuns(token, rule.image_token_id, tuple((moved(s), n) for s, n in zip(starts, counts)))
     return rendered._replace(text="".join(pieces), char_mask=np.concatenate(masks),
-                             message_ends=tuple(moved(e) for e in rendered.message_ends), turns=turns)
+                             message_ends=tuple(moved(e) for e in rendered.message_ends), turns=turns, images=runs)
 
 
 __all__ = ["IMAGE_SLOT", "ImageInfo", "ImageRule", "expand_images", "image_rule", "message_images", "set_image_rule"]

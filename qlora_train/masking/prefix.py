@@ -37,7 +37,7 @@ import numpy as np
 from qlora_train.masking.apply_template import apply_template
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout
 from qlora_train.masking.layout_declaration import template_layout
-from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected, argument_values
+from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected, argument_values, template_content
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 from qlora_train.masking.rendered import (
     RenderedConversation,
@@ -80,7 +80,7 @@ class PrefixRenderer:
     another look at the same prefix costs nothing)."""
 
     def __init__(self, messages: list[Message], tokenizer, tools, layout: TemplateLayout):
-        self.messages = template_messages(messages, layout)
+        self.messages = template_messages(messages, layout, parts=False)  # content as text: read by the rule
         self.tokenizer, self.tools = tokenizer, tools
         self.count = 0  # renders made (the path's cost)
         self._made: dict[tuple[int, bool], str] = {}
@@ -95,6 +95,7 @@ class PrefixRenderer:
 
     def _render(self, k: int, gen: bool, last: Message | None) -> str:
         msgs = self.messages[:k] if last is None else [*self.messages[:k], last]
+        msgs = [template_content(m) for m in msgs]
         self.count += 1
         try:
             return apply_template(msgs, self.tokenizer, tools=self.tools, add_generation_prompt=gen)

@@ -33,6 +33,17 @@ class TurnSpan(NamedTuple):
     reasoning_dropped: bool = False  # the message has reasoning the template did not render
 
 
+class ImageRuns(NamedTuple):
+    """Where a render holds images' tokens (``images.expand_images``): the image token, its id, and each image's
+    run as (its first character, its length in tokens). ``tokenize.encode_rendered`` tokenizes the text with each
+    run as one token and repeats its id: an added token is matched whole before anything around it is tokenized,
+    so that is the whole text's tokenization (tested against it), with no per-token work for an image."""
+
+    token: str
+    token_id: int
+    runs: tuple[tuple[int, int], ...]
+
+
 class RenderedConversation(NamedTuple):
     text: str
     char_mask: np.ndarray  # uint8, one entry per character of text
@@ -41,6 +52,7 @@ class RenderedConversation(NamedTuple):
     unrendered: tuple[str, ...] = ()  # roles of untrained messages the template does not write
     verified_by: str = "layout"  # or "prefix_renders": the rule applied with per-turn prefix renders (prefix.py)
     renders: int = 1  # chat-template renders this result cost
+    images: ImageRuns | None = None  # a vision-language model's render: its images' tokens (``images.expand_images``)
 
     @property
     def cuts(self) -> tuple[int, ...]:
@@ -50,17 +62,19 @@ class RenderedConversation(NamedTuple):
         return tuple(t.start for t in self.turns)
 
 
-def template_messages(messages: list[Message], layout: TemplateLayout) -> list[Message]:
+def template_messages(messages: list[Message], layout: TemplateLayout, *, parts: bool = True) -> list[Message]:
     """Messages as the template reads them: reasoning under the key it reads (``reasoning`` for some), tool
     call arguments as a JSON string for templates that write them as given (DeepSeek), content with images as
-    content parts (``template_content``)."""
+    content parts (``template_content``; ``parts=False``: left to the caller, who reads the content as text)."""
     key = layout.reasoning_key
     rename = key is not None and key != "reasoning_content"
-    if not rename and not layout.tool_arguments_as_string and not any("images" in m for m in messages):
+    with_parts = parts and any("images" in m for m in messages)
+    if not rename and not layout.tool_arguments_as_string and not with_parts:
         return messages
     out = []
     for m in messages:
-        m = template_content(m)
+        if with_parts:
+            m = template_content(m)
         if rename and "reasoning_content" in m:
             m = {k: v for k, v in m.items() if k != "reasoning_content"} | {key: m["reasoning_content"]}
         if layout.tool_arguments_as_string and m.get("tool_calls"):

@@ -27,6 +27,7 @@ offsets and applies the rule to each token, for any tokenizer.
 
 from __future__ import annotations
 
+import bisect
 import json
 import unicodedata
 import weakref
@@ -514,9 +515,69 @@ def encode_rendered(renders: Sequence[Any], tokenizer) -> list[tuple[list[int], 
     """Renders -> per render ``(input_ids, offsets)``: the one step that tokenizes what the engine rendered, for
     the fast path, the rule (``check``), pairs and truncation alike, in one ``encode_batch`` call. A render is a
     ``RenderedConversation``, its text cut where each trained turn's generated part begins (its ``cuts``), or a
-    template-free text (a ``str``, not cut)."""
-    return encode_batch([r if isinstance(r, str) else r.text for r in renders], tokenizer,
-                        cuts=[() if isinstance(r, str) else r.cuts for r in renders])
+    template-free text (a ``str``, not cut). A render's images' tokens (``RenderedConversation.images``) are
+    tokenized as one token a run and repeated after (``_image_runs_collapsed``, ``_image_runs_expanded``)."""
+    texts, cuts = [], []
+    for r in renders:
+        if isinstance(r, str):
+            texts.append(r)
+            cuts.append(())
+        elif r.images is None:
+            texts.append(r.text)
+            cuts.append(r.cuts)
+        else:
+            text, c = _image_runs_collapsed(r.text, r.cuts, r.images)
+            texts.append(text)
+            cuts.append(c)
+    encoded = encode_batch(texts, tokenizer, cuts=cuts)
+    return [enc if isinstance(r, str) or r.images is None else _image_runs_expanded(*enc, r.images)
+            for r, enc in zip(renders, encoded)]
+
+
+def _image_runs_collapsed(text: str, cuts: Sequence[int], images) -> tuple[str, tuple[int, ...]]:
+    """A render with its image runs (``rendered.ImageRuns``) each written once, and its cuts moved with it (a
+    cut is never inside a run: runs are in untrained text, cuts where trained turns begin)."""
+    width = len(images.token)
+    pieces, at = [], 0
+    ends, grown = [], [0]
+    for s, n in images.runs:
+        pieces.append(text[at:s + width])
+        at = s + n * width
+        ends.append(at)
+        grown.append(grown[-1] + (n - 1) * width)
+    pieces.append(text[at:])
+    return "".join(pieces), tuple(c - grown[bisect.bisect_right(ends, c)] for c in cuts)
+
+
+def _offset_pairs(offsets: Offsets) -> np.ndarray:
+    if isinstance(offsets, OffsetArray):
+        return offsets.array
+    if isinstance(offsets, ByteOffsets):
+        return offsets.to_array().array
+    return np.asarray(offsets.encoding.offsets, dtype=np.int64).reshape(-1, 2)
+
+
+def _image_runs_expanded(ids: list[int], offsets: Offsets, images) -> tuple[list[int], OffsetArray]:
+    """The collapsed render's ids and offsets -> the whole render's: each image token repeated to its run's
+    length, the copies' offsets one token text apart, every later offset moved by the runs before it."""
+    width = len(images.token)
+    ids_np = np.asarray(ids, dtype=np.int64)
+    at = np.flatnonzero(ids_np == images.token_id)
+    if len(at) != len(images.runs):  # the image token is an added token, matched whole: never seen otherwise
+        raise ValueError(f"{len(at)} image tokens for {len(images.runs)} image runs")
+    pairs = _offset_pairs(offsets)
+    counts = np.array([n for _, n in images.runs], dtype=np.int64)
+    grown = np.concatenate([[0], np.cumsum((counts - 1) * width)])
+    run_ends = pairs[at, 1]  # each run's one token, in the collapsed text
+    moved = pairs + grown[np.searchsorted(run_ends, pairs, "right")]
+    repeat = np.ones(len(ids_np), dtype=np.int64)
+    repeat[at] = counts
+    out = np.repeat(moved, repeat, axis=0)
+    first = at + grown[:-1] // width  # where each run's copies begin in the expanded ids
+    for (start, n), k in zip(images.runs, first.tolist()):
+        out[k:k + n, 0] = start + width * np.arange(n)
+        out[k:k + n, 1] = out[k:k + n, 0] + width
+    return np.repeat(ids_np, repeat).tolist(), OffsetArray(out)
 
 
 def _with_offsets(text: str, enc, forms: tuple[str, ...] | None) -> tuple[list[int], Offsets]:
