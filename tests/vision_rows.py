@@ -54,9 +54,10 @@ def processed_rows(tokenizer, infos: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def write_vl_config(tmp_path: Path, model_dir, data_path: Path | None = None, **train) -> Path:
-    """A config for the tiny Qwen2.5-VL (4-bit + LoRA r=4, a few steps), its data ``data_path`` (or a stand-in
-    path: the tests that feed rows by hand replace the data)."""
+def write_vl_config(tmp_path: Path, model_dir, data_path: Path | None = None, max_samples: int | None = None,
+                    **train) -> Path:
+    """A config for the tiny Qwen2.5-VL (4-bit + LoRA r=4, a few steps), its data ``data_path`` (its first
+    ``max_samples`` rows), or a stand-in path: the tests that feed rows by hand replace the data."""
     if data_path is None:
         data_path = tmp_path / "rows.jsonl"
         data_path.write_text('{"messages": [{"role": "user", "content": "Hi"}, '
@@ -64,7 +65,8 @@ def write_vl_config(tmp_path: Path, model_dir, data_path: Path | None = None, **
     cfg = {
         "model": {"name_or_path": str(model_dir), "load_in_4bit": True},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"datasets": [{"path": str(data_path)}], "max_length": 256},
+        "data": {"datasets": [{"path": str(data_path), **({"max_samples": max_samples} if max_samples else {})}],
+                 "max_length": 256},
         "train": {"output_dir": str(tmp_path / "out"), "max_steps": 4, "per_device_train_batch_size": 3,
                   "learning_rate": 2e-2, "save_steps": 100, "logging_steps": 1, "report_to": "none",
                   "lr_scheduler": "constant", "warmup_ratio": 0.0, **train},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from qlora_train.masking import IGNORE_INDEX, ImageRule
 from qlora_train.train.collator import ImageCollator, PadCollator
 from qlora_train.vision import VisionBase, check_images_readable, check_vision_training, vision_base
 from tests.vision_rows import IMAGE_TOKEN_ID, feed_rows, processed_rows, write_images, write_vl_config
+
+DEMO_ROWS = Path(__file__).resolve().parents[2] / "configs" / "data" / "quickstart-vl.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -205,22 +208,35 @@ def test_fused_loss_equals_the_models_own_on_image_rows(tiny_vl_dir, tmp_path, v
 
 
 @pytest.mark.slow
-def test_trains_image_rows_through_the_real_path(tiny_vl_dir, tmp_path, vl_tokenizer, monkeypatch, caplog, capsys):
+def test_trains_the_bundled_image_rows_from_the_config(tiny_vl_dir, tmp_path, caplog, capsys):
+    """The demo's rows (content parts, relative image paths) read, expanded, collated and trained: the real path."""
+    from transformers import AutoImageProcessor
+
     from qlora_train.cli import main
 
     caplog.set_level(logging.INFO, logger="qlora_train")
-    rows = processed_rows(vl_tokenizer, write_images(tmp_path / "images"))
-    feed_rows(monkeypatch, rows)
-    assert main(["--config", str(write_vl_config(tmp_path, tiny_vl_dir, max_steps=6))]) == 0
+    path = write_vl_config(tmp_path, tiny_vl_dir, data_path=DEMO_ROWS, max_samples=12, max_steps=6)
+    assert main(["--config", str(path)]) == 0
     assert any(r.getMessage().startswith("loss: fused LM head") for r in caplog.records)
-    assert ("vision     tower model.visual (qwen2_5_vl) not quantised, in float32; frozen (lora.train_vision: false)"
-            in capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    assert "vision     tower model.visual (qwen2_5_vl) not quantised, in float32; frozen (lora.train_vision: false)" \
+        in printed
     out = tmp_path / "out"
+    report = json.loads((out / "dataset_report.json").read_text())
+    assert report["rows_kept"] == 12 and not report["dropped"]
     losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
     assert len(losses) == 6 and losses[-1] < losses[0]
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert adapter["exclude_modules"] == r"model\.visual\..*"
-    from transformers import AutoImageProcessor
-
     saved = AutoImageProcessor.from_pretrained(out)  # beside the adapter, so that the output serves
     assert saved.to_dict()["size"] == {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}  # the tiny one's
+
+
+@pytest.mark.slow
+def test_trains_rows_made_by_hand_with_several_images(tiny_vl_dir, tmp_path, vl_tokenizer, monkeypatch):
+    """Rows of 0, 1 and 2 images of three sizes, processed by the engine, fed as they are (two steps)."""
+    from qlora_train.cli import main
+
+    feed_rows(monkeypatch, processed_rows(vl_tokenizer, write_images(tmp_path / "images")))
+    assert main(["--config", str(write_vl_config(tmp_path, tiny_vl_dir, max_steps=2))]) == 0
+    assert len(json.loads((tmp_path / "out" / "loss_history.json").read_text())) == 2
