@@ -164,7 +164,7 @@ def test_tokenizer_of_a_vision_base_carries_its_processors_rule(vl_tokenizer, ti
 
 @pytest.mark.slow
 @pytest.mark.parametrize("train_vision", [False, True])
-def test_language_model_4bit_vision_tower_not_and_frozen(tiny_vl_dir, tmp_path, train_vision):
+def test_language_model_4bit_vision_tower_not_and_frozen(tiny_vl_dir, tmp_path, vl_tokenizer, train_vision):
     from qlora_train.train.model import load_model, resolve_runtime
 
     cfg = load_config(write_vl_config(tmp_path, tiny_vl_dir), [f"lora.train_vision={str(train_vision).lower()}"])
@@ -182,8 +182,12 @@ def test_language_model_4bit_vision_tower_not_and_frozen(tiny_vl_dir, tmp_path, 
     if not train_vision:
         assert all(".model.language_model." in n for n in trained)
         assert [p.dtype for n, p in model.named_parameters() if ".model.visual." in n][0] == torch.float32
-    else:  # the tower's attention and MLP layers, the merger's too
+    else:  # the tower's attention and MLP layers, the merger's too, and the loss reaches them
         assert any(".attn.qkv.lora_A" in n for n in in_tower) and any(".merger." in n for n in in_tower)
+        rows = processed_rows(vl_tokenizer, write_images(tmp_path / "images"))
+        model(**ImageCollator(vl_tokenizer.pad_token_id, vl_tokenizer.qlora_image_rule)(rows[:2])).loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if n in in_tower and "lora_B" in n}
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
 
 
 @pytest.mark.slow
