@@ -87,9 +87,12 @@ def test_image_needs_generate_and_a_readable_file(vl_run, tmp_path):
         user_message("Colour?", [str(tmp_path / "missing.png")])
 
 
-def test_image_for_a_text_model_is_refused(qwen3_tok, vl_run):
+def test_image_for_a_text_model_is_refused(tiny_vl_dir, vl_run):
+    from transformers import AutoTokenizer
+
     from qlora_train.export.generate import prompt_inputs, user_message
 
     _, images = vl_run
+    text_only = AutoTokenizer.from_pretrained(tiny_vl_dir)  # loaded without the loader: no image rule on it
     with pytest.raises(ExportError, match="not a vision-language model"):
-        prompt_inputs(qwen3_tok, [user_message("Colour?", [images["red"]["ref"]])])
+        prompt_inputs(text_only, [user_message("Colour?", [images["red"]["ref"]])])
