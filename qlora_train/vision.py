@@ -150,17 +150,13 @@ def tower_line(base: VisionBase | None, train_vision: bool, dtype) -> str | None
     return f"tower {base.tower} ({base.model_type}) not quantised, in {str(dtype).removeprefix('torch.')}; {how}"
 
 
-UNREAD_IMAGES = "the model reads none"  # in the engine's bad_image detail of an image row for a text-only tokenizer
-
-
-def check_images_readable(cfg: ModelConfig, base: VisionBase | None, dropped: dict[str, int],
-                          first_dropped: dict[str, str]) -> None:
-    """After the rows are processed: rows with images refused because this trainer does not read the images of
-    this vision-language base -> ``ConfigError`` saying so (not a quiet drop of every image row)."""
-    detail = first_dropped.get("bad_image", "")
-    if base is None or base.supported or not dropped.get("bad_image") or UNREAD_IMAGES not in detail:
+def check_images_readable(cfg: ModelConfig, base: VisionBase | None, image_rows: int) -> None:
+    """After the rows are processed: ``image_rows`` rows with images read (``ParseReport.image_rows``) for a
+    vision-language base whose images this trainer does not read (each refused, ``bad_image``) -> ``ConfigError``
+    saying so (not a quiet drop of every image row). A text-only base's image rows stay counted drops."""
+    if base is None or base.supported or not image_rows:
         return
     raise ConfigError([f"model.name_or_path: {cfg.name_or_path} is a {base.model_type} vision-language model; "
                        f"this trainer reads images for {', '.join(SUPPORTED)} only (one {IMAGE_TOKEN} per merged "
-                       f"patch), so the rows with images were refused ({dropped['bad_image']} bad_image, first: "
-                       f"{detail}); use a supported model or rows without images"])
+                       f"patch), so the {image_rows} rows with images were refused (bad_image); use a supported "
+                       "model or rows without images"])

@@ -119,7 +119,7 @@ def prompt_inputs(tok, messages: list[dict]) -> dict:
     import torch
 
     from qlora_train.data.images import open_image
-    from qlora_train.masking import image_rule, message_images, render_text
+    from qlora_train.masking import RowRejected, expanded_text, image_rule, message_images, render_text
 
     images = message_images(messages)
     if not images:
@@ -128,33 +128,15 @@ def prompt_inputs(tok, messages: list[dict]) -> dict:
     rule = image_rule(tok)
     if rule is None:
         raise ExportError("--image: the model is not a vision-language model whose images this trainer reads")
-    text = expanded_prompt(render_text(messages, tok, add_generation_prompt=True), images, rule)
+    try:
+        text = expanded_text(render_text(messages, tok, add_generation_prompt=True), images, rule)
+    except RowRejected as rej:
+        raise ExportError(f"--image: {rej.detail}") from None
     inputs = dict(tok(text, add_special_tokens=False, return_tensors="pt"))
     pixels = rule.image_processor(images=[open_image(im["ref"]) for im in images], return_tensors="pt")
     inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
                   mm_token_type_ids=(inputs["input_ids"] == rule.image_token_id).int())
     return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-
-
-def expanded_prompt(text: str, images: list[dict], rule) -> str:
-    """A generation-prompt render -> the same with the template's placeholder for each image (``rule.image_token``)
-    repeated as many times as the image's size makes (``rule.tokens``: the processor's rule that training's
-    ``expand_images`` applies to the rows; a prompt trains nothing, so it has no mask to carry along).
-
-    >>> from qlora_train.masking import ImageRule
-    >>> rule = ImageRule("<i>", 7, type("P", (), {"merge_size": 2,
-    ...                  "get_number_of_image_patches": lambda self, h, w, kw: h * w // 196})())
-    >>> expanded_prompt("a<i>b<i>", [{"ref": "x", "width": 28, "height": 28}, {"ref": "y", "width": 56,
-    ...                 "height": 28}], rule)
-    'a<i>b<i><i>'
-    """
-    pieces = text.split(rule.image_token)
-    if len(pieces) != len(images) + 1:
-        raise ExportError(f"the template wrote {len(pieces) - 1} image placeholder(s) for {len(images)} image(s)")
-    out = [pieces[0]]
-    for im, piece in zip(images, pieces[1:]):
-        out += [rule.image_token * rule.tokens(im["width"], im["height"]), piece]
-    return "".join(out)
 
 
 def answer(chat: ChatModel, messages: list[dict], *, max_new_tokens: int = 256) -> Answer:

@@ -281,7 +281,7 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
     with args.main_process_first(desc="preprocessing"):  # or reading data.prepared_path
         data = training_data(cfg, tokenizer)
     train_ds, eval_ds, report, packing = data.train, data.eval, data.report, data.packing
-    check_images_readable(cfg.model, vision, report.dropped, report.first_dropped)
+    check_images_readable(cfg.model, vision, report.parse.get("image_rows", 0))
 
     check_rows_fit_method(cfg, train_ds)
     model = load_model(cfg, runtime, new_tokens)
