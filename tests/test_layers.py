@@ -19,6 +19,7 @@ LAYERS = [
     {"qlora_train.masking"},  # the mask engine: a conversation and a tokenizer in, text, masks and labels out
     {"qlora_train.config"},
     {"qlora_train.data"},
+    {"qlora_train.vision"},  # which bases read images, their image processor (the tokenizer carries its rule)
     {"qlora_train.tokenizer"},
     {"qlora_train.diagnostics", "qlora_train.train"},
     {"qlora_train.export"},  # loads the base as training did, reads the run's outputs

@@ -7,6 +7,11 @@ generation prompt; decoding is greedy and stops at the end-of-turn token
 when training was) plus the adapter, or with ``merged_dir`` the merged model
 as a server would load it, with its own ``generation_config.json``.
 
+With images (``--generate PROMPT --image PATH``, a vision-language model): the user message holds an image slot per
+image before the prompt (``masking.IMAGE_SLOT``, ``ImageInfo`` with each image's size), rendered and expanded as
+training renders and expands rows (``render_text``, ``expand_images`` with the tokenizer's image rule), and the
+image processor makes the pixels the model reads (``prompt_inputs``).
+
     >>> chat_model = load_chat_model(cfg)
     >>> answer(chat_model, [{"role": "user", "content": "Say hi"}], max_new_tokens=32)
     Answer(text='Hello!', token_ids=(9707, 0, 151645), stopped=True)
@@ -48,9 +53,11 @@ class Answer:
 def load_chat_model(cfg: Config, *, merged_dir: Path | None = None, checkpoint: str | None = None) -> ChatModel:
     """The merged model in ``merged_dir``, or else the base (quantised as in training) + the trained
     adapter (``checkpoint`` as in ``find_adapter``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from qlora_train.train.model import load_base_model, resolve_runtime
+    from qlora_train.masking import set_image_rule
+    from qlora_train.train.model import load_base_model, model_class, resolve_runtime
+    from qlora_train.vision import image_rule_for, vision_base
 
     runtime = resolve_runtime(cfg)
     if merged_dir is not None:
@@ -58,14 +65,19 @@ def load_chat_model(cfg: Config, *, merged_dir: Path | None = None, checkpoint: 
             raise ExportError(f"no merged model in {merged_dir}: run --merge first (or drop --merged)")
         remote = cfg.model.trust_remote_code
         tokenizer = AutoTokenizer.from_pretrained(merged_dir, trust_remote_code=remote)
-        model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=runtime.compute_dtype,
-                                                     device_map=runtime.device_map, trust_remote_code=remote)
+        merged_cfg = cfg.model.model_copy(update={"name_or_path": str(merged_dir)})
+        vision = vision_base(merged_cfg)
+        set_image_rule(tokenizer, image_rule_for(merged_cfg, tokenizer, vision))  # its own image processor
+        model = model_class(vision).from_pretrained(merged_dir, dtype=runtime.compute_dtype,
+                                                    device_map=runtime.device_map, trust_remote_code=remote)
         gen, source = model.generation_config, f"merged model {merged_dir}"
     else:
         from peft import PeftModel
 
         adapter_dir = find_adapter(cfg.train.output_dir, checkpoint)
         tokenizer = trained_tokenizer(adapter_dir, cfg.model)
+        saved = (adapter_dir / "preprocessor_config.json").is_file()  # the image processor training used
+        set_image_rule(tokenizer, image_rule_for(cfg.model, tokenizer, processor_path=adapter_dir if saved else None))
         base = load_base_model(cfg.model, runtime)
         fit_base_to_adapter(base, adapter_dir, tokenizer)  # rows for the tokens model.new_tokens added
         model = PeftModel.from_pretrained(base, adapter_dir)
@@ -81,13 +93,58 @@ def greedy(gen):
     return gen
 
 
+def user_message(prompt: str, images: list[str] = ()) -> dict:
+    """A prompt (and image paths, read for their sizes) -> the user message: an image slot per image before the
+    text, with its ``ImageInfo`` (``ExportError`` for an image that cannot be read)."""
+    from PIL import Image, UnidentifiedImageError
+
+    from qlora_train.masking import IMAGE_SLOT
+
+    if not images:
+        return {"role": "user", "content": prompt}
+    infos = []
+    for path in images:
+        try:
+            with Image.open(path) as im:
+                infos.append({"ref": str(Path(path).resolve()), "width": im.width, "height": im.height})
+        except (OSError, UnidentifiedImageError) as exc:
+            raise ExportError(f"--image {path}: cannot read it: {exc}") from None
+    return {"role": "user", "content": IMAGE_SLOT * len(images) + prompt, "images": infos}
+
+
+def prompt_inputs(tok, messages: list[dict]) -> dict:
+    """The model's inputs for the next assistant turn: the ids of the generation-prompt render, and for messages
+    with images (a vision-language model's tokenizer) each image expanded into its tokens as training expands it,
+    with its pixels (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``)."""
+    import torch
+
+    from qlora_train.data.images import open_image
+    from qlora_train.masking import RowRejected, expanded_text, image_rule, message_images, render_text
+
+    images = message_images(messages)
+    if not images:
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return dict(tok(prompt, add_special_tokens=False, return_tensors="pt"))
+    rule = image_rule(tok)
+    if rule is None:
+        raise ExportError("--image: the model is not a vision-language model whose images this trainer reads")
+    try:
+        text = expanded_text(render_text(messages, tok, add_generation_prompt=True), images, rule)
+    except RowRejected as rej:
+        raise ExportError(f"--image: {rej.detail}") from None
+    inputs = dict(tok(text, add_special_tokens=False, return_tensors="pt"))
+    pixels = rule.image_processor(images=[open_image(im["ref"]) for im in images], return_tensors="pt")
+    inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                  mm_token_type_ids=(inputs["input_ids"] == rule.image_token_id).int())
+    return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+
+
 def answer(chat: ChatModel, messages: list[dict], *, max_new_tokens: int = 256) -> Answer:
     """Conversation -> the model's next assistant turn (greedy, stopping at the end-of-turn token)."""
     import torch
 
     tok = chat.tokenizer
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = tok(prompt, add_special_tokens=False, return_tensors="pt").to(chat.model.device)
+    inputs = {k: v.to(chat.model.device) for k, v in prompt_inputs(tok, messages).items()}
     strings = list(stop_tokens(tok).strings)
     gen = copy.deepcopy(chat.generation_config)
     gen.max_new_tokens, gen.stop_strings = max_new_tokens, strings or None
@@ -131,8 +188,8 @@ def chat_loop(chat: ChatModel, *, max_new_tokens: int, read: Callable[[str], str
 
 
 def try_model(cfg: Config, *, prompt: str | None, chat: bool, merged_dir: Path | None, checkpoint: str | None,
-              max_new_tokens: int) -> None:
-    """``--generate PROMPT``: print the answer; ``--chat``: a conversation on stdin/stdout."""
+              max_new_tokens: int, images: list[str] = ()) -> None:
+    """``--generate PROMPT [--image PATH ...]``: print the answer; ``--chat``: a conversation on stdin/stdout."""
     from transformers import set_seed
 
     set_seed(cfg.train.seed)
@@ -142,5 +199,5 @@ def try_model(cfg: Config, *, prompt: str | None, chat: bool, merged_dir: Path |
     if chat:
         chat_loop(model, max_new_tokens=max_new_tokens)
     else:
-        say(model, [{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
+        say(model, [user_message(prompt, images)], max_new_tokens=max_new_tokens,
             write=lambda text: print(text, file=sys.stdout, flush=True))

@@ -2,7 +2,8 @@
 
     adapter (output_dir or a checkpoint) + base in compute dtype -> merge_and_unload
         -> <merge_dir>/model*.safetensors, config.json, generation_config.json (eos: end-of-turn + eos),
-           tokenizer with the training template, qlora_merge.json (what was merged, how)
+           tokenizer with the training template, qlora_merge.json (what was merged, how); for a vision-language
+           model its image processor too (preprocessor_config.json: the one training used), so that it serves
 
 Which base weights the adapter is added to (``MergeOptions.base``):
 
@@ -89,6 +90,9 @@ def merge(cfg: Config, options: MergeOptions = MergeOptions()) -> Path:
         fresh_dir(staging)  # made new: nothing planted at its name is written through
         merged.save_pretrained(staging, max_shard_size=options.max_shard_size)
         tokenizer.save_pretrained(staging)
+        processor = image_processor(cfg, adapter_dir)
+        if processor is not None:
+            processor.save_pretrained(staging)
         write_atomic(staging / MERGE_INFO, json.dumps(merge_info(cfg, options, adapter_dir, runtime, merged,
                                                                  tokenizer), indent=1))
     except BaseException as exc:
@@ -100,6 +104,18 @@ def merge(cfg: Config, options: MergeOptions = MergeOptions()) -> Path:
     log.info("merged model written to %s (stops at %s)", dest,
              ", ".join(tokenizer.convert_ids_to_tokens(eos_ids(merged.generation_config))))
     return dest
+
+
+def image_processor(cfg: Config, adapter_dir: Path):
+    """A vision-language model's image processor: the one saved with the adapter (training's), else the base's;
+    None for a model whose images are not read."""
+    from qlora_train.vision import load_image_processor, vision_base
+
+    vision = vision_base(cfg.model)
+    if vision is None or not vision.supported:
+        return None
+    saved = (adapter_dir / "preprocessor_config.json").is_file()
+    return load_image_processor(cfg.model, adapter_dir if saved else None)
 
 
 def load_merge_base(cfg: Config, runtime, base: str):
@@ -135,9 +151,11 @@ def weights_bytes(model_cfg, dtype) -> int:
     """Bytes the merged weights take in ``dtype``: the base's parameter count (from its config, on the
     meta device: nothing is loaded) times the dtype's size."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from qlora_train.errors import ModelLoadError
+    from qlora_train.train.model import model_class
+    from qlora_train.vision import vision_base
 
     try:
         config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
@@ -145,7 +163,7 @@ def weights_bytes(model_cfg, dtype) -> int:
         raise ModelLoadError(f"cannot load the model config of {model_cfg.name_or_path}: "
                              f"{' '.join(str(exc).split())}") from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+        model = model_class(vision_base(model_cfg)).from_config(config, trust_remote_code=model_cfg.trust_remote_code)
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 

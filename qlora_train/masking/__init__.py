@@ -94,7 +94,7 @@ from qlora_train.masking.example import (
     text_example,
     token_example,
 )
-from qlora_train.masking.images import ImageRule, expand_images, image_rule, set_image_rule
+from qlora_train.masking.images import ImageRule, expand_images, expanded_text, image_rule, set_image_rule
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, tool_block
 from qlora_train.masking.layout_declaration import (
     check_declaration,
@@ -127,7 +127,8 @@ __all__ = [
     # what goes in: canonical messages, the loss policy, a pair's sides
     "Message", "LossPolicy", "DEFAULT_POLICY", "SIDES", "mark_side", "pair_policy",
     # images in messages (masking.images): where they sit, the processor's rule for their tokens
-    "IMAGE_SLOT", "ImageInfo", "ImageRule", "expand_images", "image_rule", "message_images", "set_image_rule",
+    "IMAGE_SLOT", "ImageInfo", "ImageRule", "expand_images", "expanded_text", "image_rule", "message_images",
+    "set_image_rule",
     # what comes out: labels, refusals and their reasons
     "IGNORE_INDEX", "RowRejected", "DropReason",
     # the fast path checked against the rule (data.rule_check)

@@ -86,6 +86,24 @@ def set_image_rule(tokenizer, rule: ImageRule | None):
     return tokenizer
 
 
+def expanded_text(text: str, images: list[ImageInfo], rule: ImageRule) -> str:
+    """A render with no mask to carry (a generation prompt) -> its text as the processor expands it: the
+    template's image token for each image repeated ``rule.tokens`` times (``bad_image`` where the template did not
+    write one per image).
+
+    >>> expanded_text("a<i>b<i>", [ImageInfo(ref="x", width=28, height=28)] * 2, ImageRule("<i>", 7, _Fixed(2)))
+    'a<i><i>b<i><i>'
+    """
+    pieces = text.split(rule.image_token)
+    if len(pieces) != len(images) + 1:
+        raise RowRejected(DropReason.BAD_IMAGE, f"the template wrote {len(pieces) - 1} image placeholder(s) "
+                          f"{rule.image_token!r} for {len(images)} image(s)")
+    out = [pieces[0]]
+    for im, piece in zip(images, pieces[1:]):
+        out += [rule.image_token * rule.tokens(im["width"], im["height"]), piece]
+    return "".join(out)
+
+
 def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule: ImageRule
                   ) -> RenderedConversation:
     """The render with each image token the template wrote replaced by the image's tokens (``rule.tokens`` of its
@@ -132,4 +150,5 @@ def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule:
                              message_ends=tuple(moved(e) for e in rendered.message_ends), turns=turns, images=runs)
 
 
-__all__ = ["IMAGE_SLOT", "ImageInfo", "ImageRule", "expand_images", "image_rule", "message_images", "set_image_rule"]
+__all__ = ["IMAGE_SLOT", "ImageInfo", "ImageRule", "expand_images", "expanded_text", "image_rule", "message_images",
+           "set_image_rule"]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from qlora_train.errors import DataError
 from qlora_train.masking import IGNORE_INDEX, SIDES
 
 
@@ -41,6 +43,66 @@ class PadCollator:
         for row, f in enumerate(features):
             mask[row, :len(f["input_ids"])] = 1
         return {"input_ids": ids, "attention_mask": mask, "labels": _pad(features, "labels", width, IGNORE_INDEX)}
+
+
+@dataclass
+class ImageCollator:
+    """A vision-language model's batches: ``PadCollator``'s, plus the pixels of the rows' images (``images``: the
+    references the rows keep, loaded here with ``data.images.open_image``), made by the image processor of
+    ``rule`` (``masking.ImageRule``): ``pixel_values`` (every image's patches, row by row, image by image),
+    ``image_grid_thw`` (one ``[t, h, w]`` patch grid per image) and ``mm_token_type_ids`` (1 at each image token:
+    the model's 3D positions read it). A batch of text rows alone (no ``images``) is ``PadCollator``'s exactly.
+
+    Every row is checked against its ids: its image tokens must be the count its images' grids make
+    (``t * h * w // merge_size**2`` each), else ``DataError`` naming the row and its images (an image that changed
+    since the rows were processed: the ids were expanded from the sizes read then).
+
+    >>> ImageCollator(0, None, 4)([{"input_ids": [5, 6], "labels": [-100, 6], "images": []}])["input_ids"]
+    tensor([[5, 6, 0, 0]])
+    """
+
+    pad_token_id: int
+    rule: Any  # masking.ImageRule
+    pad_to_multiple_of: int = 8
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        batch = PadCollator(self.pad_token_id, self.pad_to_multiple_of)(features)
+        refs = [list(f.get("images") or ()) for f in features]
+        if not any(refs):
+            return batch
+        images = [_open(ref, row) for row, row_refs in enumerate(refs) for ref in row_refs]
+        processed = self.rule.image_processor(images=images, return_tensors="pt")
+        grids = processed["image_grid_thw"]
+        merge = int(self.rule.image_processor.merge_size) ** 2
+        tokens = (grids.prod(dim=1) // merge).tolist()
+        at = 0
+        for row, (f, row_refs) in enumerate(zip(features, refs)):
+            made = tokens[at:at + len(row_refs)]
+            held = sum(1 for t in f["input_ids"] if t == self.rule.image_token_id)
+            if held != sum(made):
+                sizes = ", ".join(f"{ref} {im.width}x{im.height} -> {n} tokens"
+                                  for ref, im, n in zip(row_refs, images[at:], made))
+                raise DataError(f"batch row {row}: its ids hold {held} image tokens {self.rule.image_token!r}, its "
+                                f"{len(row_refs)} image(s) make {sum(made)} ({sizes or 'none'}): did an image change "
+                                "since the rows were processed (the datasets cache, data.prepared_path)?")
+            at += len(row_refs)
+        batch["pixel_values"] = processed["pixel_values"]
+        batch["image_grid_thw"] = grids
+        batch["mm_token_type_ids"] = (batch["input_ids"] == self.rule.image_token_id).int()
+        return batch
+
+
+def _open(ref: str, row: int):
+    """A row's image, decoded (``data.images.open_image``); ``DataError`` naming it when it cannot be read any
+    more (it was read when the rows were processed)."""
+    from PIL import UnidentifiedImageError
+
+    from qlora_train.data.images import open_image
+
+    try:
+        return open_image(ref)
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise DataError(f"batch row {row}: cannot read its image {ref[:200]}: {exc}") from None
 
 
 @dataclass

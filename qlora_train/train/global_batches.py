@@ -31,7 +31,7 @@ BLANK = -1  # the index of the blank row: never one a sampler of the dataset yie
 # packing's): one token, attended to (so that attention over it is defined) and untrained
 _BLANK_VALUES = {"attention_mask": [1], "labels": [IGNORE_INDEX], "chosen_labels": [IGNORE_INDEX],
                  "rejected_labels": [IGNORE_INDEX], "position_ids": [0], "seq_lens": [1], "prompt_length": 1,
-                 "desirable": 0}
+                 "desirable": 0, "images": []}
 
 
 def blank_row(columns, pad_token_id: int) -> dict:

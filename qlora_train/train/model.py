@@ -1,11 +1,16 @@
 """Load the base model in 4-bit (nf4, double quant) with a LoRA adapter (the tokenizer: ``qlora_train.tokenizer``);
-with ``model.new_tokens``, embedding rows for the new tokens, trained alone (``fit_embeddings``)."""
+with ``model.new_tokens``, embedding rows for the new tokens, trained alone (``fit_embeddings``).
+
+A vision-language base (``vision.vision_base``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) loads as its image-text-to-text
+class with the language model quantised and its vision tower not (kept in the compute dtype), frozen unless
+``lora.train_vision``: LoRA adapts the language model's linear layers only by default (``lora_exclusions``)."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +19,7 @@ import torch
 from qlora_train.config import Config, ModelConfig
 from qlora_train.errors import ModelLoadError
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens
+from qlora_train.vision import VisionBase, vision_base
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -74,31 +80,43 @@ def load_model_config(cfg: ModelConfig):
             from None
 
 
-def quantization_config(m: ModelConfig, compute_dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8):
+def quantization_config(m: ModelConfig, compute_dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8,
+                        not_quantized: tuple[str, ...] = ()):
     """The bitsandbytes config training loads the base with (4-bit nf4 with double quantisation, its packed bytes
-    stored as ``quant_storage``, or 8-bit), or None for a 16-bit base."""
+    stored as ``quant_storage``, or 8-bit), or None for a 16-bit base. ``not_quantized``: module paths kept in the
+    compute dtype besides the output head (a vision tower, ``model.visual``)."""
     from transformers import BitsAndBytesConfig
 
+    skip = {"llm_int8_skip_modules": ["lm_head", *not_quantized]} if not_quantized else {}
     if m.load_in_4bit:
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=quant_storage)
+                                  bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=quant_storage, **skip)
     if m.load_in_8bit:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     return None
+
+
+def model_class(vision: VisionBase | None):
+    """The transformers auto class a base loads with: image-text-to-text for a vision-language base whose images
+    this trainer reads, else the causal LM (a vision-language base of another type trains on text as before)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vision is not None and vision.supported else AutoModelForCausalLM
 
 
 def load_base_model(m: ModelConfig, runtime: Runtime, *, quantized: bool = True):
     """The base model on this process's device in ``runtime.compute_dtype``: quantised as configured
-    (``quantized``, as training loads it) or with its own weights unquantised (``quantized=False``)."""
-    from transformers import AutoModelForCausalLM
-
-    quant = quantization_config(m, runtime.compute_dtype, runtime.quant_storage) if quantized else None
+    (``quantized``, as training loads it; a vision tower never) or with its own weights unquantised
+    (``quantized=False``)."""
+    vision = vision_base(m)
+    tower = (vision.tower,) if vision is not None and vision.supported else ()
+    quant = quantization_config(m, runtime.compute_dtype, runtime.quant_storage, tower) if quantized else None
     kwargs = dict(quantization_config=quant, dtype=runtime.compute_dtype, device_map=runtime.device_map,
                   trust_remote_code=m.trust_remote_code)
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
     try:
-        return AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
+        return model_class(vision).from_pretrained(m.name_or_path, **kwargs)
     except OSError as exc:
         raise ModelLoadError(f"cannot load the model {m.name_or_path}: {' '.join(str(exc).split())}") from None
 
@@ -147,6 +165,8 @@ def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOK
     embedding matrices)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
+    vision = vision_base(cfg.model)
+    tower = vision.tower if vision is not None and vision.supported else None
     model = load_base_model(cfg.model, runtime)
     keep_4bit_layout(model)
     if new_tokens:
@@ -161,20 +181,57 @@ def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOK
                                                 gradient_checkpointing_kwargs=gc_kwargs)
     elif gc:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+    if tower is not None:  # peft's k-bit preparation upcasts every 16-bit weight: the tower stays as loaded
+        model.get_submodule(tower).to(runtime.compute_dtype)
     if cfg.model.adapter_path:
         model = start_from_adapter(model, cfg.model.adapter_path, with_reference=cfg.train.method in ("dpo", "kto"))
     else:
         tokens = trainable_token_indices(model, new_tokens.ids) if new_tokens else None
         lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save,
-                          trainable_token_indices=tokens, task_type="CAUSAL_LM")
+                          trainable_token_indices=tokens, task_type="CAUSAL_LM",
+                          exclude_modules=lora_exclusions(tower, cfg.lora.train_vision))
         model = get_peft_model(model, lora)
+    if tower is not None:
+        check_vision_tower(model, tower, cfg.lora.train_vision)
     if new_tokens:
         check_head_trains_new_rows(model)
         # peft saves whole embedding matrices with the adapter of a resized base (save_embedding_layers="auto"),
         # GBs per checkpoint; the trained rows are in the adapter, and loading fits the base as above
         model.save_pretrained = functools.partial(model.save_pretrained, save_embedding_layers=False)
     return model
+
+
+def lora_exclusions(tower: str | None, train_vision: bool) -> str | None:
+    """peft's ``exclude_modules`` (a regex on module paths) that keeps LoRA off the vision tower ``tower``:
+    ``lora.target_modules`` (``all-linear``, or names such as ``gate_proj`` that the tower's blocks share with the
+    language model) then adapt the language model only; None with ``lora.train_vision`` or for a text-only base.
+
+    >>> print(lora_exclusions("model.visual", False))
+    model\\.visual\\..*
+    """
+    return None if tower is None or train_vision else re.escape(tower) + r"\..*"
+
+
+def check_vision_tower(model, tower: str, train_vision: bool) -> None:
+    """The vision tower as configured, checked on the built model (``ModelLoadError`` otherwise): not quantised
+    (no bitsandbytes layer), and trained (LoRA only) exactly when ``lora.train_vision``."""
+    module = inner_model(model).get_submodule(tower)
+    quantized = [n for n, m in module.named_modules() if type(m).__module__.startswith("bitsandbytes")]
+    if quantized:
+        raise ModelLoadError(f"the vision tower {tower} was quantised ({quantized[0]}, ...): it must stay in the "
+                             "compute dtype")
+    trained = [n for n, p in module.named_parameters() if p.requires_grad]
+    if trained and not train_vision:
+        raise ModelLoadError(f"lora.train_vision is false, but the vision tower trains {trained[0]}")
+    if train_vision and not any("lora_" in n for n in trained):
+        raise ModelLoadError(f"lora.train_vision: lora.target_modules matched no linear layer of the vision tower "
+                             f"{tower}; use all-linear or name its layers (qkv, proj, ...)")
+
+
+def inner_model(model):
+    """The transformers model: ``model`` itself, or the one a peft model wraps."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def keep_4bit_layout(model) -> None:

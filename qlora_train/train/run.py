@@ -30,10 +30,10 @@ from qlora_train.data.packing import PackingStats
 from qlora_train.data.prepared import training_data
 from qlora_train.errors import UsageError
 from qlora_train.files import fresh_dir, write_atomic
-from qlora_train.masking import SIDES
+from qlora_train.masking import SIDES, image_rule
 from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
-from qlora_train.train.collator import PackedCollator, PadCollator, PairCollator, UnpairedCollator
+from qlora_train.train.collator import ImageCollator, PackedCollator, PadCollator, PairCollator, UnpairedCollator
 from qlora_train.train.distributed import (
     ShardReport,
     check_distributed_setup,
@@ -55,6 +55,7 @@ from qlora_train.train.resume import (
     run_fingerprint,
 )
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
+from qlora_train.vision import VisionBase, check_images_readable, check_vision_training, tower_line, vision_base
 
 log = logging.getLogger("qlora_train")
 
@@ -126,7 +127,8 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
     if cfg.train.method != "sft":
         return PairCollator(tokenizer.pad_token_id)
     if not cfg.train.packing:
-        return PadCollator(tokenizer.pad_token_id)
+        rule = image_rule(tokenizer)  # a vision-language model's rows carry images (packing is refused for it)
+        return ImageCollator(tokenizer.pad_token_id, rule) if rule is not None else PadCollator(tokenizer.pad_token_id)
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if "flash" in attn and runtime.device == "cuda":
         return PackedCollator(tokenizer.pad_token_id, attention="position_ids")
@@ -160,8 +162,9 @@ def check_rows_fit_method(cfg: Config, dataset) -> None:
 
 
 def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None,
-                  new_tokens: NewTokens = NO_NEW_TOKENS) -> list[str]:
+                  new_tokens: NewTokens = NO_NEW_TOKENS, vision: VisionBase | None = None) -> list[str]:
     trainable, total = count_parameters(model)
+    tower = tower_line(vision, cfg.lora.train_vision, runtime.compute_dtype)
     return [
         "=" * 72,
         f"model      {cfg.model.name_or_path}  (4-bit: {cfg.model.load_in_4bit}, template: {template_note(cfg.model)})",
@@ -170,6 +173,7 @@ def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | N
         f"({trainable / total:.2%})",
         *([f"tokens     added {', '.join(f'{t} ({i})' for t, i in zip(new_tokens.tokens, new_tokens.ids))}: only "
            "their embedding rows train (and the output head's, when untied)"] if new_tokens else []),
+        *([f"vision     {tower}"] if tower else []),
         *[f"data       {line}" for line in report.lines()],
         *([f"batches    {packing.line()}"] if packing else []),
         f"output     {cfg.train.output_dir}",
@@ -214,6 +218,9 @@ def save_final_outputs(trainer, tokenizer, cfg: Config, out: Path, main: bool) -
         return
     trainer.state.save_to_json(str(staging / "trainer_state.json"))
     tokenizer.save_pretrained(staging)
+    rule = image_rule(tokenizer)
+    if rule is not None:  # beside the adapter, so that the output serves: preprocessor_config.json
+        rule.image_processor.save_pretrained(staging)
     write_atomic(staging / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
     write_atomic(staging / "loss_history.json", json.dumps(losses, indent=1))
@@ -264,6 +271,8 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
         raise UsageError(start.line)
     log.info(runtime.note)
     log.info(start.line)
+    vision = vision_base(cfg.model)
+    check_vision_training(cfg, vision)  # packing, preference rows, FSDP: refused for a vision-language model
     if cfg.train.packing:
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
     tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)
@@ -272,6 +281,7 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
     with args.main_process_first(desc="preprocessing"):  # or reading data.prepared_path
         data = training_data(cfg, tokenizer)
     train_ds, eval_ds, report, packing = data.train, data.eval, data.report, data.packing
+    check_images_readable(cfg.model, vision, report.parse.get("image_rows", 0))
 
     check_rows_fit_method(cfg, train_ds)
     model = load_model(cfg, runtime, new_tokens)
@@ -288,7 +298,7 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
     if main:
         prepare_output_dir(start, fingerprint, out)  # the others wait for rank 0 at the first step's collectives
         write_atomic(out / "dataset_report.json", report.to_json())
-        print(visible("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens))), flush=True)
+        print(visible("\n".join(summary_lines(cfg, runtime, model, report, packing, new_tokens, vision))), flush=True)
 
     if args.world_size > 1:  # the epoch's ragged last step: blank rows, not repeated ones
         trainer_class = with_global_batches(trainer_class)

@@ -24,7 +24,7 @@ CASES = [
     (True, "bad_content_type", "bad_content_type"),
     (NAN, "bad_content_type", "bad_content_type"),
     (float("inf"), "bad_content_type", "bad_content_type"),
-    ([{"type": "image"}], "bad_content_type", "bad_content_type"),
+    ([{"type": "image"}], "bad_image", "bad_image"),  # an image part: no image to read (or not read: pairs)
 ]
 
 

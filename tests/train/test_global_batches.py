@@ -12,7 +12,7 @@ from torch.utils.data import BatchSampler, SequentialSampler
 
 from qlora_train.data.processed import PAIR_ROW, SFT_ROW
 from qlora_train.masking import IGNORE_INDEX
-from qlora_train.train.collator import PackedCollator, PadCollator, PairCollator
+from qlora_train.train.collator import ImageCollator, PackedCollator, PadCollator, PairCollator
 from qlora_train.train.global_batches import BLANK, BlankRows, WholeGlobalBatches, blank_row
 from qlora_train.train.loss import causal_lm_loss
 from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps
@@ -65,14 +65,15 @@ def test_blank_rows_answer_blank_and_pass_the_rest_through():
 
 @pytest.mark.parametrize(("columns", "collator"), [
     (SFT_ROW.model_columns, PadCollator(0)),
+    (SFT_ROW.model_columns, ImageCollator(0, None)),  # a vision-language model's, on rows without images
     (("input_ids", "labels", "position_ids", "seq_lens"), PackedCollator(0)),
     (("input_ids", "labels", "position_ids", "seq_lens"), PackedCollator(0, attention="position_ids")),
     (PAIR_ROW.model_columns, PairCollator(0)),
-], ids=["padded", "packed", "packed-flash", "pairs"])
+], ids=["padded", "images", "packed", "packed-flash", "pairs"])
 def test_a_blank_row_batches_with_every_collator_and_trains_nothing(columns, collator):
     real = {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [-100, 6, 7], "position_ids": [0, 1, 2],
             "seq_lens": [3], "chosen_input_ids": [5, 6], "chosen_labels": [-100, 6], "rejected_input_ids": [5, 8],
-            "rejected_labels": [-100, 8], "prompt_length": 1}
+            "rejected_labels": [-100, 8], "prompt_length": 1, "images": []}
     batch = collator([{c: real[c] for c in columns}, blank_row(columns, pad_token_id=0)])
     labels = batch["labels"]
     if labels.shape[0] == 1:  # flattened for flash-attention: the blank is the last token

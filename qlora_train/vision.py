@@ -1,0 +1,162 @@
+"""Vision-language bases: whether ``model.name_or_path`` reads images, its image processor, and the rule that the
+processor's expansion of an image follows (``masking.ImageRule``), set on the tokenizer where it is loaded.
+
+A base is vision-language when its config has a ``vision_config``. This trainer reads images for the
+Qwen2-VL-style models (``SUPPORTED``: one ``<|image_pad|>`` per merged patch, ``image_grid_thw`` beside the pixels);
+another vision-language base (Gemma 3, Qwen3.5, ...) trains on text rows as before, and a row with images for it
+is refused (``bad_image``), which training then turns into one ``ConfigError`` naming the model type
+(``check_images_readable``).
+
+    >>> vision_base(ModelConfig(name_or_path=".cache/tiny-qwen2.5-vl"))
+    VisionBase(model_type='qwen2_5_vl', tower='model.visual')
+
+Imports neither torch nor the model code: the tokenizer-only runs (``--stats-only``) load the image processor too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from qlora_train.config import Config, ModelConfig
+from qlora_train.errors import ConfigError, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# model types whose images this trainer reads -> the vision tower's module path in the transformers model
+SUPPORTED = {"qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual"}
+IMAGE_TOKEN = "<|image_pad|>"  # what their templates write for an image and their processors repeat
+
+
+@dataclass(frozen=True)
+class VisionBase:
+    """A vision-language base: its ``model_type`` and its vision tower (``tower``: the module path, e.g.
+    ``model.visual``; ``None`` for a model type whose images this trainer does not read)."""
+
+    model_type: str
+    tower: str | None
+
+    @property
+    def supported(self) -> bool:
+        return self.tower is not None
+
+
+def model_config_dict(cfg: ModelConfig) -> dict | None:
+    """The base's ``config.json`` as a dict: read from a local folder directly (no torch), else through
+    ``AutoConfig`` (a hub id); None for a local folder without one (a tokenizer alone). ``ModelLoadError`` when
+    it cannot be read."""
+    local = Path(cfg.name_or_path) / "config.json"
+    if Path(cfg.name_or_path).is_dir() and not local.is_file():
+        return None
+    if local.is_file():
+        try:
+            return json.loads(local.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read the model config {local}: {exc}") from None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code).to_dict()
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the model config of {cfg.name_or_path}: {' '.join(str(exc).split())}") \
+            from None
+
+
+def vision_base(cfg: ModelConfig, *, strict: bool = True) -> VisionBase | None:
+    """``VisionBase`` of a vision-language base (its config has a ``vision_config``), None for a text-only one and
+    for a folder without a model config. Not ``strict`` (a tokenizer-only run, whose tokenizer loaded): a hub
+    config that cannot be fetched reads as a text-only base (training, strict, then says why it cannot load)."""
+    try:
+        config = model_config_dict(cfg)
+    except ModelLoadError:
+        if strict:
+            raise
+        log.info("the model config of %s cannot be read: its rows are read as a text-only model's", cfg.name_or_path)
+        return None
+    if not config or not config.get("vision_config"):
+        return None
+    model_type = str(config.get("model_type", ""))
+    return VisionBase(model_type, SUPPORTED.get(model_type))
+
+
+def load_image_processor(cfg: ModelConfig, path: str | Path | None = None):
+    """The image processor saved with the base (or in ``path``: an adapter or merged folder);
+    ``ModelLoadError`` when none loads."""
+    from transformers import AutoImageProcessor
+
+    where = path if path is not None else cfg.name_or_path
+    try:
+        return AutoImageProcessor.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{cfg.name_or_path} is a vision-language model, but no image processor loads from "
+                             f"{where}: {' '.join(str(exc).split())}") from None
+
+
+def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, *,
+                   processor_path: str | Path | None = None):
+    """The ``ImageRule`` a tokenizer of this base renders images with (its image processor's), or None for a
+    text-only base and for a vision-language one whose images this trainer does not read (logged)."""
+    from qlora_train.masking import ImageRule
+
+    base = vision_base(cfg, strict=False) if base is None else base
+    if base is None:
+        return None
+    if not base.supported:
+        log.info("%s is a %s vision-language model: this trainer reads images for %s only; it trains on text "
+                 "rows, and a row with images is refused (bad_image)", cfg.name_or_path, base.model_type,
+                 ", ".join(SUPPORTED))
+        return None
+    if IMAGE_TOKEN not in tokenizer.get_added_vocab():
+        raise ModelLoadError(f"{cfg.name_or_path} is a {base.model_type} model, but its tokenizer has no "
+                             f"{IMAGE_TOKEN} token")
+    processor = load_image_processor(cfg, processor_path)
+    if not hasattr(processor, "merge_size") or not hasattr(processor, "get_number_of_image_patches"):
+        raise ConfigError([f"model.name_or_path: the image processor of {cfg.name_or_path} "
+                           f"({type(processor).__name__}) is not a Qwen2-VL-style one (merge_size, image_grid_thw); "
+                           f"supported: {', '.join(SUPPORTED)}"])
+    return ImageRule.of(processor, tokenizer, IMAGE_TOKEN)
+
+
+def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
+    """What training a supported vision-language base refuses, before any data or weight loads (``ConfigError``
+    naming the key): packing (images' pixels and 3D positions are per row), preference and unpaired objectives
+    (not supported yet), FSDP (not supported yet), and ``lora.train_vision`` on a text-only base."""
+    problems = []
+    if cfg.lora.train_vision and (base is None or not base.supported):
+        what = "a text-only model" if base is None else f"a {base.model_type} model, whose images are not read"
+        problems.append(f"lora.train_vision: {cfg.model.name_or_path} is {what}: there is no vision tower to train")
+    if base is not None and base.supported:
+        name = f"{cfg.model.name_or_path} is a vision-language model ({base.model_type})"
+        if cfg.train.packing:
+            problems.append(f"train.packing: {name}: its rows' images (pixel values, image grids, 3D positions) "
+                            "are fed per row, and packed sequences would mix them; set train.packing: false")
+        if cfg.data.objective != "sft":
+            problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: preference "
+                            "and unpaired rows do not carry images; train.method: sft")
+        if cfg.train.distributed == "fsdp":
+            problems.append(f"train.distributed: fsdp with {name} is not supported yet; train on one process per "
+                            "model (or DDP)")
+    if problems:
+        raise ConfigError(problems)
+
+
+def tower_line(base: VisionBase | None, train_vision: bool, dtype) -> str | None:
+    """The run summary's line on the vision tower, or None for a base whose images are not read."""
+    if base is None or not base.supported:
+        return None
+    how = "LoRA on its linear layers (lora.train_vision)" if train_vision else "frozen (lora.train_vision: false)"
+    return f"tower {base.tower} ({base.model_type}) not quantised, in {str(dtype).removeprefix('torch.')}; {how}"
+
+
+def check_images_readable(cfg: ModelConfig, base: VisionBase | None, image_rows: int) -> None:
+    """After the rows are processed: ``image_rows`` rows with images read (``ParseReport.image_rows``) for a
+    vision-language base whose images this trainer does not read (each refused, ``bad_image``) -> ``ConfigError``
+    saying so (not a quiet drop of every image row). A text-only base's image rows stay counted drops."""
+    if base is None or base.supported or not image_rows:
+        return
+    raise ConfigError([f"model.name_or_path: {cfg.name_or_path} is a {base.model_type} vision-language model; "
+                       f"this trainer reads images for {', '.join(SUPPORTED)} only (one {IMAGE_TOKEN} per merged "
+                       f"patch), so the {image_rows} rows with images were refused (bad_image); use a supported "
+                       "model or rows without images"])

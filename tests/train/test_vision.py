@@ -1,0 +1,245 @@
+"""Vision-language training: the image collator (pixels, grids, the per-row token check), what a vision-language
+base refuses, and on the tiny Qwen2.5-VL the real QLoRA path (language model 4-bit, vision tower not, frozen)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from qlora_train.config import load_config
+from qlora_train.errors import ConfigError, DataError
+from qlora_train.masking import IGNORE_INDEX, ImageRule
+from qlora_train.train.collator import ImageCollator, PadCollator
+from qlora_train.vision import VisionBase, check_images_readable, check_vision_training, vision_base
+from tests.vision_rows import IMAGE_TOKEN_ID, feed_rows, processed_rows, write_images, write_vl_config
+
+DEMO_ROWS = Path(__file__).resolve().parents[2] / "configs" / "data" / "quickstart-vl.jsonl"
+
+
+@pytest.fixture(scope="module")
+def image_rule():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from qlora_train.tiny import TINY_VL_MAX_PIXELS, TINY_VL_MIN_PIXELS
+
+    processor = Qwen2VLImageProcessorPil(min_pixels=TINY_VL_MIN_PIXELS, max_pixels=TINY_VL_MAX_PIXELS)
+    return ImageRule("<|image_pad|>", IMAGE_TOKEN_ID, processor)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return write_images(tmp_path_factory.mktemp("images"))
+
+
+def row(ids: list[int], refs: list[str]) -> dict:
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": [IGNORE_INDEX] * (len(ids) - 1) + [9],
+            "images": refs}
+
+
+IMG = IMAGE_TOKEN_ID
+
+
+def test_image_collator_pixels_grids_and_token_types(image_rule, images):
+    red, blue = images["red"]["ref"], images["blue"]["ref"]  # 56x56: 4 tokens; 112x84: 12
+    rows = [row([1, 2, *[IMG] * 4, 3], [red]), row([4, 5, 6], []), row([7, *[IMG] * 4, *[IMG] * 12, 8], [red, blue])]
+    batch = ImageCollator(0, image_rule)(rows)
+    padded = PadCollator(0)(rows)
+    for key in ("input_ids", "attention_mask", "labels"):
+        assert torch.equal(batch[key], padded[key])
+    # one [t, h, w] grid of 14-pixel patches per image, in row order: 56/14 = 4; 84/14 = 6 high, 112/14 = 8 wide
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4], [1, 6, 8]]
+    assert batch["pixel_values"].shape == (16 + 16 + 48, 3 * 2 * 14 * 14)  # patches x (channels, time, 14, 14)
+    assert torch.equal(batch["mm_token_type_ids"], (batch["input_ids"] == IMG).int())
+    assert batch["mm_token_type_ids"].sum(dim=1).tolist() == [4, 0, 16]
+
+
+def test_image_collator_text_batch_is_pad_collators(image_rule):
+    rows = [row([1, 2, 3], []), row([4, 5], [])]
+    batch = ImageCollator(0, image_rule)(rows)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert batch["input_ids"].tolist() == PadCollator(0)(rows)["input_ids"].tolist()
+
+
+def test_image_collator_refuses_a_row_whose_tokens_disagree(image_rule, images):
+    red = images["red"]["ref"]
+    broken = row([1, *[IMG] * 3, 2], [red])  # a 56x56 image makes 4 tokens, the ids hold 3
+    with pytest.raises(DataError, match=r"batch row 1: its ids hold 3 image tokens .* make 4 \(.*red.png 56x56"):
+        ImageCollator(0, image_rule)([row([1, *[IMG] * 4, 2], [red]), broken])
+    swapped = row([1, *[IMG] * 4, 2], [images["blue"]["ref"]])  # another image than the ids were made for
+    with pytest.raises(DataError, match="batch row 0: its ids hold 4 image tokens .* make 12"):
+        ImageCollator(0, image_rule)([swapped])
+
+
+def test_image_collator_names_an_image_gone_since(image_rule, tmp_path):
+    with pytest.raises(DataError, match=r"batch row 0: cannot read its image .*gone\.png"):
+        ImageCollator(0, image_rule)([row([1, *[IMG] * 4], [str(tmp_path / "gone.png")])])
+
+
+def write_model_config(folder, config: dict):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_vision_base_reads_the_config(tmp_path):
+    from qlora_train.config import ModelConfig
+
+    def base(config):
+        return vision_base(ModelConfig(name_or_path=str(write_model_config(tmp_path / "m", config))))
+
+    assert base({"model_type": "qwen3"}) is None
+    assert base({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}) == VisionBase("qwen2_5_vl",
+                                                                                            "model.visual")
+    assert base({"model_type": "qwen3_vl", "vision_config": {"depth": 2}}).supported
+    gemma = base({"model_type": "gemma3", "vision_config": {"hidden_size": 8}})
+    assert gemma == VisionBase("gemma3", None) and not gemma.supported
+
+
+def config_for(tmp_path, config: dict, *overrides: str):
+    model = write_model_config(tmp_path / "model", config)
+    return load_config(write_vl_config(tmp_path, model), list(overrides))
+
+
+QWEN_VL = {"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.packing=true", "train.packing"),
+    ("train.method=dpo", "data.objective"),
+    ("train.distributed=fsdp", "train.distributed"),
+])
+def test_vision_base_refuses_what_it_cannot_train(tmp_path, override, key):
+    cfg = config_for(tmp_path, QWEN_VL, override)
+    with pytest.raises(ConfigError) as exc:
+        check_vision_training(cfg, vision_base(cfg.model))
+    assert len(exc.value.problems) == 1 and exc.value.problems[0].startswith(f"{key}: ")
+    assert "qwen2_5_vl" in exc.value.problems[0]
+
+
+def test_train_vision_needs_a_vision_tower(tmp_path):
+    cfg = config_for(tmp_path, {"model_type": "qwen3"}, "lora.train_vision=true")
+    with pytest.raises(ConfigError, match="lora.train_vision: .* is a text-only model"):
+        check_vision_training(cfg, vision_base(cfg.model))
+    plain = config_for(tmp_path / "b", QWEN_VL)
+    check_vision_training(plain, vision_base(plain.model))  # nothing refused
+
+
+def test_image_rows_of_an_unsupported_vision_base_are_a_config_error(tmp_path):
+    cfg = config_for(tmp_path, {"model_type": "gemma3", "vision_config": {"hidden_size": 8}})
+    base = vision_base(cfg.model)
+    with pytest.raises(ConfigError, match="is a gemma3 vision-language model; this trainer reads images for "
+                                          "qwen2_vl, qwen2_5_vl, qwen3_vl only"):
+        check_images_readable(cfg.model, base, 3)
+    check_images_readable(cfg.model, base, 0)  # text rows: it trains on them
+    check_images_readable(cfg.model, None, 3)  # a text model: counted drops
+
+
+# --- the tiny Qwen2.5-VL ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vl_tokenizer(tiny_vl_dir):
+    from qlora_train.config import ModelConfig
+    from qlora_train.tokenizer import load_tokenizer
+
+    return load_tokenizer(ModelConfig(name_or_path=str(tiny_vl_dir)))
+
+
+def test_tokenizer_of_a_vision_base_carries_its_processors_rule(vl_tokenizer, tiny_vl_dir):
+    from transformers import AutoImageProcessor
+
+    from qlora_train.masking import image_rule
+
+    rule = image_rule(vl_tokenizer)
+    assert (rule.image_token, rule.image_token_id) == ("<|image_pad|>", IMG)
+    assert type(rule.image_processor) is type(AutoImageProcessor.from_pretrained(tiny_vl_dir))
+    assert [rule.tokens(56, 56), rule.tokens(112, 84), rule.tokens(1000, 1000)] == [4, 12, 64]  # 4..64 an image
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in vl_tokenizer.chat_template  # its own: qwen2.5-vl
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_language_model_4bit_vision_tower_not_and_frozen(tiny_vl_dir, tmp_path, vl_tokenizer, train_vision):
+    from qlora_train.train.model import load_model, resolve_runtime
+
+    cfg = load_config(write_vl_config(tmp_path, tiny_vl_dir), [f"lora.train_vision={str(train_vision).lower()}"])
+    model = load_model(cfg, resolve_runtime(cfg))
+    modules = dict(model.get_base_model().named_modules())
+    four_bit = [n for n, m in modules.items() if type(m).__name__ == "Linear4bit"]
+    assert four_bit and all(n.startswith("model.language_model.") for n in four_bit)
+    tower = {n: m for n, m in modules.items() if n.startswith("model.visual.")}
+    assert not [n for n, m in tower.items() if type(m).__module__.startswith("bitsandbytes")]
+    assert type(tower["model.visual.blocks.0.attn.qkv" + (".base_layer" if train_vision else "")]) is torch.nn.Linear
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    in_tower = [n for n in trained if ".model.visual." in n]
+    assert bool(in_tower) is train_vision
+    if not train_vision:
+        assert all(".model.language_model." in n for n in trained)
+        assert [p.dtype for n, p in model.named_parameters() if ".model.visual." in n][0] == torch.float32
+    else:  # the tower's attention and MLP layers, the merger's too, and the loss reaches them
+        assert any(".attn.qkv.lora_A" in n for n in in_tower) and any(".merger." in n for n in in_tower)
+        rows = processed_rows(vl_tokenizer, write_images(tmp_path / "images"))
+        model(**ImageCollator(vl_tokenizer.pad_token_id, vl_tokenizer.qlora_image_rule)(rows[:2])).loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if n in in_tower and "lora_B" in n}
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.slow
+def test_fused_loss_equals_the_models_own_on_image_rows(tiny_vl_dir, tmp_path, vl_tokenizer):
+    from qlora_train.train.fused_loss import use_fused_loss, uses_fused_loss
+    from qlora_train.train.model import load_model, resolve_runtime
+
+    cfg = load_config(write_vl_config(tmp_path, tiny_vl_dir), [])
+    rows = processed_rows(vl_tokenizer, write_images(tmp_path / "images"))
+    batch = ImageCollator(vl_tokenizer.pad_token_id, vl_tokenizer.qlora_image_rule)(rows[:3])
+    assert batch["image_grid_thw"].shape == (3, 3)
+    model = load_model(cfg, resolve_runtime(cfg))
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        use_fused_loss(model, True)
+        assert uses_fused_loss(model)
+        fused = model(**batch)
+    assert fused.logits is None  # the head ran at trained positions only
+    labels = batch["labels"][:, 1:].reshape(-1)
+    own = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels)
+    assert fused.loss.item() == pytest.approx(own.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_trains_the_bundled_image_rows_from_the_config(tiny_vl_dir, tmp_path, caplog, capsys):
+    """The demo's rows (content parts, relative image paths) read, expanded, collated and trained: the real path."""
+    from transformers import AutoImageProcessor
+
+    from qlora_train.cli import main
+
+    caplog.set_level(logging.INFO, logger="qlora_train")
+    path = write_vl_config(tmp_path, tiny_vl_dir, data_path=DEMO_ROWS, max_samples=12, max_steps=6)
+    assert main(["--config", str(path)]) == 0
+    assert any(r.getMessage().startswith("loss: fused LM head") for r in caplog.records)
+    printed = capsys.readouterr().out
+    assert "vision     tower model.visual (qwen2_5_vl) not quantised, in float32; frozen (lora.train_vision: false)" \
+        in printed
+    out = tmp_path / "out"
+    report = json.loads((out / "dataset_report.json").read_text())
+    assert report["rows_kept"] == 12 and not report["dropped"]
+    losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["exclude_modules"] == r"model\.visual\..*"
+    saved = AutoImageProcessor.from_pretrained(out)  # beside the adapter, so that the output serves
+    assert saved.to_dict()["size"] == {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}  # the tiny one's
+
+
+@pytest.mark.slow
+def test_trains_rows_made_by_hand_with_several_images(tiny_vl_dir, tmp_path, vl_tokenizer, monkeypatch):
+    """Rows of 0, 1 and 2 images of three sizes, processed by the engine, fed as they are (two steps)."""
+    from qlora_train.cli import main
+
+    feed_rows(monkeypatch, processed_rows(vl_tokenizer, write_images(tmp_path / "images")))
+    assert main(["--config", str(write_vl_config(tmp_path, tiny_vl_dir, max_steps=2))]) == 0
+    assert len(json.loads((tmp_path / "out" / "loss_history.json").read_text())) == 2

@@ -1,0 +1,90 @@
+"""Helpers of the vision-language tests: drawn images, processed rows made by hand (canonical messages with image
+slots, masked by the engine), and a config for the tiny Qwen2.5-VL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+IMAGE_TOKEN_ID = 151655  # <|image_pad|> in the Qwen vocabulary
+# name -> (width, height, colour); 56x56 makes 4 image tokens with the tiny model's processor, 112x84 12, 84x56 6
+IMAGES = {"red": (56, 56, (220, 30, 30)), "blue": (112, 84, (30, 60, 220)), "green": (84, 56, (30, 170, 60))}
+
+
+def write_images(folder: Path) -> dict[str, dict]:
+    """Draw ``IMAGES`` into ``folder`` -> name -> its ``ImageInfo`` (absolute path, size)."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, (w, h, colour) in IMAGES.items():
+        path = folder / f"{name}.png"
+        Image.new("RGB", (w, h), colour).save(path)
+        out[name] = {"ref": str(path), "width": w, "height": h}
+    return out
+
+
+def conversation(images: list[dict], question: str, answer: str) -> list[dict]:
+    """A user turn with ``images`` before ``question`` (canonical messages: an image slot each), then the trained
+    answer."""
+    from qlora_train.masking import IMAGE_SLOT
+
+    user = {"role": "user", "content": IMAGE_SLOT * len(images) + question, "train": False}
+    if images:
+        user["images"] = images
+    return [user, {"role": "assistant", "content": answer, "train": True}]
+
+
+def processed_rows(tokenizer, infos: dict[str, dict]) -> list[dict]:
+    """Processed SFT rows as the pipeline feeds the model (``input_ids``, ``attention_mask``, ``labels``,
+    ``images``), made by ``mask_conversation`` with the tokenizer's image rule: 0, 1 and 2 images a row."""
+    from qlora_train.masking import mask_conversation, message_images
+
+    specs = [(["red"], "What colour is this?", "It is red."),
+             (["blue", "green"], "Which colours?", "Blue, then green."),
+             ([], "Name a colour.", "Green."), (["green"], "What colour is this?", "It is green."),
+             (["blue"], "What colour is this?", "It is blue."), (["red", "red"], "Same?", "Yes, both red.")]
+    rows = []
+    for names, question, answer in specs:
+        messages = conversation([infos[n] for n in names], question, answer)
+        example = mask_conversation(messages, tokenizer).example(max_length=None, truncate_side="right")
+        rows.append({"input_ids": example["input_ids"], "attention_mask": example["attention_mask"],
+                     "labels": example["labels"], "images": [im["ref"] for im in message_images(messages)]})
+    return rows
+
+
+def write_vl_config(tmp_path: Path, model_dir, data_path: Path | None = None, max_samples: int | None = None,
+                    **train) -> Path:
+    """A config for the tiny Qwen2.5-VL (4-bit + LoRA r=4, a few steps), its data ``data_path`` (its first
+    ``max_samples`` rows), or a stand-in path: the tests that feed rows by hand replace the data."""
+    if data_path is None:
+        data_path = tmp_path / "rows.jsonl"
+        data_path.write_text('{"messages": [{"role": "user", "content": "Hi"}, '
+                             '{"role": "assistant", "content": "Hello."}]}\n')
+    cfg = {
+        "model": {"name_or_path": str(model_dir), "load_in_4bit": True},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"datasets": [{"path": str(data_path), **({"max_samples": max_samples} if max_samples else {})}],
+                 "max_length": 256},
+        "train": {"output_dir": str(tmp_path / "out"), "max_steps": 4, "per_device_train_batch_size": 3,
+                  "learning_rate": 2e-2, "save_steps": 100, "logging_steps": 1, "report_to": "none",
+                  "lr_scheduler": "constant", "warmup_ratio": 0.0, **train},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def feed_rows(monkeypatch, rows: list[dict]) -> None:
+    """Make ``train()`` feed ``rows`` (a ``datasets.Dataset`` of them, no eval split) instead of reading the
+    config's data."""
+    import datasets
+
+    from qlora_train.data.dataset import DatasetReport
+    from qlora_train.data.prepared import TrainingData
+    from qlora_train.train import run
+
+    report = DatasetReport(rows_in=len(rows), rows_kept=len(rows), train_rows=len(rows))
+    monkeypatch.setattr(run, "training_data",
+                        lambda cfg, tok: TrainingData(datasets.Dataset.from_list(rows), None, report))
