@@ -61,9 +61,8 @@ bench-scale:
 # --stats-only on 1,000 image rows (1-2 PNGs each) vs the same rows without images, through the CLI, fresh processes:
 # both times, their ratio (target <= 2x) and the pixels decoded (0). `make bench-vl BENCH_VL_ARGS="--repeats 2"`
 .PHONY: bench-vl
-bench-vl:
-	@test -f .cache/tiny-qwen2.5-vl/config.json || $(PYTHON) -m qlora_train.tiny --vision
-	$(PYTHON) benchmarks/bench_vl_stats.py $(BENCH_VL_ARGS)
+bench-vl: $(TINY_VL)/config.json
+	$(PYTHON) benchmarks/bench_vl_stats.py --model $(TINY_VL) $(BENCH_VL_ARGS)
 
 # training-step peak memory and step time, the model's own loss vs the fused one (a fresh process per run;
 # runs that would not fit in memory are skipped): `make bench-train BENCH_TRAIN_ARGS="--max-gib 9 --repeats 2"`
