@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-length", type=int, default=1024)
     args = p.parse_args(argv)
+    args.model = args.model.resolve()  # the runs' working directory is the temporary folder
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"{args.model}: no model there; build it with `python -m qlora_train.tiny --vision`")
     with tempfile.TemporaryDirectory(prefix="bench-vl-") as tmp:
