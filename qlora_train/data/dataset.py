@@ -401,14 +401,16 @@ def _explode(batch: dict) -> dict:
     """datasets.map function: each SFT row -> its primary example, then its extra examples (``SFT_ROW``'s
     ``expanded_columns``), each with ``num_tokens`` its own length and the row's other columns."""
     model, expanded = SFT_ROW.model_columns, SFT_ROW.expanded_columns
-    # images (a model column) are the row's, copied like the other columns: an extra example of a row with images
-    # that holds fewer of them is refused by the image collator's per-row check, not fed the wrong pixels
-    carried = [k for k in batch if k not in ("input_ids", "labels", "attention_mask", *expanded, "num_tokens")]
+    # the row's images are its primary example's: an extra example never holds one (an extra example with images is
+    # left out by the engine, masking.render_example, and counted), so its images are []
+    carried = [k for k in batch
+               if k not in ("input_ids", "labels", "attention_mask", *expanded, "num_tokens", "images")]
     out: dict[str, list] = {k: [] for k in (*model, "num_tokens", *carried)}
     for j, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"])):
         examples = [(ids, labels), *zip(batch["expanded_input_ids"][j], batch["expanded_labels"][j])]
-        for ids, labels in examples:
+        for n, (ids, labels) in enumerate(examples):
             assert len(ids) == len(labels), "an expanded example's ids and labels differ in length"
+            out["images"].append(batch["images"][j] if n == 0 else [])
             out["input_ids"].append(ids)
             out["labels"].append(labels)
             out["attention_mask"].append([1] * len(ids))

@@ -102,13 +102,13 @@ def render_example(messages: list[Message], tokenizer, *, tools: list[dict] | No
         if m.get("images") and is_trained(m, i):
             raise RowRejected(DropReason.BAD_IMAGE, f"messages[{i}]: an image in a trained turn (a model does not "
                               "write images: put it in the user turn before, or train another turn)")
-    rendered = _expanded(render_conversation(messages, tokenizer, tools=tools, policy=policy, layout=layout),
-                         messages, tokenizer)
+    raw = render_conversation(messages, tokenizer, tools=tools, policy=policy, layout=layout)
+    rendered = _expanded(raw, messages, tokenizer)
     check_unicode(rendered.text, rendered.message_ends)
     dropped = tuple(t.index for t in rendered.turns if t.reasoning_dropped)
     if not (dropped and expand and policy.reasoning_history_max_examples):
         return RenderedExample(messages, tools, rendered, reasoning_dropped=dropped)
-    ex = expand_dropped_reasoning(messages, rendered, tokenizer, tools=tools, policy=policy)
+    ex = expand_dropped_reasoning(messages, raw, tokenizer, tools=tools, policy=policy)  # renders (before expansion)
     extra, left_out = [], 0
     for m, r in ex.extra:
         if message_images(m):  # an extra example's images would need their own pixels: left out, counted

@@ -80,3 +80,46 @@ def test_an_image_is_never_cut(vision_tok, pictures):
                                                                             "content": f"answer {WORDS}"}]}
     out = process_rows([text_only], vision_tok, DataConfig(max_length=n - 80))
     assert out["drop_reason"] == [""] and out["token_fallback"] == ["left"]  # a text row still takes the cut
+
+
+# a Qwen3-VL-like layout (written for this test): the reasoning of the turns after the last user turn only, and
+# image parts as Qwen2.5-VL writes them
+THINKING_VL = """{%- macro c(x) -%}{%- if x is string -%}{{ x }}{%- else -%}{%- for p in x -%}
+{%- if p.type == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>{%- else -%}{{ p.text }}{%- endif -%}
+{%- endfor -%}{%- endif -%}{%- endmacro -%}
+{%- set ns = namespace(last=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}
+{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\n' }}
+{%- if m.role == 'assistant' and loop.index0 > ns.last and m.reasoning_content -%}
+{{ '<think>\n' + m.reasoning_content + '\n</think>\n\n' }}{%- endif -%}
+{{ c(m.content) + '<|im_end|>\n' }}{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"""
+
+
+def test_extra_examples_of_image_rows(vision_tok, pictures, tmp_path):
+    """reasoning_history: expand: an extra example holding an image is left out and counted; one before any image
+    is kept, and after the rows are exploded it carries no images (the row's are its primary example's)."""
+    import copy
+
+    import datasets
+
+    from qlora_train.chat_templates import get_chat_template
+    from qlora_train.data.dataset import explode_examples
+
+    (tmp_path / "t.jinja").write_text(THINKING_VL)
+    tok = get_chat_template(copy.deepcopy(vision_tok), str(tmp_path / "t.jinja"))
+
+    def answer(text):
+        return {"role": "assistant", "content": text, "reasoning_content": f"thinking about {text}"}
+
+    later = {"messages": [{"role": "user", "content": "first?"}, answer("one"),
+                          user("second?", pictures["small"]), answer("two")]}
+    first = {"messages": [user("first?", pictures["small"]), answer("one"), {"role": "user", "content": "again?"},
+                          answer("two")]}
+    out = process_rows([later, first], tok, DataConfig(max_length=512, reasoning_history="expand"))
+    assert out["drop_reason"] == ["", ""], out["drop_detail"]
+    assert [len(x) for x in out["expanded_input_ids"]] == [1, 0]  # the prefix through "one" holds no image
+    assert '"reasoning_dropped_turns": 1' in out["parse_report"][1]  # its extra example held the image: counted
+    kept = datasets.Dataset.from_dict(dict(out)).select([0])
+    exploded, n = explode_examples(kept)
+    assert n == 1 and exploded["images"] == [[pictures["small"]], []]
