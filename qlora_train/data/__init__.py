@@ -7,6 +7,8 @@ in, a finished example out). In the order the data flows::
     handlers.apply_row_handlers    registered user functions fix raw rows
     batches.parse_readable         a batch's rows parsed once (read_json: any JSON Python refuses is a ValueError,
                                    counted); results merged back in order (merge_back)
+    images.image_info              a row's image references resolved (the data file's directory) and checked
+                                   (header, verify, decode): bad_image; pixels read only by the collator (open_image)
     pipeline.objective             data.objective -> its Objective, decided once: its pipeline and its row type
                                    (processed.SFT_ROW, PAIR_ROW, UNPAIRED_ROW: the columns a processed row holds)
     sft.process_sft_rows           SFT: parse.canonicalize_row (Messages marked by the LossPolicy, tools, a

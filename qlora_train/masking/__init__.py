@@ -56,6 +56,9 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
                  span) -> ``RenderedConversation`` (text, char mask, ``TurnSpan`` per trained turn);
 - ``prefix``     **the general path**, for rows the layout cannot verify: the rule itself, by per-turn prefix
                  renders, verified the same way (``verified_by="prefix_renders"``);
+- ``images``     a vision-language model's images: ``ImageRule`` (the processor's count of an image's tokens,
+                 carried on the tokenizer: ``set_image_rule``), ``expand_images`` (the processor's expansion made on
+                 the render, its mask and positions moved with it; each image's tokens untrained);
 - ``budget``     ``RowBudget`` (``data.row_budget``): what one row may cost in renders, characters, template steps
                  and seconds, counted by ``apply_template`` and checked by its sandbox while a template runs; a row
                  over it is ``over_budget`` (``RowSpending``, entered around each part of a row's work);
