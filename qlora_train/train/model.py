@@ -108,7 +108,7 @@ def load_base_model(m: ModelConfig, runtime: Runtime, *, quantized: bool = True)
     """The base model on this process's device in ``runtime.compute_dtype``: quantised as configured
     (``quantized``, as training loads it; a vision tower never) or with its own weights unquantised
     (``quantized=False``)."""
-    vision = vision_base(m)
+    vision = vision_base(m, strict=False)  # an unreachable hub config: the model load says why
     tower = (vision.tower,) if vision is not None and vision.supported else ()
     quant = quantization_config(m, runtime.compute_dtype, runtime.quant_storage, tower) if quantized else None
     kwargs = dict(quantization_config=quant, dtype=runtime.compute_dtype, device_map=runtime.device_map,
@@ -165,7 +165,7 @@ def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOK
     embedding matrices)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    vision = vision_base(cfg.model)
+    vision = vision_base(cfg.model, strict=False)
     tower = vision.tower if vision is not None and vision.supported else None
     model = load_base_model(cfg.model, runtime)
     keep_4bit_layout(model)

@@ -271,7 +271,7 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
         raise UsageError(start.line)
     log.info(runtime.note)
     log.info(start.line)
-    vision = vision_base(cfg.model)
+    vision = vision_base(cfg.model, strict=False)  # unreadable: the loads below say why
     check_vision_training(cfg, vision)  # packing, preference rows, FSDP: refused for a vision-language model
     if cfg.train.packing:
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)

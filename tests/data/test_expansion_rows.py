@@ -29,9 +29,9 @@ def test_the_column_sets_derive_from_the_one_row_definition():
         assert list(row_type.features()) == [*row_type.output_columns, "source", "location", "domain"]
         assert list(row_type.empty()) == list(row_type.output_columns) and row_type.empty()["parse_report"] == "{}"
         assert set(row_type.report_columns) - set(row_type.stats_columns) == {"error_traceback"}  # the check's
-    assert SFT_ROW.model_columns == ("input_ids", "attention_mask", "labels")
-    assert SFT_ROW.kept_columns == (*SFT_ROW.model_columns, "num_tokens", "expanded_input_ids", "expanded_labels",
-                                    "source", "domain")
+    assert SFT_ROW.model_columns == ("input_ids", "attention_mask", "labels", "images")
+    assert SFT_ROW.kept_columns == ("input_ids", "attention_mask", "labels", "num_tokens", "expanded_input_ids",
+                                    "expanded_labels", "images", "source", "domain")
     assert set(SFT_ROW.stats_columns) - set(SFT_ROW.report_columns) == {
         "num_tokens_before", "source", "tool_schema_tokens"}
     # a pair's row holds its two sides, no SFT example; an unpaired row one sequence with its prompt and label
@@ -103,12 +103,13 @@ def test_batches_without_and_with_token_lists_concatenate(tmp_path, qwen3_tok, m
 def kept_rows(rows: list[dict]) -> datasets.Dataset:
     """Kept rows as ``build_datasets`` carries them (types as processing writes them)."""
     names = ["input_ids", "attention_mask", "labels", "source", "domain", "num_tokens", "expanded_input_ids",
-             "expanded_labels"]
+             "expanded_labels", "images"]
     cols = {k: [r.get(k) for r in rows] for k in names}
     cols["attention_mask"] = [[1] * len(ids) for ids in cols["input_ids"]]
     cols["num_tokens"] = [len(ids) for ids in cols["input_ids"]]
     cols["expanded_input_ids"] = [r.get("expanded_input_ids", []) for r in rows]
     cols["expanded_labels"] = [r.get("expanded_labels", []) for r in rows]
+    cols["images"] = [r.get("images", []) for r in rows]
     return datasets.Dataset.from_dict(cols, features=datasets.Features(
         {k: SFT_ROW.features()[k] for k in names}))
 
@@ -124,7 +125,8 @@ def test_explode_puts_the_primary_example_first_then_the_extra_ones_in_order():
     ])
     out, added = explode_examples(kept)
     assert added == 3 and len(out) == 6
-    assert set(out.column_names) == {"input_ids", "attention_mask", "labels", "num_tokens", "source", "domain"}
+    assert set(out.column_names) == {"input_ids", "attention_mask", "labels", "images", "num_tokens", "source",
+                                     "domain"}
     assert out["input_ids"] == [[1, 2, 3, 4], [1, 2], [1, 2, 3], [5, 6], [7, 8, 9], [7]]
     assert out["labels"] == [[m, m, 3, 4], [m, 2], [m, m, 3], [m, 6], [m, 8, 9], [7]]
     assert out["attention_mask"] == [[1] * 4, [1, 1], [1, 1, 1], [1, 1], [1, 1, 1], [1]]
@@ -138,8 +140,8 @@ def test_explode_puts_the_primary_example_first_then_the_extra_ones_in_order():
 def test_explode_without_extra_examples_only_drops_the_columns():
     kept = kept_rows([{"input_ids": [1, 2], "labels": [-100, 2], "source": "0:a", "domain": ""}])
     out, added = explode_examples(kept)
-    assert added == 0 and set(out.column_names) == {"input_ids", "attention_mask", "labels", "source", "domain",
-                                                    "num_tokens"}
+    assert added == 0 and set(out.column_names) == {"input_ids", "attention_mask", "labels", "images", "source",
+                                                    "domain", "num_tokens"}
     assert out["input_ids"] == [[1, 2]]
 
 
