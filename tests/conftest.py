@@ -159,3 +159,17 @@ def foreign_base_dir(tmp_path_factory, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-untied"), tokenizer=tok, tie_word_embeddings=False,
                             vocab_size=len(tok), initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
+def vl_tok():
+    """The real Qwen vocabulary with the qwen2.5-vl template and the tiny VL model's image rule (4 to 64 tokens an
+    image: ``tiny.TINY_VL_MIN_PIXELS`` / ``TINY_VL_MAX_PIXELS``), built offline once. Tests that change it copy it."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from qlora_train.masking import ImageRule, set_image_rule
+    from qlora_train.tiny import TINY_VL_MAX_PIXELS, TINY_VL_MIN_PIXELS, build_qwen_tokenizer
+
+    tok = build_qwen_tokenizer("qwen2.5-vl")
+    ip = Qwen2VLImageProcessorPil(min_pixels=TINY_VL_MIN_PIXELS, max_pixels=TINY_VL_MAX_PIXELS)
+    return set_image_rule(tok, ImageRule.of(ip, tok))

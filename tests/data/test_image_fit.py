@@ -6,20 +6,9 @@ import pytest
 
 from qlora_train.config import DataConfig
 from qlora_train.data import process_rows
-from qlora_train.masking import IGNORE_INDEX, ImageRule, set_image_rule
+from qlora_train.masking import IGNORE_INDEX
 
 WORDS = " ".join(f"word{i}" for i in range(40))
-
-
-@pytest.fixture(scope="module")
-def vision_tok():
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from qlora_train.tiny import build_qwen_tokenizer
-
-    tok = build_qwen_tokenizer("qwen2.5-vl")
-    return set_image_rule(tok, ImageRule.of(Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4,
-                                                                      max_pixels=28 * 28 * 64), tok))
 
 
 @pytest.fixture(scope="module")
@@ -47,38 +36,38 @@ def row(*turns) -> dict:
     return {"messages": msgs}
 
 
-def test_images_column_and_counts(vision_tok, pictures):
+def test_images_column_and_counts(vl_tok, pictures):
     out = process_rows([row((user("two?", pictures["small"], pictures["wide"]), "yes")), row((user("none"), "ok"))],
-                       vision_tok, DataConfig(max_length=256))
+                       vl_tok, DataConfig(max_length=256))
     assert out["drop_reason"] == ["", ""]
     assert out["images"] == [[pictures["small"], pictures["wide"]], []]
     assert out["num_images"] == [2, 0] and out["num_image_tokens"] == [12, 0]
-    pad = vision_tok.convert_tokens_to_ids("<|image_pad|>")
+    pad = vl_tok.convert_tokens_to_ids("<|image_pad|>")
     assert out["input_ids"][0].count(pad) == 12
     trained = [t for t in out["labels"][0] if t != IGNORE_INDEX]
-    assert vision_tok.decode(trained) == "yes<|im_end|>"
+    assert vl_tok.decode(trained) == "yes<|im_end|>"
 
 
-def test_truncation_drops_old_exchanges_with_their_images(vision_tok, pictures):
+def test_truncation_drops_old_exchanges_with_their_images(vl_tok, pictures):
     r = row((user(f"old {WORDS}", pictures["big"]), f"old answer {WORDS}"),
             (user("new", pictures["small"]), "new answer"))
-    full = process_rows([r], vision_tok, DataConfig(max_length=4096))
+    full = process_rows([r], vl_tok, DataConfig(max_length=4096))
     assert full["num_images"] == [2] and full["num_image_tokens"] == [68]
-    out = process_rows([r], vision_tok, DataConfig(max_length=full["num_tokens"][0] - 10))
+    out = process_rows([r], vl_tok, DataConfig(max_length=full["num_tokens"][0] - 10))
     assert out["drop_reason"] == [""] and out["dropped_turns"] == [1]
     assert out["images"] == [[pictures["small"]]] and out["num_image_tokens"] == [4]
     assert out["token_fallback"] == [""]  # whole turns dropped, no token cut
 
 
-def test_an_image_is_never_cut(vision_tok, pictures):
+def test_an_image_is_never_cut(vl_tok, pictures):
     r = row((user(f"only {WORDS}", pictures["big"]), f"answer {WORDS}"))
-    n = process_rows([r], vision_tok, DataConfig(max_length=4096))["num_tokens"][0]
+    n = process_rows([r], vl_tok, DataConfig(max_length=4096))["num_tokens"][0]
     for side in ("left", "right"):
-        out = process_rows([r], vision_tok, DataConfig(max_length=n - 5, truncate_side=side))
+        out = process_rows([r], vl_tok, DataConfig(max_length=n - 5, truncate_side=side))
         assert out["drop_reason"] == ["too_long"] and "images are never cut" in out["drop_detail"][0]
     text_only = {"messages": [{"role": "user", "content": f"only {WORDS}"}, {"role": "assistant",
                                                                             "content": f"answer {WORDS}"}]}
-    out = process_rows([text_only], vision_tok, DataConfig(max_length=n - 80))
+    out = process_rows([text_only], vl_tok, DataConfig(max_length=n - 80))
     assert out["drop_reason"] == [""] and out["token_fallback"] == ["left"]  # a text row still takes the cut
 
 
@@ -96,7 +85,7 @@ THINKING_VL = """{%- macro c(x) -%}{%- if x is string -%}{{ x }}{%- else -%}{%- 
 {%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"""
 
 
-def test_extra_examples_of_image_rows(vision_tok, pictures, tmp_path):
+def test_extra_examples_of_image_rows(vl_tok, pictures, tmp_path):
     """reasoning_history: expand: an extra example holding an image is left out and counted; one before any image
     is kept, and after the rows are exploded it carries no images (the row's are its primary example's)."""
     import copy
@@ -107,7 +96,7 @@ def test_extra_examples_of_image_rows(vision_tok, pictures, tmp_path):
     from qlora_train.data.dataset import explode_examples
 
     (tmp_path / "t.jinja").write_text(THINKING_VL)
-    tok = get_chat_template(copy.deepcopy(vision_tok), str(tmp_path / "t.jinja"))
+    tok = get_chat_template(copy.deepcopy(vl_tok), str(tmp_path / "t.jinja"))
 
     def answer(text):
         return {"role": "assistant", "content": text, "reasoning_content": f"thinking about {text}"}

@@ -20,20 +20,9 @@ from qlora_train.data.images import image_info, image_ref
 from qlora_train.data.pairs import canonicalize_pair
 from qlora_train.data.parse import PREFERENCE_IMAGES, canonicalize_row
 from qlora_train.data.unpaired import canonicalize_unpaired
-from qlora_train.masking import IMAGE_SLOT, ImageRule, RowRejected, set_image_rule
+from qlora_train.masking import IMAGE_SLOT, RowRejected
 
 S = IMAGE_SLOT
-
-
-@pytest.fixture(scope="module")
-def vl_tok():
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from qlora_train.tiny import build_qwen_tokenizer
-
-    tok = build_qwen_tokenizer("qwen2.5-vl")
-    ip = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
-    return set_image_rule(tok, ImageRule.of(ip, tok)) or tok
 
 
 def png(path, size=(56, 84), color=(10, 20, 30)):

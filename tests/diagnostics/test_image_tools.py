@@ -15,20 +15,9 @@ from qlora_train.diagnostics.html import debug_html, read_tokens
 from qlora_train.diagnostics.images import image_runs
 from qlora_train.diagnostics.samples import format_sample, load_samples, trained_text
 from qlora_train.diagnostics.stats import compute_stats, stats_lines
-from qlora_train.masking import IMAGE_SLOT, ImageRule, mask_conversation, set_image_rule
+from qlora_train.masking import IMAGE_SLOT, mask_conversation, set_image_rule
 
 PAD = "<|image_pad|>"
-
-
-@pytest.fixture(scope="module")
-def vl_tok():
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from qlora_train.tiny import build_qwen_tokenizer
-
-    tok = build_qwen_tokenizer("qwen2.5-vl")
-    ip = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
-    return set_image_rule(tok, ImageRule.of(ip, tok))
 
 
 def png(path, w: int, h: int) -> str:

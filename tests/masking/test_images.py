@@ -24,33 +24,26 @@ from qlora_train.masking import (
     LossPolicy,
     RowRejected,
     check_with_rule,
+    image_rule,
     mask_conversation,
     render_example,
-    set_image_rule,
 )
 from qlora_train.masking.images import expand_images
 
 PAD = "<|image_pad|>"
-MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64  # 4..64 image tokens an image
 
 
 @pytest.fixture(scope="module")
-def vision():
+def vision(vl_tok):
     """(tokenizer with the image rule, the processor): the real Qwen vocabulary, the qwen2.5-vl template."""
     from transformers import Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from qlora_train.tiny import build_qwen_tokenizer
-
-    tok = build_qwen_tokenizer("qwen2.5-vl")
-    ip = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    set_image_rule(tok, ImageRule.of(ip, tok))
     # its video processor needs torchvision, which this machine lacks: the class check is skipped (images only)
     mp = pytest.MonkeyPatch()
     mp.setattr(Qwen2_5_VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None)
-    proc = Qwen2_5_VLProcessor(image_processor=ip, tokenizer=tok)
+    proc = Qwen2_5_VLProcessor(image_processor=image_rule(vl_tok).image_processor, tokenizer=vl_tok)
     mp.undo()
-    return tok, proc
+    return vl_tok, proc
 
 
 def image(w: int, h: int, ref: str = "") -> dict:

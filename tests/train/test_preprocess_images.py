@@ -20,21 +20,9 @@ from qlora_train.data.prepared import (
     load_prepared,
     write_prepared,
 )
-from qlora_train.masking import ImageRule, set_image_rule
 
 DATA_URI = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAE"
             "lFTkSuQmCC")  # a 1x1 PNG
-
-
-@pytest.fixture(scope="module")
-def vl_tok():
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from qlora_train.tiny import build_qwen_tokenizer
-
-    tok = build_qwen_tokenizer("qwen2.5-vl")
-    ip = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
-    return set_image_rule(tok, ImageRule.of(ip, tok))
 
 
 def png(path, w: int, h: int) -> str:
