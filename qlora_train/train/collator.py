@@ -75,10 +75,10 @@ class ImageCollator:
         grids = processed["image_grid_thw"]
         merge = int(self.rule.image_processor.merge_size) ** 2
         tokens = (grids.prod(dim=1) // merge).tolist()
+        is_image = batch["input_ids"] == self.rule.image_token_id  # (pads are never the image token)
         at = 0
-        for row, (f, row_refs) in enumerate(zip(features, refs)):
+        for row, (held, row_refs) in enumerate(zip(is_image.sum(dim=1).tolist(), refs)):
             made = tokens[at:at + len(row_refs)]
-            held = sum(1 for t in f["input_ids"] if t == self.rule.image_token_id)
             if held != sum(made):
                 sizes = ", ".join(f"{ref} {im.width}x{im.height} -> {n} tokens"
                                   for ref, im, n in zip(row_refs, images[at:], made))
@@ -88,7 +88,7 @@ class ImageCollator:
             at += len(row_refs)
         batch["pixel_values"] = processed["pixel_values"]
         batch["image_grid_thw"] = grids
-        batch["mm_token_type_ids"] = (batch["input_ids"] == self.rule.image_token_id).int()
+        batch["mm_token_type_ids"] = is_image.int()
         return batch
 
 
