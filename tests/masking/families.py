@@ -36,7 +36,12 @@ LAYOUT_CLASSES = ("header_from_generation_prompt", "header_in_user_turn", "no_he
 SHAPES = ("structured_elements", "open_think_prompt", "prompt_not_in_render", "results_inside_assistant",
           "call_block_after_end",
           # issue 34: shapes the probe misread (a trailer the generation prompt extends, reasoning tags it cut through)
-          "trailer_prompt_extends", "reasoning_tag_prompt")
+          "trailer_prompt_extends", "reasoning_tag_prompt",
+          # issue 45: what the generation prompt writes after the header is prompt (an empty block it pre-fills, an
+          # opener, one that a system flag switches), a tool result written differently when it is last, a header
+          # the model writes itself inside its turn
+          "prefilled_empty_think", "opener_prompt", "flag_changes_prompt", "tool_last_differs",
+          "channel_second_header")
 
 # system?, user, assistant, user, assistant: no reasoning, no tools, nothing a template trims
 EXAMPLE = [
@@ -57,10 +62,10 @@ class _Turns(tuple):
     ``add_generation_prompt=True``), through the end-of-turn marker(s) it must emit
     to stop, without the separator after the last marker. So:
 
-    - text the generation prompt (or the end of the user turn) writes is not
-      trained, except a reasoning block the generation prompt opens (EXAONE 4
-      writes a whole empty ``<think>\\n\\n</think>\\n\\n``): it stays in the trained
-      part, the project's rule for Qwen3.5's ``<think>\\n``;
+    - text the generation prompt (or the end of the user turn) writes is never
+      trained: the header and whatever the generation prompt adds after it (EXAONE 4
+      pre-fills a whole empty ``<think>\\n\\n</think>\\n\\n``, structured elements open
+      the think element): the model is given it at inference and never writes it;
     - whitespace between the prompt and the content is generated, so it is
       trained: ``[/INST]`` + `` Paris.`` (Mistral v1/v3, Llama 2), ``ASSISTANT:`` +
       `` Paris.`` (Vicuna), ``<|assistant|>`` + ``\\nParis.`` (GLM);
@@ -93,9 +98,9 @@ class Family:
     end_markers: tuple[str, ...] = ()  # what closes a generated turn (answer first)
     reasoning_key: str | None = None  # the message key the template reads reasoning from
     tool_arguments_as_string: bool = False  # tool call arguments must be a JSON string (a dict raises)
-    think_open: str = "<think>"  # the reasoning opener a generation prompt may write (a block it opens is trained)
     shape: str = ""  # one of SHAPES, or "" for a turn the layout describes as it always has
     plain_markers: tuple[str, ...] = ()  # markers a generated turn writes as plain text, not as special tokens
+    flags: tuple[str, ...] = ()  # texts a system message may hold that switch what the generation prompt writes
 
     def __post_init__(self):
         assert self.reasoning in REASONING, self.reasoning
@@ -229,7 +234,7 @@ _FAMILY_LIST = [
         notes="EXAONE 4.0: skip_think (default true) writes an empty <think>\\n\\n</think>\\n\\n in every answer "
               "and the generation prompt; skip_think=false shows the last message's reasoning; "
               "enable_thinking=true makes the generation prompt open <think>\\n; unknown roles raise",
-        example_turns=_t("<think>\n\n</think>\n\nParis.[|endofturn|]", "<think>\n\n</think>\n\nRome.[|endofturn|]"),
+        example_turns=_t("Paris.[|endofturn|]", "Rome.[|endofturn|]"),
         end_markers=("[|endofturn|]",), reasoning_key="reasoning_content"),
     Family(
         "falcon3", "falcon3.jinja", ("<|system|>", "<|user|>", "<|assistant|>", "<|endoftext|>"), None,
@@ -293,10 +298,12 @@ _ELEMENTS = ("<|el|>", "<|/el|>", "<|gt|>", "<|turn_done|>")
 
 
 def _element_turn(reasoning: str, content: str, calls: str = "") -> str:
-    """An assistant turn of structured-elements.jinja after its generation prompt's header."""
+    """What an assistant turn of structured-elements.jinja generates: after its generation prompt, which ends by
+    opening the think element."""
     def el(name: str, body: str) -> str:
         return f"<|el|>{name}<|gt|>{body}<|/el|>{name}<|gt|>"
-    return el("think", reasoning) + el("response", content) + el("tools", calls) + "<|/el|>message<|gt|><|turn_done|>"
+    turn = el("think", reasoning) + el("response", content) + el("tools", calls) + "<|/el|>message<|gt|><|turn_done|>"
+    return turn.removeprefix("<|el|>think<|gt|>")
 
 
 # issue 24: the first Llama 3 template and the five SHAPES; templates and tokens written by us
@@ -313,16 +320,16 @@ _NEW_FAMILY_LIST = [
         shape="structured_elements",
         notes="class A: every part of a turn a named element <|el|>NAME<|gt|>..<|/el|>NAME<|gt|>, empty ones "
               "written too; every turn keeps its reasoning; calls as JSON in the tools element; the generation "
-              "prompt ends with the think element's opener (trained: a reasoning block the prompt opens)",
+              "prompt ends with the think element's opener (prompt: never trained)",
         example_turns=_t(_element_turn("", "Paris."), _element_turn("", "Rome.")), end_markers=("<|turn_done|>",),
-        reasoning_key="reasoning_content", think_open="<|el|>think<|gt|>"),
+        reasoning_key="reasoning_content"),
     Family(
         "open-think-prompt", "open-think-prompt.jinja", ("<|turn|>", "<|turn_end|>", "<think>"), None,
         "<|turn_end|>", supports_tools=False, supports_system=True, reasoning="never",
         layout_class="header_from_generation_prompt", shape="open_think_prompt",
         notes="class B: the generation prompt <|turn|>Assistant\\n<think>\\n\\n opens a think block never "
               "closed; the last answer is written after it, earlier answers without it; reasoning never written",
-        example_turns=_t("Paris.<|turn_end|>", "<think>\n\nRome.<|turn_end|>"), end_markers=("<|turn_end|>",)),
+        example_turns=_t("Paris.<|turn_end|>", "Rome.<|turn_end|>"), end_markers=("<|turn_end|>",)),
     Family(
         "prompt-not-in-render", "prompt-not-in-render.jinja", ("<|msg|>", "<|/msg|>"), None, "<|/msg|>",
         supports_tools=False, supports_system=True, reasoning="always", layout_class="header_from_generation_prompt",
@@ -394,11 +401,64 @@ _ISSUE34_FAMILY_LIST = [
         plain_markers=("[[FINAL]]", "[[CALL]]")),
 ]
 
+# issue 45: the generation prompt writes more than the header (templates and tokens ours)
+_ISSUE45_FAMILY_LIST = [
+    Family(
+        "prefilled-empty-think", "prefilled-empty-think.jinja",
+        ("<|ts|>", "<|te|>", "<think>", "</think>", "<call>", "</call>"), None, "<|te|>", supports_tools=True,
+        supports_system=True, reasoning="always", layout_class="header_from_generation_prompt",
+        shape="prefilled_empty_think",
+        notes="hybrid reasoning, default off: the generation prompt pre-fills an empty <think>\\n\\n</think>\\n\\n "
+              "after <|ts|>assistant\\n, every answer writes its block (the empty one where it has no reasoning); "
+              "the pre-filled block is prompt, so a turn without reasoning trains its answer alone and one with "
+              "reasoning trains from where it parts from the empty block (after <think>\\n)",
+        example_turns=_t("Paris.<|te|>", "Rome.<|te|>"), end_markers=("<|te|>",), reasoning_key="reasoning_content"),
+    Family(
+        "opener-prompt", "opener-prompt.jinja",
+        ("<|begin|>", "<|sep|>", "<|finish|>", "<reason>", "</reason>", "<invoke>", "</invoke>"), None, "<|finish|>",
+        supports_tools=True, supports_system=True, reasoning="always", layout_class="header_from_generation_prompt",
+        shape="opener_prompt",
+        notes="the generation prompt <|begin|>assistant<|sep|><reason> opens the block, every turn writes "
+              "<reason>REASONING</reason>ANSWER: the opener is prompt, the reasoning, </reason> and the answer "
+              "are generated",
+        example_turns=_t("</reason>Paris.<|finish|>", "</reason>Rome.<|finish|>"), end_markers=("<|finish|>",),
+        reasoning_key="reasoning_content"),
+    Family(
+        "thinking-flag", "thinking-flag.jinja", ("<|im|>", "<|/im|>", "<think>", "</think>"), None, "<|/im|>",
+        supports_tools=False, supports_system=True, reasoning="always", layout_class="header_from_generation_prompt",
+        shape="flag_changes_prompt",
+        notes="'/skip_thinking' in the system message switches thinking off: the generation prompt then pre-fills an "
+              "empty block (<think>\\n\\n</think>\\n\\n), otherwise it opens one (<think>\\n); every answer "
+              "writes the block, reasoning only with thinking on",
+        example_turns=_t("\n</think>\n\nParis.<|/im|>", "\n</think>\n\nRome.<|/im|>"), end_markers=("<|/im|>",),
+        reasoning_key="reasoning_content", flags=("/skip_thinking",)),
+    Family(
+        "tool-last-differs", "tool-last-differs.jinja",
+        ("<|msg_open|>", "<|msg_close|>", "<tool_response>", "</tool_response>", "<tool_call>", "</tool_call>"), None,
+        "<|msg_close|>", supports_tools=True, supports_system=True, reasoning="none",
+        layout_class="header_from_generation_prompt", shape="tool_last_differs",
+        notes="a tool result ends </tool_response><|msg_close|> when it is the last message, "
+              "</tool_response>\\n<|msg_close|> when another follows: the generation prompt's render and the "
+              "render through the answer part inside the tool turn; the answer still starts after its header",
+        example_turns=_t("Paris.<|msg_close|>", "Rome.<|msg_close|>"), end_markers=("<|msg_close|>",)),
+    Family(
+        "channel-second-header", "channel-second-header.jinja",
+        ("<|head|>", "<|chan|>", "<|body|>", "<|stop|>", "<|fn|>", "<|/fn|>"), None, "<|stop|>", supports_tools=True,
+        supports_system=True, reasoning="always", layout_class="header_from_generation_prompt",
+        shape="channel_second_header",
+        notes="the generation prompt <|head|>assistant<|chan|> asks for a channel name; an answer with reasoning is "
+              "thoughts<|body|>..<|stop|> then a header the model writes itself, <|head|>assistant<|chan|>reply"
+              "<|body|>..<|stop|>: that header is trained, the prompt's is not",
+        example_turns=_t("reply<|body|>Paris.<|stop|>", "reply<|body|>Rome.<|stop|>"), end_markers=("<|stop|>",),
+        reasoning_key="reasoning_content"),
+]
+
 FAMILIES: dict[str, Family] = {f.name: f for f in [*_FAMILY_LIST, *_NEW_FAMILY_LIST, *_ISSUE34_FAMILY_LIST,
-                                                   _SPACE_HEADER]}
+                                                   _SPACE_HEADER, *_ISSUE45_FAMILY_LIST]}
 # the families of issue 24: the first Llama 3 template and the five shapes
 ISSUE24_NAMES = tuple(f.name for f in _NEW_FAMILY_LIST)
 ISSUE34_NAMES = tuple(f.name for f in _ISSUE34_FAMILY_LIST)
+ISSUE45_NAMES = tuple(f.name for f in _ISSUE45_FAMILY_LIST)
 
 
 def example_messages(name: str) -> list[dict]:

@@ -1,16 +1,14 @@
 """An independent oracle for loss masks: the masking rule applied directly, with prefix renders.
 
-The rule (docs/masking.md): the generated part of assistant turn *i* is what
-``render(messages[:i+1])`` adds after its longest common prefix with
-``render(messages[:i], add_generation_prompt=True)``, through its end-of-turn
-marker(s), without a separator after the last marker and without text the
-template appends after every render. With the project's one addition: a
-reasoning block the generation prompt opens (Qwen3.5's ``<think>\\n``, EXAONE's
-empty block) stays in the trained part.
+The rule (docs/masking.md): what the model must learn for assistant turn *i* is what it generates at
+inference after ``render(messages[:i], add_generation_prompt=True)``. Everything that render writes (the
+header and whatever the generation prompt adds after it: a pre-filled empty reasoning block, a reasoning
+opener, a channel tag, a preamble) is prompt, never trained; the turn's generated part is the rest of
+``render(messages[:i+1])``, through its end-of-turn marker(s), without a separator after the last marker and
+without text the template appends after every render.
 
-The oracle reads nothing from the engine (no probed layout). What it takes as
-given are documented facts of the template: its end markers and the reasoning
-opener its generation prompt may write. Applied to one conversation::
+The oracle reads nothing from the engine (no probed layout). What it takes as given are documented facts of the
+template: its end markers. Applied to one conversation::
 
     verdict = prefix_oracle(tok, messages, end_markers=("<|im_end|>",))
     verdict.kind                       # "decided", "refuse" or "undecided"
@@ -34,11 +32,18 @@ opener its generation prompt may write. Applied to one conversation::
 
 Step by step, for each assistant message *i*:
 
-1. ``start`` = the common prefix of the generation-prompt render of the turns
-   before and the render through turn *i*, which must reach the generation
-   prompt's own text (else the turns before are written differently: Mistral
-   moves the system prompt into the last user turn); moved back to the reasoning
-   opener where the generation prompt's own text writes one before that point;
+1. ``start``: where the turn's render and the generation-prompt render of the turns
+   before it part. Where the turn's render writes the whole prompt, at its end: every
+   character the generation prompt writes is prompt. Where it writes only the start of
+   the generation prompt's own text (reasoning dropped from history, an empty block
+   pre-filled where the turn has reasoning, a preamble no turn writes), where they part,
+   moved back out of a marker it cuts through (an added token, or ``<...>`` / ``[...]``
+   written as plain text: ``<|A|><think>`` and ``<|A|></think>`` part after ``<|A|>``).
+   Where they part before the generation prompt's own text (inside an earlier message:
+   a tool result written differently when it is the last message), where that text ends
+   in the turn's render after the parting point; where the turn's render does not write
+   it there (Mistral moves the system prompt, its prompt writes nothing of its own), the
+   row is undecided;
 2. the generated part is the rest of the render through turn *i*, cut after its
    last end marker (what follows is a separator, or text the template appends
    after every render such as the first Llama 3 template's assistant header);
@@ -52,6 +57,13 @@ Step by step, for each assistant message *i*:
 4. the turn's content (up to surrounding whitespace), its tool calls' names and
    scalar argument values must lie inside the span; spans are in order.
 
+With ``think_loss="answer_only"`` the verdict's ``spans`` are each turn's answer: from where the template
+starts writing the message's content (found by rendering the turn with a marker character before its content:
+the template's separator after the reasoning block is not the answer's, the content's own leading whitespace
+is) through the turn's end; ``masked`` are the characters that must not be trained (the turn's start through
+its rendered reasoning). ``check_kept_row`` then checks that the answer's tokens are trained, the reasoning's are
+not, and nothing outside the ``think_loss="all"`` spans is (``free``: the block's tags and separator, either way).
+
 The character-level common prefix can reach into a turn's own text where the
 generation prompt's last characters equal the answer's first ones (a preamble
 "Let me ..." and an answer "Let ..."): the rule as stated does not train them,
@@ -62,6 +74,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -71,6 +84,7 @@ DECIDED, REFUSE, UNDECIDED = "decided", "refuse", "undecided"
 # what rendering a template can raise on a row: raise_exception, undefined values (TemplateError), a dict
 # concatenated to a string (TypeError)
 TEMPLATE_ERRORS = (TemplateError, TypeError)
+THINK_LOSSES = ("all", "answer_only")  # what the oracle judges (answer_plus_think: not here)
 
 
 @dataclass(frozen=True)
@@ -80,11 +94,38 @@ class Verdict:
     spans: tuple[tuple[int, int], ...] = ()  # trained character spans of text (DECIDED only)
     reason: str = ""  # why REFUSE / UNDECIDED, naming the message
     turns: tuple[int, ...] = field(default=())  # message index of each span
-    cuts: tuple[int, ...] = ()  # where each judged turn starts in text: the text is tokenized cut there (tokens)
+    cuts: tuple[int, ...] = ()  # where the text is tokenized cut (``tokens``): each judged turn's start (and, with
+    # answer_only, where each answer starts after its masked reasoning block)
+    # think_loss="answer_only" (DECIDED): characters that must not be trained (each turn's start through its
+    # rendered reasoning), and the spans think_loss="all" trains: a token trained outside them is wrong
+    masked: tuple[tuple[int, int], ...] = ()
+    whole: tuple[tuple[int, int], ...] | None = None
+
+
+_SHIFT = "\x01"  # put before a turn's content to see where the template starts writing it (no template trims it)
+_BRACKETED = re.compile(r"<[^<>\s]+>|\[[^\[\]\s]+\]")  # a marker written as plain text: '<think>', '[INST]'
 
 
 def _render(tok, messages, tools, generation_prompt: bool) -> str:
     return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _out_of_marker(tok, text: str, n: int) -> int:
+    """``n``, or the start of the marker of ``text`` it falls inside: an added token, or a bracketed marker written
+    as plain text (a prompt ``<|A|><think>`` and a turn ``<|A|></think>`` part inside ``<think>``: at its start)."""
+    spans = [(m.start(), m.end()) for m in _BRACKETED.finditer(text)]
+    for t in tok.get_added_vocab():
+        k = text.find(t) if t else -1
+        while k >= 0:
+            spans.append((k, k + len(t)))
+            k = text.find(t, k + 1)
+    moved = True
+    while moved:
+        moved = False
+        for a, b in spans:
+            if a < n < b:
+                n, moved = a, True
+    return n
 
 
 def _scalars(arguments) -> list[str]:
@@ -123,18 +164,64 @@ def _content_end(message: dict, generated: str) -> int:
     return k + len(content) if k >= 0 else 0
 
 
+def _turn_start(tok, prompt: str, turn: str, bare: str) -> tuple[int | None, str]:
+    """Where turn ``i``'s generated part starts in ``turn`` = render(messages[:i+1]), from ``prompt`` =
+    render(messages[:i], add_generation_prompt=True) and ``bare`` = render(messages[:i]) -> ``(start, "")``, or
+    ``(None, why)`` where the turn's render does not show where its prompt ends (step 1 of the module doc)."""
+    n = len(os.path.commonprefix([prompt, turn]))
+    if n >= len(prompt):
+        return len(prompt), ""  # the whole prompt written: it ends there
+    own = len(os.path.commonprefix([bare, prompt]))  # where the generation prompt's own text starts
+    if n >= own:  # part of the generation prompt's own text written: they part there, not inside a marker
+        return max(own, _out_of_marker(tok, prompt, n)), ""
+    # they part inside the conversation before the turn: after the generation prompt's own text where the turn's
+    # render writes it after the parting point, or as much of it as it writes there (not ending inside a marker)
+    written, found = prompt[own:], []
+    for m in range(len(written), 0, -1):
+        if written[:m].strip() and _out_of_marker(tok, written, m) == m and (k := turn.find(written[:m], n)) >= 0:
+            found.append((k, -m))  # the first place it is written, as much of it as is written there
+    if not found:
+        return None, ("the render through the turn writes the conversation before it differently from the prompt, "
+                      "and not the generation prompt's text after that")
+    k, m = min(found)
+    return k - m, ""
+
+
+def _answer_start(tok, messages: list[dict], i: int, tools, turn: str, start: int, end: int) -> int:
+    """Where the template starts writing message ``i``'s content in ``turn`` (its render through the turn): where
+    that render and one with a marker character before the content part (``start`` where it is not inside the
+    span). The separator a template writes after a reasoning block is before it, the content's own leading
+    whitespace after it."""
+    shifted = {**messages[i], "content": _SHIFT + (messages[i].get("content") or "")}
+    try:
+        alt = _render(tok, [*messages[:i], shifted], tools, False)
+    except TEMPLATE_ERRORS:
+        return start
+    k = len(os.path.commonprefix([turn, alt]))
+    return k if start <= k <= end and alt.startswith(_SHIFT, k) else start
+
+
+def _reasoning_end(message: dict, turn: str, start: int, end: int) -> int:
+    """The end of the message's reasoning as the turn writes it (``start`` where it writes none)."""
+    reasoning = (message.get("reasoning_content") or message.get("thinking") or "").strip()
+    k = turn.find(reasoning, start, end) if reasoning else -1
+    return k + len(reasoning) if k >= 0 else start
+
+
 def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, end_markers: Sequence[str],
-                  think_open: str = "<think>", trained: range | None = None) -> Verdict:
+                  trained: range | None = None, think_loss: str = "all") -> Verdict:
     """The trained spans of every assistant message of ``messages`` per the rule (see the module doc); with
     ``trained``, only of the assistant messages whose index is in it (a preference pair's response), the others
     judged as context like any untrained message. The verdict's ``cuts`` are where the full render is cut before
-    it is tokenized (``tokens``): each judged turn's start, where the oracle can place it."""
+    it is tokenized (``tokens``): each judged turn's start, where the oracle can place it. ``think_loss``: one of
+    ``THINK_LOSSES`` (answer_only: each turn's answer, its ``masked`` reasoning; the module doc)."""
+    assert think_loss in THINK_LOSSES, think_loss
     messages = list(messages)
     try:
         full = _render(tok, messages, tools, False)
     except TEMPLATE_ERRORS as err:
         return Verdict(REFUSE, reason=f"the template raises: {type(err).__name__}: {err}")
-    spans, turns, cuts, cursor = [], [], [], 0
+    spans, turns, cuts, masked, whole, cursor = [], [], [], [], [], 0
     failed: tuple[str, str] | None = None  # the first (kind, reason) that leaves the row not decided
 
     def fail(kind: str, reason: str) -> None:
@@ -151,25 +238,20 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
         except TEMPLATE_ERRORS as err:
             fail(UNDECIDED, f"messages[{i}]: a prefix render raises: {err}")
             continue
-        start = len(os.path.commonprefix([prompt, turn]))
-        prompt_own = len(os.path.commonprefix([bare, prompt]))  # where the generation prompt's own text starts
-        if start < prompt_own:
-            fail(UNDECIDED, f"messages[{i}]: the render through the turn writes the conversation before it "
-                            "differently from the prompt")
-            aligned = _aligned_end(prompt, full, cuts[-1] if cuts else 0, len(prompt) - prompt_own)
-            opened = prompt.find(think_open, prompt_own) if think_open else -1
-            if aligned is not None:  # back to a reasoning block the generation prompt opens, as below
-                cuts.append(aligned - (len(prompt) - opened if opened >= 0 else 0))
-            continue
-        opened = prompt.find(think_open, prompt_own) if think_open else -1
-        if 0 <= opened < start:
-            start = opened  # a reasoning block the generation prompt opens is trained
-        if full.startswith(turn[:start]):  # the full render has the turn's prompt where its own render has it
+        start, why = _turn_start(tok, prompt, turn, bare)
+        if start is not None and full.startswith(turn[:start]):  # the full render has the turn's prompt there
             cuts.append(start)
-        else:  # written elsewhere in the full render (tools before the last user message): where it ends there
-            aligned = _aligned_end(turn[:start], full, cuts[-1] if cuts else 0, start - prompt_own)
-            if aligned is not None:
-                cuts.append(aligned)
+        else:  # where the turn's prompt ends in the full render, which writes it differently (reasoning dropped,
+            # tools written before the last user message)
+            at, _ = _turn_start(tok, prompt, full, bare)
+            if at is None:
+                own = len(os.path.commonprefix([bare, prompt]))
+                at = _aligned_end(prompt, full, cuts[-1] if cuts else 0, len(prompt) - own)
+            if at is not None:
+                cuts.append(at)
+        if start is None:
+            fail(UNDECIDED, f"messages[{i}]: {why}")
+            continue
         if failed:
             continue  # only where the turns after it start (the tokens are compared even where not decided)
         generated = turn[start:]
@@ -201,11 +283,22 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
             fail(REFUSE, f"messages[{i}]: {missing} not inside the turn's generated part {full[start:end][:80]!r}")
             continue
         if end > start:
-            spans.append((start, end))
+            whole.append((start, end))
+            if think_loss == "answer_only":
+                answer = _answer_start(tok, messages, i, tools, turn, start, min(end, len(turn)))
+                masked.append((start, _reasoning_end(message, turn, start, answer)))
+                if answer > start and answer not in cuts:
+                    cuts.append(answer)  # a masked block before the answer: the text is cut where it starts
+                spans.append((answer, end))
+            else:
+                spans.append((start, end))
             turns.append(i)
         cursor = end
     if failed:
         return Verdict(failed[0], full, reason=failed[1], cuts=tuple(cuts))
+    if think_loss == "answer_only":
+        return Verdict(DECIDED, full, tuple(spans), turns=tuple(turns), cuts=tuple(sorted(cuts)), masked=tuple(masked),
+                       whole=tuple(whole))
     return Verdict(DECIDED, full, tuple(spans), turns=tuple(turns), cuts=tuple(cuts))
 
 
@@ -275,6 +368,12 @@ def check_kept_row(tok, verdict: Verdict, messages: Sequence[dict], input_ids: S
     ids, offsets = tokens(tok, verdict.text, verdict.cuts)
     if ids != list(input_ids):
         return RowCheck(text_differs=True)
+    if verdict.kind == DECIDED and verdict.whole is not None:  # answer_only: the answers exactly, no reasoning
+        required = token_mask(offsets, char_mask(verdict.text, verdict.spans))
+        allowed = token_mask(offsets, char_mask(verdict.text, verdict.whole))
+        masked = token_mask(offsets, char_mask(verdict.text, verdict.masked))
+        return RowCheck(False, wrong=sum(t and (m or not a) for t, a, m in zip(trained, allowed, masked)),
+                        missed=sum(r and not t for t, r in zip(trained, required)))
     if verdict.kind == DECIDED:
         expected = token_mask(offsets, char_mask(verdict.text, verdict.spans))
         return RowCheck(False, wrong=sum(t and not e for t, e in zip(trained, expected)),

@@ -163,15 +163,16 @@ def check_properties(tok, fam, msgs, *, tools) -> str | None:
 
 
 def name_has_private_openers(fam) -> bool:
-    # harmony's reasoning closer re-opens the turn with its header (<|end|><|start|>assistant): trained there
-    return fam.name != "gpt-oss"
+    # harmony's reasoning closer re-opens the turn with its header (<|end|><|start|>assistant), as does the channel
+    # family's (issue 45: a header the model writes itself inside its turn): trained there
+    return fam.name != "gpt-oss" and fam.shape != "channel_second_header"
 
 
 def oracle(tok, fam, msgs) -> str | None:
     """What each assistant turn adds after the render of the conversation before it with the generation prompt,
     through its end marker (tests/masking/oracle.py, from the family's documented end markers, not the probe's);
     None where the template is not prefix-stable on the row or refuses it."""
-    verdict = prefix_oracle(tok, msgs, end_markers=fam.end_markers, think_open=fam.think_open)
+    verdict = prefix_oracle(tok, msgs, end_markers=fam.end_markers)
     return trained_text(verdict) if verdict.kind == DECIDED else None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from datetime import datetime
 
 import jinja2
@@ -144,6 +145,22 @@ EXPECTED = {
                             "<|answerer|></think>Rome.<|over|>\n",
     "preamble-prompt-tools": "<|m|>system\nAnswer briefly.<|/m|>\n<|m|>user\nWhat is the capital of France?<|/m|>\n"
                              "<|m|>assistant\nParis.<|/m|>\n<|m|>user\nAnd of Italy?<|/m|>\n<|m|>assistant\nRome.",
+    # issue 45 (templates and tokens ours)
+    "prefilled-empty-think": "<|ts|>system\nAnswer briefly.<|te|>\n<|ts|>user\nWhat is the capital of France?<|te|>\n"
+                             "<|ts|>assistant\n<think>\n\n</think>\n\nParis.<|te|>\n<|ts|>user\nAnd of Italy?<|te|>\n"
+                             "<|ts|>assistant\n<think>\n\n</think>\n\nRome.<|te|>\n",
+    "opener-prompt": "<|begin|>system<|sep|>Answer briefly.<|finish|><|begin|>user<|sep|>What is the capital of France?"
+                     "<|finish|><|begin|>assistant<|sep|><reason></reason>Paris.<|finish|><|begin|>user<|sep|>And of "
+                     "Italy?<|finish|><|begin|>assistant<|sep|><reason></reason>Rome.<|finish|>",
+    "thinking-flag": "<|im|>system\nAnswer briefly.<|/im|>\n<|im|>user\nWhat is the capital of France?<|/im|>\n"
+                     "<|im|>assistant\n<think>\n\n</think>\n\nParis.<|/im|>\n<|im|>user\nAnd of Italy?<|/im|>\n"
+                     "<|im|>assistant\n<think>\n\n</think>\n\nRome.<|/im|>\n",
+    "tool-last-differs": "<|msg_open|>system\nAnswer briefly.<|msg_close|>\n<|msg_open|>user\nWhat is the capital of "
+                         "France?<|msg_close|>\n<|msg_open|>assistant\nParis.<|msg_close|>\n<|msg_open|>user\nAnd of "
+                         "Italy?<|msg_close|>\n<|msg_open|>assistant\nRome.<|msg_close|>\n",
+    "channel-second-header": "<|head|>system<|body|>Answer briefly.<|stop|><|head|>user<|body|>What is the capital of "
+                             "France?<|stop|><|head|>assistant<|chan|>reply<|body|>Paris.<|stop|><|head|>user<|body|>"
+                             "And of Italy?<|stop|><|head|>assistant<|chan|>reply<|body|>Rome.<|stop|>",
 }
 
 # how the render of EXAMPLE without its last answer ends, with add_generation_prompt=True
@@ -180,6 +197,11 @@ EXPECTED_PROMPT_END = {
     "trailer-prompt-extends": "<|seg|><|person|>And of Italy?<|fin|><|seg|><|model|><|say|>",
     "reasoning-tag-prompt": "<|asker|>And of Italy?<|over|>\n<|answerer|><think>",
     "preamble-prompt-tools": "<|m|>user\nAnd of Italy?<|/m|>\n<|m|>assistant\nHere is my plan:\n",
+    "prefilled-empty-think": "<|ts|>user\nAnd of Italy?<|te|>\n<|ts|>assistant\n<think>\n\n</think>\n\n",
+    "opener-prompt": "<|begin|>user<|sep|>And of Italy?<|finish|><|begin|>assistant<|sep|><reason>",
+    "thinking-flag": "<|im|>user\nAnd of Italy?<|/im|>\n<|im|>assistant\n<think>\n",
+    "tool-last-differs": "<|msg_open|>user\nAnd of Italy?<|msg_close|>\n<|msg_open|>assistant\n",
+    "channel-second-header": "<|head|>user<|body|>And of Italy?<|stop|><|head|>assistant<|chan|>",
 }
 
 TOOLS = [{"type": "function", "function": {
@@ -253,6 +275,20 @@ EXPECTED_TOOL_END = {
     "preamble-prompt-tools": "<|m|>user\nWhat's the weather in Paris?<|/m|>\n<|m|>assistant\n\n[[CALL]] "
                              '{"name": "get_weather", "arguments": {"city": "Paris"}}<|/m|>\n<|m|>tool\nsunny, 22C'
                              "<|/m|>\n<|m|>assistant\nIt is sunny and 22C in Paris.",
+    "prefilled-empty-think": "<|ts|>assistant\n<think>\n\n</think>\n\n\n<call>{\"name\": \"get_weather\", "
+                             "\"arguments\": {\"city\": \"Paris\"}}</call><|te|>\n<|ts|>tool\nsunny, 22C<|te|>\n"
+                             "<|ts|>assistant\n"
+                             "<think>\n\n</think>\n\nIt is sunny and 22C in Paris.<|te|>\n",
+    "opener-prompt": "<|begin|>assistant<|sep|><reason></reason><invoke>get_weather({\"city\": \"Paris\"})</invoke>"
+                     "<|finish|><|begin|>observation<|sep|>sunny, 22C<|finish|><|begin|>assistant<|sep|><reason>"
+                     "</reason>It is sunny and 22C in Paris.<|finish|>",
+    "tool-last-differs": "<|msg_open|>assistant\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+                         "\"Paris\"}}\n</tool_call><|msg_close|>\n<|msg_open|>tool\n<tool_response>\nsunny, 22C\n"
+                         "</tool_response>\n<|msg_close|>\n<|msg_open|>assistant\nIt is sunny and 22C in Paris."
+                         "<|msg_close|>\n",
+    "channel-second-header": "<|head|>assistant<|chan|>reply<|body|><|fn|>get_weather {\"city\": \"Paris\"}<|/fn|>"
+                             "<|stop|><|head|>tool<|body|>sunny, 22C<|stop|><|head|>assistant<|chan|>reply<|body|>It "
+                             "is sunny and 22C in Paris.<|stop|>",
 }
 
 # families whose render of a prefix writes the system prompt elsewhere (the last user turn)
@@ -341,8 +377,9 @@ def test_single_turn_renders_with_and_without_generation_prompt(tokenizers, name
 
 @pytest.mark.parametrize("name", NAMES)
 def test_example_trained_turns_follow_the_inference_prompt(tokenizers, name):
-    """Each hand-written trained turn starts where the prompt of that turn stops matching the full render
-    (back at a reasoning opener the generation prompt wrote), and the turns appear in order."""
+    """Each hand-written trained turn starts where the prompt of that turn stops matching the full render (at the
+    prompt's end: what the generation prompt writes is prompt; where the full render writes only part of it, where
+    they part, out of a marker they part inside), and the turns appear in order."""
     tok, family = tokenizers[name], FAMILIES[name]
     messages = example_messages(name)
     if name in SYSTEM_MOVES:
@@ -353,9 +390,9 @@ def test_example_trained_turns_follow_the_inference_prompt(tokenizers, name):
     for i, turn in zip(answers, family.example_turns):
         prompt = render(tok, messages[:i], add_generation_prompt=True)
         start = len(os.path.commonprefix([prompt, full]))
-        opened = next((k for k in range(len(turn), 0, -1) if prompt[:start].endswith(turn[:k])), 0)
-        if opened and (turn.startswith(family.think_open) or prompt.startswith(family.think_open, start - opened)):
-            start -= opened  # the turn starts at the block the prompt opens (its lone '</think>' shares '<')
+        for marker in re.finditer(r"<[^<>\s]+>|\[[^\[\]\s]+\]", prompt):  # they part inside '<think>' ('</think>')
+            if marker.start() < start < marker.end():
+                start = marker.start()
         assert full[start:].startswith(turn), (i, full[start:start + 80])
     at = 0
     for turn in family.example_turns:

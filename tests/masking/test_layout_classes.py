@@ -23,14 +23,14 @@ from hypothesis import strategies as st
 from qlora_train.data import DataConfig, process_rows
 from qlora_train.masking import IGNORE_INDEX, template_layout
 from tests.masking.conversations import conversation
-from tests.masking.families import FAMILIES, ISSUE24_NAMES, ISSUE34_NAMES, example_messages
+from tests.masking.families import FAMILIES, ISSUE24_NAMES, ISSUE34_NAMES, ISSUE45_NAMES, example_messages
 from tests.masking.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens
 from tests.vocabularies import SHIPPED_TEMPLATES
 
 # every family template probed on three vocabularies: make test (CI) runs it, make test-fast does not
 pytestmark = pytest.mark.slow
 
-NEW = sorted(ISSUE24_NAMES + ISSUE34_NAMES)  # and issue 34's shapes
+NEW = sorted(ISSUE24_NAMES + ISSUE34_NAMES + ISSUE45_NAMES)  # and the shapes of issues 34 and 45
 # the family's markers as tokens on Qwen's vocabulary; on Llama 3's as plain text and as tokens
 VOCABS = ("qwen+tok", "llama3 text", "llama3+tok")
 CONFIG = DataConfig(max_length=4096, reasoning_history="drop")  # each row trained as its full render writes it
@@ -49,9 +49,9 @@ def engine_row(tok, messages, tools=None) -> dict:
     return {k: v[0] for k, v in out.items()}
 
 
-def assert_matches_the_oracle(tok, messages, tools, *, end_markers, think_open="<think>") -> str:
+def assert_matches_the_oracle(tok, messages, tools, *, end_markers) -> str:
     """The engine's row against the oracle's verdict; returns the verdict's kind."""
-    verdict = prefix_oracle(tok, messages, tools=tools, end_markers=end_markers, think_open=think_open)
+    verdict = prefix_oracle(tok, messages, tools=tools, end_markers=end_markers)
     row = engine_row(tok, messages, tools)
     if verdict.kind == REFUSE:
         assert row["drop_reason"], f"kept a row the oracle refuses ({verdict.reason})"
@@ -76,7 +76,7 @@ def test_example_mask_of_the_new_layouts(tokenizers, name, vocab):
     msgs = example_messages(name)
     row = engine_row(tok, msgs)
     assert not row["drop_reason"], row["drop_detail"]
-    assert_matches_the_oracle(tok, msgs, None, end_markers=fam.end_markers, think_open=fam.think_open)
+    assert_matches_the_oracle(tok, msgs, None, end_markers=fam.end_markers)
     if vocab != "llama3 text":
         trained = [i for i, lab in zip(row["input_ids"], row["labels"]) if lab != IGNORE_INDEX]
         assert tok.decode(trained) == fam.example_trained
@@ -91,8 +91,8 @@ def test_random_conversations_match_the_oracle(tokenizers, name, vocab):
     @given(seed=st.integers(0, 2**32 - 1))
     def run(seed):
         msgs, tools = conversation(random.Random(seed), system=fam.supports_system,
-                                   arguments_as_string=fam.tool_arguments_as_string)
-        assert_matches_the_oracle(tok, msgs, tools, end_markers=fam.end_markers, think_open=fam.think_open)
+                                   arguments_as_string=fam.tool_arguments_as_string, flags=fam.flags)
+        assert_matches_the_oracle(tok, msgs, tools, end_markers=fam.end_markers)
     run()
 
 
@@ -100,7 +100,7 @@ def test_random_conversations_match_the_oracle(tokenizers, name, vocab):
 def test_every_family_with_its_markers_as_plain_text(tokenizers, name):
     fam = FAMILIES[name]
     kind = assert_matches_the_oracle(tokenizers(name, "llama3 text"), example_messages(name), None,
-                                     end_markers=fam.end_markers, think_open=fam.think_open)
+                                     end_markers=fam.end_markers)
     assert kind != REFUSE
 
 

@@ -43,8 +43,7 @@ def renderer(name: str):
 
 def verdict(name: str, messages, tools=None):
     fam = FAMILIES[name]
-    return prefix_oracle(renderer(name), messages, tools=tools, end_markers=fam.end_markers,
-                         think_open=fam.think_open)
+    return prefix_oracle(renderer(name), messages, tools=tools, end_markers=fam.end_markers)
 
 
 def spans_text(v) -> list[str]:
@@ -90,13 +89,13 @@ def test_results_inside_the_assistant_block_split_it_into_call_and_answer():
     assert "1220\n" in v.text  # the result, inside the block, untrained
 
 
-def test_structured_elements_train_from_the_think_element_the_prompt_opens():
+def test_structured_elements_train_after_the_think_element_the_prompt_opens():
     v = verdict("structured-elements", tool_row(reasoning="sum them"), TOOLS)
     assert v.kind == DECIDED
-    call_turn, answer = spans_text(v)
-    assert call_turn == ("<|el|>think<|gt|>sum them<|/el|>think<|gt|><|el|>response<|gt|><|/el|>response<|gt|>"
+    call_turn, answer = spans_text(v)  # the generation prompt writes the opener '<|el|>think<|gt|>': prompt
+    assert call_turn == ("sum them<|/el|>think<|gt|><|el|>response<|gt|><|/el|>response<|gt|>"
                          f"<|el|>tools<|gt|>[{CALL}]<|/el|>tools<|gt|><|/el|>message<|gt|><|turn_done|>")
-    assert answer.startswith("<|el|>think<|gt|><|/el|>think<|gt|>") and answer.endswith("<|turn_done|>")
+    assert answer.startswith("<|/el|>think<|gt|>") and answer.endswith("<|turn_done|>")
 
 
 def test_a_preamble_only_the_generation_prompt_writes_is_never_trained():
