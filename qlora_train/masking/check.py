@@ -220,7 +220,7 @@ def _answer(text: str, turn: TurnSpan, layout: TemplateLayout) -> str:
     """A turn's generated text after its reasoning block (which a template may render differently in the whole
     conversation and in the render through the turn: dropped, or opened by the generation prompt and never
     closed), through its end marker."""
-    a = turn.start
+    a = max(turn.start, turn.body_start)  # after a block the walk read (one the generation prompt opened too)
     while a < turn.end and text[a] in WHITESPACE:
         a += 1
     if layout.think_open and layout.think_close and text.startswith(layout.think_open, a):

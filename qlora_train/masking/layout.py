@@ -84,6 +84,8 @@ class TemplateLayout:
     end_markers: tuple[str, ...]  # what a turn's generated part may end with, most common first
     think_open: str = THINK_OPEN
     think_close: str = THINK_CLOSE
+    think_separator: str = ""  # whitespace the template writes between the block's close and the answer ('\n\n'):
+    # the template's; the content's own leading whitespace after it is the answer's, trained with it
     answer_open: str = ""  # generated marker between the reasoning block and the content ('' for most)
     reasoning_key: str | None = "reasoning_content"  # None: no probe found the reasoning rendered
     leads: tuple[str, ...] = ()  # other template text generated before the content (DeepSeek after tool output)
@@ -92,6 +94,11 @@ class TemplateLayout:
     last_turn_unmarked: bool = False  # the last turn ends with the text (GLM-4: turns end where the next begins)
     trailer: str = ""  # text every render ends with, generation prompt or not, that the generation prompt extends
     # (Llama 3's first template's header): never trained, never inside an end marker
+    prompt_tail: str = ""  # what the generation prompt writes after the header (a reasoning opener '<think>\n', a
+    # pre-filled empty reasoning block, a channel tag, a preamble): prompt, never trained; a turn's generated part
+    # starts after as much of it as the turn writes
+    prompt_by_row: bool = False  # the generation prompt's own text depends on the conversation (a '/no_think' flag
+    # in a system or user message): each trained turn's is read off the render of its own generation prompt
     layout_class: str = LAYOUT_CLASSES[0]
     unknown: tuple[str, ...] = ()  # facts no probe could find (rows the layout cannot verify take prefix renders)
     # parts model.template_layout sets to other than the probe found: rows they do not verify are refused
@@ -278,13 +285,15 @@ def _prompt_end(prompted: str, full: str, added: list[str]) -> int:
 
 
 def _cut_open_think(text: str, start: int, end: int, think_open: str) -> int:
-    """A generation prompt that opens the reasoning block (Qwen3.5, DeepSeek R1): the block is generated."""
+    """A generation prompt that opens the reasoning block (Qwen3.5, DeepSeek R1): the header ends before it (what
+    the prompt writes from there is its ``prompt_tail``: prompt too, written by some turns and not others)."""
     k = text.find(think_open, start, end) if think_open else -1
     return k if k >= 0 else end
 
 
 def _reasoning_probe(tokenizer, user, prompted: str, added: list[str], lead: str):
-    """(key, think_open, think_close, answer_open) from a turn with reasoning, or None when none renders it."""
+    """(key, think_open, think_close, answer_open, think_separator) from a turn with reasoning, or None when none
+    renders it."""
     for key in REASONING_KEYS:
         text = _try(tokenizer, user + [{"role": "assistant", "content": _ANSWER, key: _REASONING}])
         if text is None or _REASONING not in text:
@@ -308,7 +317,8 @@ def _reasoning_probe(tokenizer, user, prompted: str, added: list[str], lead: str
         if plain and between.endswith(plain):  # a marker before the answer with or without reasoning
             answer_open = plain
             between = between[: len(between) - len(plain)].strip(WHITESPACE)
-        return key, think_open, between, answer_open
+        before = text[:a]
+        return key, think_open, between, answer_open, before[len(before.rstrip(WHITESPACE)):]
     return None
 
 
@@ -392,12 +402,23 @@ def _openers(tokenizer, user: list[dict], prompted: str, full: str, think_open: 
     convo = user + [style.call("qlora_probe"), result] if style else []
     p = _try(tokenizer, convo, tools=[_PROBE_TOOL], gen=True) if style else None
     f = _try(tokenizer, convo + [{"role": "assistant", "content": _ANSWER}], tools=[_PROBE_TOOL]) if style else None
-    if p is not None and f is not None and _TOOL_RESULT in p and _ANSWER in f:
+    bare = _try(tokenizer, convo, tools=[_PROBE_TOOL]) if p is not None else None
+    if p is not None and f is not None and _TOOL_RESULT in p and _ANSWER in f and not _parts_before_own(p, f, bare):
         t = p.rindex(_TOOL_RESULT) + len(_TOOL_RESULT)
         end = _cut_open_think(p, t, _prompt_end(p, f, added), think_open)
         if end >= t and f.find(_ANSWER, end) >= 0:
             out.append((_markup_tail(p[t:end], added), f[end:f.index(_ANSWER, end)]))
     return [(o, lead) for o, lead in dict.fromkeys(out) if o]
+
+
+def _parts_before_own(prompted: str, full: str, bare: str | None) -> bool:
+    """Whether the answer's render parts from the generation prompt's render before the generation prompt's own text
+    (a tool result written differently when it is the last message): what follows is no opener, the generation
+    prompt's text (the header) opens the answer there too."""
+    if bare is None:
+        return False
+    own = _common_prefix(bare, prompted)
+    return own < len(prompted) and _common_prefix(prompted, full) < own
 
 
 def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], next_open: str,
@@ -434,6 +455,49 @@ def _call_end(tokenizer, user: list[dict], known: list[str], added: list[str], n
         return opener
     plain = not any(p in added for p in pieces(rest, added))  # markers that are plain text: a whole one
     return opener if plain and _MARKER_SHAPE.fullmatch(opener) else None
+
+
+def prompt_written(text: str, at: int, prompt: str, tokenizer) -> int:
+    """How much of ``prompt`` (a generation prompt's text after the header) ``text`` writes at ``at``: all of it,
+    or the characters they share, moved back out of a marker they part inside (an added token, or a bracketed
+    marker as plain text: a prompt ``<think>`` and a turn ``</think>`` share ``<``, which is nothing).
+
+    >>> prompt_written("<think>\\nr</think>", 0, "<think>\\n\\n</think>\\n\\n", tok)
+    8
+    >>> prompt_written("</think>a", 0, "<think>", tok)
+    0
+    """
+    n = len(prompt) if text.startswith(prompt, at) else _common_prefix(text[at:at + len(prompt)], prompt)
+    if n in (0, len(prompt)):
+        return n
+    spans = [(m.start(), m.end()) for m in _MARKER_SHAPE.finditer(prompt)]
+    spans += [(k, k + len(t)) for t in _added_tokens(tokenizer) if t in prompt for k in _occurrences(prompt, t)]
+    moved = True
+    while moved:
+        moved = False
+        for a, b in spans:
+            if a < n < b:
+                n, moved = a, True
+    return n
+
+
+def _occurrences(text: str, part: str) -> list[int]:
+    out, k = [], text.find(part)
+    while k >= 0:
+        out.append(k)
+        k = text.find(part, k + 1)
+    return out
+
+
+_ADDED: dict[tuple[str, str], list[str]] = {}
+
+
+def _added_tokens(tokenizer) -> list[str]:
+    """``_added`` once per template and vocabulary."""
+    key = probe_key(tokenizer)
+    if key not in _ADDED:
+        _ADDED[key] = _added(tokenizer)
+    return _ADDED[key]
 
 
 def _template_key(tokenizer) -> str:
@@ -526,11 +590,12 @@ def probe_layout(tokenizer) -> TemplateLayout:
     answer_at = full.index(_ANSWER, end) if _ANSWER in full[end:] else full.index(_ANSWER)
     lead = full[end:answer_at]  # generated before the content of a turn without reasoning
     reasoning = _reasoning_probe(tokenizer, user, prompted, added, lead)
-    key, think_open, think_close, answer_open = reasoning or (None, THINK_OPEN, THINK_CLOSE, "")
+    key, think_open, think_close, answer_open, separator = reasoning or (None, THINK_OPEN, THINK_CLOSE, "", "")
     shared = _common_prefix(prompted, plain)  # where the generation prompt's text starts: at the end of the plain
     base = shared if shared == len(plain) else max(_snap(prompted, shared, added),  # render, or at a piece
                                                    prompted.rindex(_USER) + len(_USER))  # boundary after the probe
     header = prompted[base:_cut_open_think(prompted, base, end, think_open)] if end > base else ""
+    tail = prompted[base + len(header):]  # the generation prompt's text after the header: prompt, never trained
     style = _call_style(tokenizer, user)
     found = _openers(tokenizer, user, prompted, full, think_open, added, style)
     two = _try(tokenizer, user + [{"role": "assistant", "content": _ANSWER}, {"role": "user", "content": _USER2},
@@ -577,11 +642,47 @@ def probe_layout(tokenizer) -> TemplateLayout:
         log.warning("chat template writes no end-of-turn marker after assistant turns: the model will not learn "
                     "to stop")
     return TemplateLayout(assistant_header=header, turn_openers=tuple(openers), end_markers=tuple(markers),
-                          think_open=think_open, think_close=think_close, answer_open=answer_open,
+                          think_open=think_open, think_close=think_close, think_separator=separator,
+                          answer_open=answer_open,
                           reasoning_key=key, leads=tuple(dict.fromkeys(leads)), turn_start=user_open,
                           tool_arguments_as_string=bool(style and style.as_string),
                           last_turn_unmarked=bool(markers) and not after_last.strip(WHITESPACE), trailer=trailer,
+                          prompt_tail=tail, prompt_by_row=_prompt_by_row(tokenizer, plain, prompted),
                           layout_class=_layout_class(header, trailer, openers))
+
+
+_COMMON_FLAGS = ("/no_think", "/think", "/nothink")  # what hybrid-reasoning families read off a system or user turn
+_QUOTED = re.compile(r"""(['"])([^'"\n<>{}%]{1,40})\1""")
+
+
+def _flags(tokenizer) -> list[str]:
+    """Texts that may switch a template's generation prompt when a message holds them: the template's own quoted
+    strings that mention thinking (``'/no_think' in system_message``), and the common ones."""
+    quoted = {m.group(2) for m in _QUOTED.finditer(_template_key(tokenizer)) if "think" in m.group(2).lower()}
+    return sorted(quoted | set(_COMMON_FLAGS))
+
+
+def _prompt_by_row(tokenizer, plain: str, prompted: str) -> bool:
+    """Whether the generation prompt's own text depends on the conversation: rendered after a system message,
+    after an exchange, and with each of the template's flags (``_flags``) in a system and in a user message, it
+    writes other text than after the probe's one question (SmolLM3's ``/no_think`` pre-fills an empty reasoning
+    block). A probe the template refuses shows nothing."""
+    own = prompted[len(plain):] if prompted.startswith(plain) else None
+    system = {"role": "system", "content": _SYSTEM}
+    user = {"role": "user", "content": _USER}
+    convos = [[system, user], [user, {"role": "assistant", "content": _ANSWER}, {"role": "user", "content": _USER2}]]
+    for flag in _flags(tokenizer):
+        convos += [[{**system, "content": f"{_SYSTEM} {flag}"}, user], [{**user, "content": f"{_USER} {flag}"}]]
+    for convo in convos:
+        bare, gen = _try(tokenizer, convo), _try(tokenizer, convo, gen=True)
+        if bare is None or gen is None:
+            continue
+        if gen.startswith(bare) and own is not None:
+            if gen[len(bare):] != own:
+                return True
+        elif not gen.endswith(prompted[_common_prefix(prompted, plain):]):
+            return True
+    return False
 
 
 def _not_into_openers(markers: list[str], openers: tuple[str, ...]) -> list[str]:

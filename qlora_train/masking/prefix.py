@@ -1,17 +1,16 @@
 """Stage 2, the general path: the masking rule applied directly, with per-turn prefix renders.
 
-The rule (docs/masking.md): the generated part of assistant turn ``i`` is what
-``render(messages[:i+1])`` adds after its longest common prefix with
-``render(messages[:i], add_generation_prompt=True)``, through its end-of-turn
-marker (or the one the whole render writes right after it, where a template
-writes it only when another turn follows), less whitespace after the last
-marker and less the text the template appends after every render
-(``TemplateLayout.trailer``); a reasoning block the generation prompt ends by
-opening is part of it.
+The rule (docs/masking.md): what the model must learn for assistant turn ``i`` is what it generates at
+inference after ``render(messages[:i], add_generation_prompt=True)``: everything that render writes (the header
+and whatever the generation prompt adds after it, a pre-filled empty reasoning block or an opener) is prompt. The
+generated part is the rest of ``render(messages[:i+1])`` (where it writes only part of the generation prompt's
+text, from where they part, out of a marker they part inside), through its end-of-turn marker (or the one the
+whole render writes right after it, where a template writes it only when another turn follows), less whitespace
+after the last marker and less the text the template appends after every render (``TemplateLayout.trailer``).
 
 ``render.render_conversation`` applies that rule the fast way, with the probed
 layout and one render. Rows it cannot verify come here: two renders per trained
-turn (three where the generation prompt writes text no turn contains), used for
+turn (four where the turn does not write all of its generation prompt's text), used for
 layouts the probe cannot describe, markers a probe could not find, and a
 declared layout that does not fit a row. A turn verifies when
 
@@ -35,13 +34,14 @@ import json
 import numpy as np
 
 from qlora_train.masking.apply_template import apply_template
-from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout
+from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, prompt_written
 from qlora_train.masking.layout_declaration import template_layout
 from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected, argument_values, template_content
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 from qlora_train.masking.rendered import (
     RenderedConversation,
     TurnSpan,
+    answer_start,
     check_spans,
     render_text,
     template_messages,
@@ -114,19 +114,21 @@ def _shifted(msg: Message) -> Message:
 
 
 def generated_part(renders: PrefixRenderer, i: int, layout: TemplateLayout) -> tuple[str, int, int]:
-    """``(q, start, end)``: ``q = render(messages[:i+1])`` and the span of turn ``i``'s generated part in it."""
+    """``(q, start, end)``: ``q = render(messages[:i+1])`` and the span of turn ``i``'s generated part in it: from
+    where its generation prompt's render ends (everything that render writes is prompt), through its end."""
     prompt = renders.render(i, True)
     q = renders.render(i + 1, False)
     start = _common_prefix(prompt, q)
-    if start < len(prompt):  # the generation prompt writes text the turn does not: the shared part may run on
-        alt = renders.render(i, False, _shifted(renders.messages[i]))  # into the turn's own first characters
-        start = min(start, _common_prefix(q, alt))
-    opened = prompt.rfind(layout.think_open) if layout.think_open else -1
-    after = prompt[opened + len(layout.think_open):].strip(WHITESPACE) if opened >= 0 else None
-    if 0 <= opened <= start and after in ("", layout.think_close):
-        start = opened  # the generation prompt ends by opening a reasoning block (or by writing an empty one:
-        # EXAONE's '<think>\n\n</think>\n\n'): the block is trained (also when the shared part ends inside the
-        # opener: '<think>' and the turn's '<｜tool▁calls▁begin｜>' share '<')
+    if start < len(prompt):  # the turn does not write all its prompt's text: where they part
+        own = _common_prefix(renders.render(i, False), prompt)  # where the generation prompt's own text starts
+        alt = renders.render(i, False, _shifted(renders.messages[i]))
+        first = _common_prefix(q, alt)  # where the turn's own texts start: the prompt never reaches into them
+        if start >= own:  # it writes the start of the generation prompt's text (an empty block pre-filled where the
+            # turn has reasoning, reasoning dropped from history, a preamble no turn writes): not inside a marker
+            start = own + prompt_written(q, own, prompt[own:], renders.tokenizer)
+        else:  # they part inside the conversation before the turn (a tool result written differently when last)
+            start = _prompt_end_in_turn(q, prompt[own:], start, first, i, layout, renders.tokenizer)
+        start = min(start, first)
     end = len(q)
     if layout.trailer and q.endswith(layout.trailer) and end - len(layout.trailer) >= start:
         end -= len(layout.trailer)
@@ -139,6 +141,25 @@ def generated_part(renders: PrefixRenderer, i: int, layout: TemplateLayout) -> t
         (m for m in layout.end_markers if m and not m.strip(WHITESPACE) and q.startswith(m, end)
          and end + len(m) <= limit), "")
     return q, start, end + len(marker)
+
+
+def _prompt_end_in_turn(q: str, written: str, parted: int, first: int, i: int, layout: TemplateLayout,
+                        tokenizer) -> int:
+    """Where turn ``i``'s prompt ends in ``q`` (its render) when ``q`` writes the conversation before it differently
+    from the generation prompt's render (they part at ``parted``, before the prompt's own text ``written``): after
+    that text where ``q`` writes it whole between the parting point and the turn's own texts (``first``); else after
+    the last opener of the layout there, and as much of the prompt's tail as ``q`` writes after it; else refused:
+    another message's text is never trained."""
+    k = q.rfind(written, parted, first) if written else -1
+    if k >= 0:
+        return k + len(written)
+    found = [(k, a) for a in layout.anchors if (k := q.rfind(a, parted, first)) >= 0]
+    if not found:
+        raise _unverified(i, f"the render through this turn writes the messages before it differently from its "
+                          f"generation prompt (they part at char {parted}) and no turn opener marks where it starts")
+    k, opener = max(found)
+    at = k + len(opener)
+    return at + prompt_written(q, at, layout.prompt_tail, tokenizer) if layout.prompt_tail else at
 
 
 def _find_in(q: str, needle: str, a: int, b: int) -> tuple[int, int]:
@@ -233,33 +254,33 @@ def _own_parts(q: str, msg: Message, i: int, start: int, end: int, reasoning: tu
             raise rej from None
     spans = ([reasoning] if reasoning else []) + ([(own[0], at)] if own else [])
     if not reasoning:
-        return None, _after_empty_block(q, start, own[0] if own else end, layout), spans
+        return None, _after_empty_block(q, start, own[0] if own else end, msg, layout), spans
     # the answer starts after the reasoning block's close (when the layout knows it), else where its text does
     close = q.find(layout.think_close, reasoning[1], own[0] if own else end) if layout.think_close else -1
-    body = close + len(layout.think_close) if close >= 0 else (own[0] if own else reasoning[1])
-    while body < end and q[body] in WHITESPACE:
-        body += 1
-    return reasoning, body, spans
+    if close < 0:
+        return reasoning, own[0] if own else reasoning[1], spans
+    return reasoning, answer_start(q, close + len(layout.think_close), msg["content"], layout, end), spans
 
 
-def _after_empty_block(q: str, start: int, limit: int, layout: TemplateLayout) -> int:
+def _after_empty_block(q: str, start: int, limit: int, msg: Message, layout: TemplateLayout) -> int:
     """Where the answer starts in a turn without reasoning: after an empty reasoning block the template writes at
-    the turn's start (Qwen3's ``<think>\n\n</think>\n\n``, as the fast path reads it, so ``think_loss:
-    answer_only`` masks it on both paths), else ``start``."""
+    the turn's start (Qwen3's ``<think>\n\n</think>\n\n``, or its close alone where the generation prompt opened
+    it: Qwen3.5's ``\n</think>\n\n`` after ``<think>\n``), as the fast path reads it, so ``think_loss:
+    answer_only`` masks it on both paths; else ``start``."""
     if not (layout.think_open and layout.think_close):
         return start
     j = start
     while j < limit and q[j] in WHITESPACE:
         j += 1
-    if not q.startswith(layout.think_open, j):
+    if q.startswith(layout.think_open, j):
+        k = q.find(layout.think_close, j + len(layout.think_open), limit)
+        if k < 0 or q[j + len(layout.think_open):k].strip(WHITESPACE):
+            return start
+    elif q.startswith(layout.think_close, j):
+        k = j
+    else:
         return start
-    k = q.find(layout.think_close, j + len(layout.think_open), limit)
-    if k < 0 or q[j + len(layout.think_open):k].strip(WHITESPACE):
-        return start
-    body = k + len(layout.think_close)
-    while body < limit and q[body] in WHITESPACE:
-        body += 1
-    return body
+    return answer_start(q, k + len(layout.think_close), msg["content"], layout, limit)
 
 
 def _content(q: str, msg: Message, i: int, at: int, end: int, layout: TemplateLayout, *, calls_after: bool
@@ -277,19 +298,22 @@ def _content(q: str, msg: Message, i: int, at: int, end: int, layout: TemplateLa
 
 def _calls(q: str, msg: Message, i: int, at: int, end: int) -> tuple[list[int], int]:
     """Where each call's name is written in ``q[at:end]``, in order, its argument values after it -> ``(the
-    names' starts, the end of the last name)``."""
-    own = []
+    names' starts, the end of the last call's name and values)``: an end marker inside a value is the call's text,
+    not the turn's end."""
+    own, last = [], at
     for call in msg.get("tool_calls") or []:
         name = call["function"]["name"]
         k = q.find(name, at, end)
         if k < 0:
             raise _unverified(i, f"tool call {name!r} not written in its turn (the template writes fewer calls)")
         own.append(k)
-        at = k + len(name)
-        missing = next((v for v in argument_values(call) if _find_in(q, v, at, end)[0] < 0), None)
-        if missing is not None:
-            raise _unverified(i, f"tool call {name!r}: argument {missing!r} not written in its turn")
-    return own, at
+        at = last = k + len(name)
+        for value in argument_values(call):
+            v, v_end = _find_in(q, value, at, end)
+            if v < 0:
+                raise _unverified(i, f"tool call {name!r}: argument {value!r} not written in its turn")
+            last = max(last, v_end)
+    return own, last
 
 
 def _through_end_marker(q: str, own_end: int, end: int, layout: TemplateLayout) -> int:

@@ -33,7 +33,7 @@ import logging
 
 import numpy as np
 
-from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, role_is_rendered
+from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, prompt_written, role_is_rendered
 from qlora_train.masking.layout_declaration import template_layout
 from qlora_train.masking.messages import (
     KNOWN_ROLES,
@@ -46,7 +46,14 @@ from qlora_train.masking.messages import (
 )
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 from qlora_train.masking.prefix import render_by_prefixes
-from qlora_train.masking.rendered import RenderedConversation, TurnSpan, check_spans, render_text, trained_spans
+from qlora_train.masking.rendered import (
+    RenderedConversation,
+    TurnSpan,
+    answer_start,
+    check_spans,
+    render_text,
+    trained_spans,
+)
 from qlora_train.masking.row_text import check_row_text, row_text_markers
 
 log = logging.getLogger(__name__)
@@ -78,9 +85,11 @@ def _first_of(text: str, needles, start: int) -> tuple[int, str]:
 _MAX_OPENERS_TRIED = 8
 
 
-def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateLayout) -> TurnSpan:
+def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateLayout, prompt: str = "",
+                 tokenizer=None) -> TurnSpan:
     """The turn of ``messages[i]``: for an assistant, after the first opener (of the next few after ``cursor``)
-    from which its generated part verifies; other trained roles start where their content does."""
+    from which its generated part verifies, and after as much of ``prompt`` (the generation prompt's text after the
+    header) as it writes there; other trained roles start where their content does."""
     if msg["role"] != "assistant":
         content = msg["content"].strip(WHITESPACE)
         if not content:
@@ -96,16 +105,38 @@ def _locate_turn(text: str, cursor: int, msg: Message, i: int, layout: TemplateL
         if h < 0:
             break
         try:
-            return _parse_turn(text, h + len(opener), msg, i, layout)
+            return _parse_turn(text, h + len(opener), msg, i, layout, prompt, tokenizer)
         except RowRejected as rej:  # an opener the template also writes elsewhere (after each tool output)
             first_error = first_error or rej
             at = h + 1
     raise first_error or _unverified(i, f"no assistant turn opener {list(layout.anchors)} after char {cursor}")
 
 
-def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLayout) -> TurnSpan:
-    """The generated part starting at ``start``: [reasoning block] [answer marker | lead] content, tool calls
-    and the end marker, each checked against the message."""
+def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLayout, prompt: str = "",
+                tokenizer=None) -> TurnSpan:
+    """The turn after its header at ``start``: [reasoning block] [answer marker | lead] content, tool calls and
+    the end marker, each checked against the message; its generated part starts after as much of ``prompt`` (what
+    the generation prompt writes after the header) as the turn writes there, never inside its own texts."""
+    turn = _parse_parts(text, start, msg, i, layout)
+    if not prompt:
+        return turn
+    own = turn.reasoning[0] if turn.reasoning else _first_own(text, turn.body_start, msg, turn.end)
+    begin = min(start + prompt_written(text, start, prompt, tokenizer), own)
+    return turn._replace(start=begin, body_start=max(turn.body_start, begin))
+
+
+def _first_own(text: str, at: int, msg: Message, end: int) -> int:
+    """Where a turn's own text first shows after ``at``: its content, else its first call's name, else its end."""
+    content = msg["content"].strip(WHITESPACE)
+    for part in ([content] if content else []) + [c["function"]["name"] for c in msg.get("tool_calls") or []]:
+        k = text.find(part, at, end)
+        if k >= 0:
+            return k
+    return end
+
+
+def _parse_parts(text: str, start: int, msg: Message, i: int, layout: TemplateLayout) -> TurnSpan:
+    """``_parse_turn``'s walk from the header's end."""
     content = msg["content"].strip(WHITESPACE)
     pos, body_start, reasoning = start, start, None
     expected = (msg.get("reasoning_content") or "").strip(WHITESPACE)
@@ -129,13 +160,16 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
             elif inner:
                 raise _unverified(i, "rendered reasoning differs from the message's reasoning_content")
             pos = k + len(layout.think_close)
-            body_start = _skip_ws(text, pos)
+            body_start = answer_start(text, pos, msg["content"], layout)
     elif not layout.think_open and layout.think_close and expected and text.startswith(expected, j):
         k = _skip_ws(text, j + len(expected))  # a block without an opener: the reasoning, then its close
         if text.startswith(layout.think_close, k):  # (``reasoning\n[[ANSWER]]\n``; issue 24's class C)
             dropped, reasoning = False, (j, j + len(expected))
             pos = k + len(layout.think_close)
-            body_start = _skip_ws(text, pos)
+            body_start = answer_start(text, pos, msg["content"], layout)
+    elif layout.think_close and text.startswith(layout.think_close, j):
+        pos = j + len(layout.think_close)  # the close of a block its generation prompt opened ('</think>answer')
+        body_start = answer_start(text, pos, msg["content"], layout)
     if layout.before_content:
         j = _skip_ws(text, pos)
         for lead in layout.before_content:
@@ -185,6 +219,22 @@ def _parse_turn(text: str, start: int, msg: Message, i: int, layout: TemplateLay
     elif between.strip(WHITESPACE):
         raise _unverified(i, "unexpected text between content and end-of-turn marker")
     return TurnSpan(i, start, e + len(marker), body_start, reasoning, e, dropped)
+
+
+def _prompt_tail(messages: list[Message], i: int, tokenizer, tools, layout: TemplateLayout) -> str:
+    """What the generation prompt writes after the header before turn ``i`` (prompt, never trained): the layout's
+    ``prompt_tail``, or, where it depends on the conversation (``prompt_by_row``: a ``/no_think`` flag), what this
+    turn's own generation prompt writes after the last opener in it."""
+    if not layout.prompt_by_row:
+        return layout.prompt_tail
+    try:
+        prompt = render_text(messages[:i], tokenizer, tools=tools, add_generation_prompt=True, layout=layout)
+    except TEMPLATE_ERRORS as exc:
+        raise _unverified(i, f"the generation prompt before this turn does not render ({type(exc).__name__})") from None
+    k, opener = max(((prompt.rfind(a), a) for a in layout.anchors), default=(-1, ""))
+    if k < 0:
+        raise _unverified(i, "the generation prompt before this turn writes no opener the layout knows")
+    return prompt[k + len(opener):]
 
 
 def _eot_after(text: str, cursor: int, nxt: Message | None, layout: TemplateLayout) -> tuple[int, int] | None:
@@ -248,7 +298,7 @@ def render_conversation(
     except TEMPLATE_ERRORS as exc:  # jinja raise_exception, undefined fields, type errors: a row-level reason
         raise RowRejected(DropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
     try:
-        return _render_with_layout(messages, tokenizer, text, layout, policy)
+        return _render_with_layout(messages, tokenizer, text, layout, policy, tools)
     except RowRejected as fast:
         if fast.reason != DropReason.MASK_UNVERIFIED:
             raise
@@ -264,7 +314,7 @@ def render_conversation(
 
 
 def _render_with_layout(messages: list[Message], tokenizer, text: str, layout: TemplateLayout,
-                        policy: LossPolicy) -> RenderedConversation:
+                        policy: LossPolicy, tools: list[dict] | None = None) -> RenderedConversation:
     """The fast path: the one render's spans found with the probed layout (see the module doc)."""
     mask = np.zeros(len(text), dtype=np.uint8)
     ends, turns, spans, unrendered, cursor = [], [], [], [], 0
@@ -276,7 +326,8 @@ def _render_with_layout(messages: list[Message], tokenizer, text: str, layout: T
         raise _unverified(last_trained, "the layout knows no text that opens an assistant turn")
     for i, msg in enumerate(messages):
         if trained[i]:
-            turn = _locate_turn(text, cursor, msg, i, layout)
+            prompt = _prompt_tail(messages, i, tokenizer, tools, layout) if msg["role"] == "assistant" else ""
+            turn = _locate_turn(text, cursor, msg, i, layout, prompt, tokenizer)
             turns.append(turn)
             spans += trained_spans(turn, policy.think_loss, with_eot=policy.trains_eot(i, last_trained))
             cursor = turn.end

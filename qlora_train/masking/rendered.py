@@ -18,7 +18,7 @@ import numpy as np
 from qlora_train.masking.apply_template import apply_template
 from qlora_train.masking.layout import TemplateLayout
 from qlora_train.masking.layout_declaration import template_layout
-from qlora_train.masking.messages import DropReason, Message, RowRejected, template_content
+from qlora_train.masking.messages import WHITESPACE, DropReason, Message, RowRejected, template_content
 
 
 class TurnSpan(NamedTuple):
@@ -58,8 +58,16 @@ class RenderedConversation(NamedTuple):
     def cuts(self) -> tuple[int, ...]:
         """Where the text is cut before it is tokenized (``tokenize.encode_rendered``): where each trained turn's
         generated part begins, so that its first token starts there, as it does at inference after the prompt
-        tokenized alone. A cut at 0 or at the end of the text is no cut."""
-        return tuple(t.start for t in self.turns)
+        tokenized alone; and where a turn's trained text resumes after a masked reasoning block (``think_loss:
+        answer_only``: the answer's first word is trained whatever the block's last characters are). A cut at 0 or
+        at the end of the text is no cut."""
+        out, mask, n = [], self.char_mask, len(self.text)
+        for t in self.turns:
+            out.append(t.start)
+            for at in (t.reasoning[0] if t.reasoning else t.start, t.body_start):
+                if t.start < at < n and mask[at] and not mask[at - 1]:
+                    out.append(at)
+        return tuple(out)
 
 
 def template_messages(messages: list[Message], layout: TemplateLayout, *, parts: bool = True) -> list[Message]:
@@ -97,6 +105,31 @@ def render_text(messages: list[Message], tokenizer, *, tools=None, add_generatio
     layout = template_layout(tokenizer) if layout is None else layout
     return apply_template(template_messages(messages, layout), tokenizer, tools=tools,
                           add_generation_prompt=add_generation_prompt)
+
+
+def answer_start(text: str, at: int, content: str, layout: TemplateLayout, limit: int | None = None) -> int:
+    """Where a turn's answer starts after its reasoning block closes at ``at``: past the separator the template
+    writes there (``layout.think_separator``) and other whitespace before the content, but at the content's own
+    leading whitespace where the render keeps it: the model writes ``"  hi"``'s spaces, not Qwen3's ``\n\n``.
+
+    >>> layout = template_layout(tok)  # Qwen3: its separator is '\\n\\n'
+    >>> answer_start("</think>\\n\\n  hi", 8, "  hi", layout), answer_start("</think>\\n\\nhi", 8, "\\n\\nhi", layout)
+    (10, 10)
+    """
+    limit = len(text) if limit is None else limit
+    sep = layout.think_separator
+    j = at + len(sep) if sep and text.startswith(sep, at) else at
+    c = j
+    while c < limit and text[c] in WHITESPACE:
+        c += 1
+    body = content.strip(WHITESPACE)
+    if not body or not text.startswith(body, c):
+        return c  # the content is not next (an answer marker, calls first): the answer starts at what is
+    lead = content[: len(content) - len(content.lstrip(WHITESPACE))]
+    k = c
+    while k > j and c - k < len(lead) and text[k - 1] == lead[len(lead) - 1 - (c - k)]:
+        k -= 1
+    return k
 
 
 def trained_spans(turn: TurnSpan, think_loss: str, *, with_eot: bool = True) -> list[tuple[int, int]]:

@@ -217,8 +217,10 @@ def test_reasoning_tags_the_probe_does_not_cut_through(make_tok, markers):
             {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]
     r = render_conversation(mark(msgs), tok)
     assert r.text == "<|U|>Q1<|/U|><|A|></think>A1<|/A|><|U|>Q2<|/U|><|A|><think>R2</think>A2<|/A|>"
-    # the generation prompt opens the block: what follows <|A|> is generated, the dropped one's close included
-    assert (r.verified_by, trained(r)) == ("layout", "</think>A1<|/A|><think>R2</think>A2<|/A|>")
+    # the generation prompt opens the block: its '<think>' is prompt; a turn without it ('</think>' shares only '<',
+    # inside the marker) starts after <|A|>, the dropped block's close generated
+    assert (r.verified_by, trained(r)) == ("layout", "</think>A1<|/A|>R2</think>A2<|/A|>")
+    assert layout.prompt_tail == "<think>"
     assert [t.reasoning_dropped for t in r.turns] == [True, False]
 
 

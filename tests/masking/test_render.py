@@ -127,8 +127,8 @@ def test_qwen35_xml_tool_calls(family_tokenizers):
     msgs = [{"role": "user", "content": "add"},
             {"role": "assistant", "content": "ok", "tool_calls": [call("add", a=1)]}]
     text, mask = build_text_and_masks(msgs, tok, tools=TOOLS)
-    assert trained_text(text, mask) == (
-        "<think>\n\n</think>\n\nok\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n"
+    assert trained_text(text, mask) == (  # the generation prompt writes '<think>\n': prompt, never trained
+        "\n</think>\n\nok\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n"
         "</tool_call><|im_end|>")
 
 
