@@ -30,7 +30,6 @@ class DropReason(EngineDropReason):
     NO_ASSISTANT_TURN = "no_assistant_turn"
     EMPTY_ASSISTANT = "empty_assistant_turn"
     EMPTY_USER_TURN = "empty_user_turn"  # a user message without content (chat rows and pairs alike)
-    BAD_CONTENT_TYPE = "bad_content_type"
     TOOLS_UNPARSEABLE = "tools_unparseable"
     MASK_DISAGREES = "mask_disagrees"  # data.rule_check: the layout's mask differs from the rule's on this row
     NO_TRAINED_TOKEN = "no_trained_token_after_truncation"

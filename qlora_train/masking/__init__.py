@@ -10,21 +10,26 @@ datasets (``qlora_train.data`` does, through this API) and nothing imports ``dat
 
 **The API** (stable; everything else here serves it, or is a fact the readers of rows share with it):
 
-- ``mask_conversation(messages, tokenizer, *, tools, policy, layout, expand) -> MaskedConversation``: canonical
-  messages in, a finished example out (``text``, ``input_ids``, ``labels``, ``example(max_length=,
-  truncate_side=)``; with ``expand``, its ``extra`` examples of ``reasoning_history: expand``), or ``RowRejected``;
+- ``mask_conversation(messages, tokenizer, *, tools, policy, layout, expand) -> MaskedConversation``: messages in
+  (content a string or a list of text and image parts, ``messages.engine_messages``), a finished example out
+  (``text``, ``input_ids``, ``labels``, ``example(max_length=, truncate_side=)``; with ``expand``, its ``extra``
+  examples of ``reasoning_history: expand``), or ``RowRejected``;
 - ``mask_pair(prompt, chosen, rejected, tokenizer, *, tools, policy, layout) -> MaskedPair``: a preference pair's two
   sides sharing ``prompt_length`` tokens, checked shared; ``mask_response(prompt, response, ...)``: one side (KTO);
 - the batch form, as the dataset pipeline runs it: ``render_example`` per conversation (each inside its row's
   ``RowSpending``), then ``finish_examples`` for the batch: one tokenizer call (``text_example`` /
   ``token_example``: template-free texts and token ids join it).
 
-**The rule** (what is trained). Of each trained message (``LossPolicy``: roles, per-message flags,
-``last_turn_only``), the characters the model must generate: what ``render(messages[:i+1])`` adds after its common
-prefix with ``render(messages[:i], add_generation_prompt=True)``, through the turn's end marker: its reasoning block
-(per ``think_loss``), content, tool calls and end-of-turn marker (per ``train_on_eos``). Never a header, a
-separator after the marker, BOS, or any character of another message. The ids are the text tokenized in pieces
-cut where each trained turn's generated part begins (``tokenize.encode_rendered``): at inference the prompt is
+**The rule** (what is trained). What the model must learn for an assistant turn is what it generates at inference
+after ``render(messages[:i], add_generation_prompt=True)``. Everything that render writes (the header and whatever
+the generation prompt adds after it: a pre-filled ``<think>\n\n</think>\n\n``, an opener, a channel tag) is
+prompt: never trained, under every ``think_loss``; where the turn's render writes only part of it, the turn starts
+where they part, out of a marker, never before the turn's header nor inside another message. Of each trained
+message (``LossPolicy``: roles, per-message flags, ``last_turn_only``), the rest of ``render(messages[:i+1])``
+through the turn's end marker: its generated reasoning (per ``think_loss``), content, tool calls and end-of-turn
+marker (per ``train_on_eos``). Never a header, a separator after the marker, BOS, or any character of another
+message. The ids are the text tokenized in pieces cut where each trained turn's generated part begins, and where
+its answer resumes after a masked reasoning block (``tokenize.encode_rendered``): at inference the prompt is
 tokenized alone, so the model's first token starts exactly there. A token is trained when its first character is
 (``tokenize.project_char_mask``); ``tokenize.make_labels`` is the one place labels are made.
 

@@ -22,7 +22,14 @@ import numpy as np
 from qlora_train.masking.expand import expand_dropped_reasoning
 from qlora_train.masking.images import expand_images, image_rule
 from qlora_train.masking.layout import TemplateLayout
-from qlora_train.masking.messages import DropReason, Message, RowRejected, check_unicode, message_images
+from qlora_train.masking.messages import (
+    DropReason,
+    Message,
+    RowRejected,
+    check_unicode,
+    engine_messages,
+    message_images,
+)
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, is_trained
 from qlora_train.masking.render import render_conversation
 from qlora_train.masking.rendered import RenderedConversation
@@ -175,10 +182,11 @@ def finish_examples(examples: Sequence[RenderedExample], tokenizer) -> list[Mask
 def mask_conversation(messages: list[Message], tokenizer, *, tools: list[dict] | None = None,
                       policy: LossPolicy = DEFAULT_POLICY, layout: TemplateLayout | None = None,
                       expand: bool = False) -> MaskedConversation:
-    """Canonical messages (string content; a message's own ``train`` flag, where set, is kept, else ``policy``
-    marks it) -> their ``MaskedConversation``, or ``RowRejected``: ``render_example`` then ``finish_examples``."""
-    example = render_example(policy.mark(messages), tokenizer, tools=tools, policy=policy, layout=layout,
-                             expand=expand)
+    """Messages (content a string or content parts: ``messages.engine_messages``; a message's own ``train`` flag,
+    where set, is kept, else ``policy`` marks it) -> their ``MaskedConversation``, or ``RowRejected``:
+    ``render_example`` then ``finish_examples``."""
+    example = render_example(policy.mark(engine_messages(messages)), tokenizer, tools=tools, policy=policy,
+                             layout=layout, expand=expand)
     (masked,) = finish_examples([example], tokenizer)
     if isinstance(masked, RowRejected):
         raise masked

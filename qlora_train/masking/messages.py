@@ -63,6 +63,52 @@ def template_content(message: Message) -> Message:
     return {k: v for k, v in message.items() if k != "images"} | {"content": parts}
 
 
+def engine_messages(messages: list[dict]) -> list[Message]:
+    """Messages as the API takes them (``mask_conversation``, ``mask_pair``, ``mask_response``) -> canonical ones:
+    ``content`` a string, ``None`` or absent as ``""``, a list of content parts as the row reader reads them (text
+    parts joined; an image part, which must give its ``width`` and ``height`` here, as an ``IMAGE_SLOT`` with its
+    ``ImageInfo`` in ``images``: the engine reads no image file, ``qlora_train.data`` does). Anything else is a
+    ``RowRejected`` naming the message, never an exception.
+
+    >>> engine_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    [{'role': 'user', 'content': 'ab'}]
+    """
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: not a message with a string role")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append(m)
+            continue
+        if content is None:
+            out.append({**m, "content": ""})
+            continue
+        if not isinstance(content, list):
+            raise RowRejected(DropReason.BAD_CONTENT_TYPE, f"messages[{i}]: content of type {type(content).__name__} "
+                              "(a string or a list of content parts)")
+        pieces, images = [], list(m.get("images") or ())
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                pieces.append(part["text"])
+            elif kind in ("image", "image_url") and all(isinstance(part.get(k), int) for k in ("width", "height")):
+                ref = part.get("image") or part.get("url") or part.get("path") or ""
+                pieces.append(IMAGE_SLOT)
+                images.append(ImageInfo(ref=ref if isinstance(ref, str) else "", width=part["width"],
+                                        height=part["height"]))
+            elif kind in ("image", "image_url"):
+                raise RowRejected(DropReason.BAD_IMAGE, f"messages[{i}].content[{j}]: an image part needs its width "
+                                  "and height here (the engine reads no image file: qlora_train.data reads rows "
+                                  "with images)")
+            else:
+                what = repr(kind) if isinstance(part, dict) else type(part).__name__
+                raise RowRejected(DropReason.BAD_CONTENT_TYPE, f"messages[{i}].content[{j}]: a content part of type "
+                                  f"{what} (text and image parts are read)")
+        out.append({**m, "content": "".join(pieces), **({"images": images} if images else {})})
+    return out
+
+
 class DropReason:
     """Why the engine refuses a row (``RowRejected.reason``): the template and the mask. The data layer's
     ``data.drops.DropReason`` extends it with the reasons of reading and fitting rows; every refused row is
@@ -75,6 +121,7 @@ class DropReason:
     INVALID_UNICODE = "invalid_unicode"
     OVER_BUDGET = "over_budget"  # the row's renders, characters, template steps or seconds over data.row_budget
     BAD_ROW = "bad_row"  # an exception nobody foresaw (RowRejected.unexpected); the data layer's malformed rows too
+    BAD_CONTENT_TYPE = "bad_content_type"  # a message's content neither text nor content parts
     # a preference pair (pair.mask_pair)
     PAIR_IDENTICAL = "pair_identical"  # the two sides are the same tokens
     PAIR_PROMPT_DIFFERS = "pair_prompt_differs"  # the prompt rendered or tokenized differently on the two sides

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 from qlora_train.masking.example import MaskedConversation, finish_examples, render_example
 from qlora_train.masking.layout import TemplateLayout
-from qlora_train.masking.messages import DropReason, Message, RowRejected
+from qlora_train.masking.messages import DropReason, Message, RowRejected, engine_messages
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy
 from qlora_train.masking.tokenize import IGNORE_INDEX  # noqa: F401 (the doctest)
 
@@ -89,19 +89,19 @@ class MaskedPair:
 def mask_response(prompt: list[Message], response: list[Message], tokenizer, *, tools: list[dict] | None = None,
                   policy: LossPolicy = DEFAULT_POLICY, layout: TemplateLayout | None = None,
                   side: str = "completion") -> MaskedResponse:
-    """A prompt and one response (canonical messages: the response opens with an assistant turn) -> the
-    ``MaskedResponse``, or ``RowRejected`` (what the template or the mask check refuses, its detail naming
-    ``side``)."""
+    """A prompt and one response (messages as ``mask_conversation`` takes them: the response opens with an assistant
+    turn) -> the ``MaskedResponse``, or ``RowRejected`` (what the template or the mask check refuses, its detail
+    naming ``side``)."""
     return _responses(prompt, [(side, response)], tokenizer, tools=tools, policy=policy, layout=layout)[0]
 
 
 def mask_pair(prompt: list[Message], chosen: list[Message], rejected: list[Message], tokenizer, *,
               tools: list[dict] | None = None, policy: LossPolicy = DEFAULT_POLICY,
               layout: TemplateLayout | None = None) -> MaskedPair:
-    """A prompt and two responses (canonical messages) -> the ``MaskedPair``, or ``RowRejected``: a side the
-    template or the mask check refuses (its reason, the detail naming the side), a prompt rendered or tokenized
-    differently on the two sides (``pair_prompt_differs``, ``shared_prompt_length``), two sides with the same ids
-    (``pair_identical``). Both sides are tokenized in one call."""
+    """A prompt and two responses (messages as ``mask_conversation`` takes them) -> the ``MaskedPair``, or
+    ``RowRejected``: a side the template or the mask check refuses (its reason, the detail naming the side), a
+    prompt rendered or tokenized differently on the two sides (``pair_prompt_differs``, ``shared_prompt_length``),
+    two sides with the same ids (``pair_identical``). Both sides are tokenized in one call."""
     c, r = _responses(prompt, [("chosen", chosen), ("rejected", rejected)], tokenizer, tools=tools, policy=policy,
                       layout=layout)
     if c.sequence.input_ids == r.sequence.input_ids:
@@ -115,7 +115,9 @@ def _responses(prompt: list[Message], responses: list[tuple[str, list[Message]]]
                layout) -> list[MaskedResponse]:
     side_policy = pair_policy(policy)
     examples = []
+    prompt = engine_messages(prompt)
     for side, response in responses:
+        response = engine_messages(response)
         try:
             examples.append(render_example(mark_side(prompt, response, side_policy), tokenizer, tools=tools,
                                            policy=side_policy, layout=layout))
