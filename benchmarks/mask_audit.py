@@ -1,7 +1,7 @@
 """Mask audit: the engine's trained tokens against the prefix-render oracle, per template and vocabulary.
 
     python benchmarks/mask_audit.py [--n 200] [--only NAME[,NAME..]] [--seed 0] [--jobs 2] [--pairs]
-                                    [--think-loss all|answer_only]   (make audit)
+                                    [--think-loss all|answer_only] [--rule-check off|sample|all]   (make audit)
 
 ``--pairs`` audits preference pairs instead (``audit_pairs``): each conversation's last exchange as the chosen
 response against another answer, both sides judged by the oracle on their response's turns (make audit-pairs).
@@ -218,7 +218,7 @@ def _count_refused(result: Audit, reason: str, detail: str, kind: str) -> None:
 
 
 def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0,
-                think_loss: str = "all") -> Audit:
+                think_loss: str = "all", rule_check: str = "sample") -> Audit:
     """``audit`` for preference pairs (``--pairs``): each conversation made a pair (``as_pair``) and built by
     ``process_rows`` with ``data.objective: preference``; the oracle judges each side (prompt + response) and only
     the response's turns are its trained spans. A pair is decided when the oracle decides both sides; counts are
@@ -232,7 +232,8 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
     pairs_ = [as_pair(i, msgs) for i, (msgs, _) in enumerate(convs)]
     rows = [{"prompt": p, "chosen": c, "rejected": r, **({"tools": t} if t else {})}
             for (p, c, r), (_, t) in zip(pairs_, convs)]
-    out = _process(result, rows, tok, DataConfig(objective="preference", max_length=8192, think_loss=think_loss))
+    out = _process(result, rows, tok, DataConfig(objective="preference", max_length=8192, think_loss=think_loss,
+                                                 rule_check=rule_check))
     for i, ((prompt, chosen, rejected), (_, tools)) in enumerate(zip(pairs_, convs)):
         verdicts = {}
         for side, response in (("chosen", chosen), ("rejected", rejected)):
@@ -272,7 +273,7 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
 
 
 def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: float = 0.0,
-          think_loss: str = "all") -> Audit:
+          think_loss: str = "all", rule_check: str = "sample") -> Audit:
     from qlora_train.data import DataConfig
     from qlora_train.masking import IGNORE_INDEX
     from tests.masking.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
@@ -280,7 +281,8 @@ def audit(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hostile: 
     t0 = time.perf_counter()
     result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir, hostile)
     rows = [{"messages": m, **({"tools": t} if t else {})} for m, t in convs]
-    out = _process(result, rows, tok, DataConfig(max_length=4096, reasoning_history="drop", think_loss=think_loss))
+    out = _process(result, rows, tok, DataConfig(max_length=4096, reasoning_history="drop", think_loss=think_loss,
+                                                 rule_check=rule_check))
     for i, (msgs, tools) in enumerate(convs):
         verdict = prefix_oracle(tok, msgs, tools=tools, end_markers=facts["end_markers"], think_loss=think_loss)
         result.decided += verdict.kind == DECIDED
@@ -381,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
                         "their fields (tests/masking/conversations.py hostile_edits); 0: the ordinary rows only")
     parser.add_argument("--pairs", action="store_true", help="preference pairs: each conversation's last exchange "
                                                              "as chosen against another answer (audit_pairs)")
+    parser.add_argument("--rule-check", default="sample", choices=("off", "sample", "all"),
+                        help="data.rule_check of the engine: all checks every row's mask against the rule's prefix "
+                             "renders at run time (a disagreement refuses the row: mask_disagrees)")
     parser.add_argument("--think-loss", default="all", choices=("all", "answer_only"),
                         help="data.think_loss of the engine and the oracle: answer_only checks each answer's tokens "
                              "trained (its first character too), no reasoning character trained, nothing outside "
@@ -403,12 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         build_qwen_tokenizer("qwen3").save_pretrained(qwen_dir)
         with ProcessPoolExecutor(args.jobs, initializer=_quiet) as pool:
             run = audit_pairs if args.pairs else audit
-            futures = [pool.submit(run, t, v, args.n, args.seed, qwen_dir, args.hostile, args.think_loss)
-                       for t, v in todo]
+            futures = [pool.submit(run, t, v, args.n, args.seed, qwen_dir, args.hostile, args.think_loss,
+                                   args.rule_check) for t, v in todo]
             audits = [f.result() for f in futures]
     what = "preference pairs (rows are pairs, tokens both sides)" if args.pairs else "conversations"
     print(f"mask audit: {args.n} {what} per template x vocabulary, seed {args.seed}, hostile {args.hostile}, "
-          f"think_loss {args.think_loss}, engine at {_engine_version()}\n")
+          f"think_loss {args.think_loss}, rule_check {args.rule_check}, engine at {_engine_version()}\n")
     print_table(audits)
     print()
     print(summary(audits) + f" ({time.perf_counter() - t0:.0f}s)")

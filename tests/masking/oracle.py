@@ -47,8 +47,8 @@ Step by step, for each assistant message *i*:
 2. the generated part is the rest of the render through turn *i*, cut after its
    last end marker (what follows is a separator, or text the template appends
    after every render such as the first Llama 3 template's assistant header);
-   an end marker inside the turn's own content is the answer's text, not its end
-   (assistant text holding markers is trained as written);
+   an end marker inside the turn's own content or call (a name, an argument value)
+   is the turn's text, not its end (assistant text holding markers is trained as written);
 3. it must stand at ``start`` in the full render (prefix stability); where it
    has no end marker of its own, an end marker the full render writes right
    after it is the turn's (GLM's next header; an end marker written only where a
@@ -156,12 +156,22 @@ def _missing_part(message: dict, span: str) -> str | None:
     return None
 
 
-def _content_end(message: dict, generated: str) -> int:
-    """Where the message's content (stripped) first ends in its generated part (0 when it is not written there;
-    not its last occurrence: a one-letter answer is also inside the markers after it)."""
+def _own_end(message: dict, generated: str) -> int:
+    """Where the message's own text first ends in its generated part: its content (stripped), then each call's name
+    and scalar argument values, each looked for after the one before (0 where none is written there; first
+    occurrences: a one-letter answer is also inside the markers after it). An end marker before that is the
+    message's own text (an answer or an argument value holding one), not its end."""
+    at = end = 0
     content = (message.get("content") or "").strip()
-    k = generated.find(content) if content else -1
-    return k + len(content) if k >= 0 else 0
+    parts = [content] if content else []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        parts += [fn["name"], *(v for v in _scalars(fn.get("arguments")) if v.strip())]
+    for part in parts:
+        k = generated.find(part, at)
+        if k >= 0:
+            at = end = k + len(part)
+    return end
 
 
 def _turn_start(tok, prompt: str, turn: str, bare: str) -> tuple[int | None, str]:
@@ -255,7 +265,7 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
         if failed:
             continue  # only where the turns after it start (the tokens are compared even where not decided)
         generated = turn[start:]
-        after = _content_end(message, generated)  # an end marker inside the content is the answer's own text
+        after = _own_end(message, generated)  # an end marker inside the content or a call is the turn's own text
         last_end = max((generated.rfind(e) + len(e) for e in end_markers if generated.find(e, after) >= 0),
                        default=-1)
         if last_end >= 0:
