@@ -33,7 +33,7 @@ from qlora_train.data.batches import merge_back, parse_readable
 from qlora_train.data.drops import DropReason, stop_at_first_bad_row
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
-from qlora_train.data.parse import ParseReport
+from qlora_train.data.parse import ParseReport, RowImages
 from qlora_train.data.pipeline import objective, process_rows
 from qlora_train.data.processed import (
     SFT_ROW,
@@ -109,8 +109,7 @@ class DatasetReport:
         if self.text_blocks_added:
             out.append(f"long texts cut into blocks: {self.text_blocks_added} extra blocks")
         if self.objective == "unpaired":
-            out.append(f"labels (kept): {self.desirable_rows} desirable, {self.rows_kept - self.desirable_rows} "
-                       "undesirable")
+            out.append(labels_line(self.desirable_rows, self.rows_kept - self.desirable_rows))
             if self.rows_turns_dropped or self.rows_token_fallback:
                 out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} rows, "
                            f"completions cut (data.max_response_length) in {sum(self.rows_token_fallback.values())}")
@@ -138,12 +137,27 @@ class DatasetReport:
                        "checked (the template is not prefix-stable on them)")
         if self.parse.get("image_rows"):
             forms = self.parse.get("images", {})
-            out.append(f"images: {sum(forms.values())} in {self.parse['image_rows']} rows read (" + ", ".join(
-                f"{form} {n}" for form, n in sorted(forms.items())) + ")")
+            out.append(f"images: {sum(forms.values())} in {self.parse['image_rows']} rows read: " + ", ".join(
+                f"{n} {RowImages.FORMS.get(form, form)}" for form, n in sorted(forms.items())))
+        if self.parse.get("system_column_conflicts"):
+            out.append(system_conflict_line(self.parse["system_column_conflicts"]))
         if self.unrendered_messages:
             out.append("messages the chat template does not render (the model never sees them): " + ", ".join(
                 f"{role} {n}" for role, n in sorted(self.unrendered_messages.items(), key=lambda kv: -kv[1])))
         return out
+
+
+def labels_line(desirable: int, undesirable: int) -> str:
+    """Kept unpaired rows (KTO) by label, as the run's summary and ``--stats-only`` print them."""
+    return f"labels (kept): {desirable} desirable, {undesirable} undesirable"
+
+
+def system_conflict_line(rows: int) -> str:
+    """Rows whose own system message was kept over a ``system`` column that says something else
+    (``ParseReport.system_column_conflicts``), as the run's summary and ``--stats-only`` print them."""
+    have = "1 row has" if rows == 1 else f"{rows} rows have"
+    return (f"system column: {have} a system message of their own and a 'system' column that differs: their own is "
+            "used, the column is not")
 
 
 def _domain(row, key: str | None) -> str:

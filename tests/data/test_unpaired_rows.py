@@ -91,6 +91,10 @@ def test_row_shapes_to_canonical_messages():
     mapped = canonicalize_unpaired({"q": "2+2?", "answer": "4", "good": True, "system": "Be brief."},
                                    DataConfig(field_mappings={"prompt": "q", "completion": "answer", "label": "good"}))
     assert mapped.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert mapped.report.system_from_column == 1
+    own = canonicalize_unpaired({"prompt": [{"role": "system", "content": "Mine."}, {"role": "user", "content": "q"}],
+                                 "completion": "a", "label": True, "system": "Be brief."})
+    assert own.prompt[0] == {"role": "system", "content": "Mine."} and own.report.system_column_conflicts == 1
 
 
 @pytest.mark.parametrize("raw", GOOD[:3] + GOOD[4:])
@@ -248,3 +252,4 @@ def test_stats_only_and_debug_samples_on_unpaired_rows_through_the_cli(tmp_path,
     assert "\u27e6Name the largest" not in printed and "\u27e6<|im_start|>user" not in printed
     stats = json.loads((out / "stats.json").read_text())
     assert stats["overall"]["rows_kept"] == 5
+    assert stats["overall"]["labels"] == {"desirable": 3, "undesirable": 2}
