@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -495,6 +496,16 @@ def _domain_stats(kept: datasets.Dataset) -> dict[str, dict[str, int]]:
     return out
 
 
+def no_eval_line(cfg: DataConfig, kept: int) -> str:
+    """The one line a run whose eval split came out empty says: it trains without evaluation (docs/training.md)."""
+    if cfg.eval_datasets:
+        why = "no row of data.eval_datasets was kept (their drops: eval_dropped in dataset_report.json)"
+    else:
+        why = (f"data.eval_fraction {cfg.eval_fraction} of {kept} kept row{'s' if kept != 1 else ''} leaves no row "
+               "for one side of the split")
+    return f"no eval split: {why}; training without evaluation"
+
+
 def _kept_rows(processed: datasets.Dataset) -> datasets.Dataset:
     return processed.filter(lambda r: [not x for x in r], input_columns=["drop_reason"], batched=True,
                             desc="dropping refused rows")
@@ -525,9 +536,12 @@ def datasets_from_processed(processed: datasets.Dataset, cfg: DataConfig, tokeni
         _, eval_processed = load_and_process_sources(cfg.eval_datasets, cfg, tokenizer)
         report.eval_dropped = summarize(eval_processed, cfg).dropped
         eval_ds = _kept_rows(eval_processed).select_columns(carry)
-    elif cfg.eval_fraction > 0 and len(kept) >= 2:
+    elif cfg.eval_fraction > 0 and math.ceil(cfg.eval_fraction * len(kept)) < len(kept):  # a row on each side
         split = kept.train_test_split(test_size=cfg.eval_fraction, seed=cfg.shuffle_seed)
         kept, eval_ds = split["train"], split["test"]
+    if (cfg.eval_datasets or cfg.eval_fraction > 0) and not (eval_ds is not None and len(eval_ds)):
+        log.warning(no_eval_line(cfg, len(kept)))
+        eval_ds = None
     # examples and blocks after the split, so that one conversation or long text never lands on both sides
     # (only SFT rows have them: a pair's num_tokens count both sides, each within max_length already)
     if row_type.expanded_columns:
