@@ -97,20 +97,30 @@ DEMO_RUN = outputs/quickstart/training_complete.json
 demo: $(DEMO_RUN)
 	@echo "the SFT demo's finished run is in outputs/quickstart (again from step 0: qlora-train --config configs/quickstart.yaml --overwrite)"
 
-$(DEMO_RUN): $(TINY)/config.json
+$(DEMO_RUN): | $(TINY)/config.json
 	qlora-train --config configs/quickstart.yaml
 
 docs:
 	$(PYTHON) -m qlora_train.config > docs/config.md
 
 # preference training (DPO) on the bundled pairs, starting from the SFT demo's adapter (outputs/quickstart: the SFT
-# demo runs first only where it has not finished)
-demo-dpo: $(DEMO_RUN)
+# demo runs first only where it has not finished); trained only where its own finished run is not there
+DEMO_DPO_RUN = outputs/quickstart-dpo/training_complete.json
+
+demo-dpo: $(DEMO_DPO_RUN)
+	@echo "the DPO demo's finished run is in outputs/quickstart-dpo (again from step 0: qlora-train --config configs/quickstart-dpo.yaml --overwrite)"
+
+$(DEMO_DPO_RUN): | $(DEMO_RUN)
 	qlora-train --config configs/quickstart-dpo.yaml
 
 # KTO on the bundled unpaired rows (prompt, completion, label), starting from the SFT demo's adapter (the SFT demo
-# runs first only when its run has not finished)
-demo-kto: $(DEMO_RUN)
+# runs first only when its run has not finished); trained only where its own finished run is not there
+DEMO_KTO_RUN = outputs/quickstart-kto/training_complete.json
+
+demo-kto: $(DEMO_KTO_RUN)
+	@echo "the KTO demo's finished run is in outputs/quickstart-kto (again from step 0: qlora-train --config configs/quickstart-kto.yaml --overwrite)"
+
+$(DEMO_KTO_RUN): | $(DEMO_RUN)
 	qlora-train --config configs/quickstart-kto.yaml
 
 $(TINY_VL)/config.json:
@@ -122,7 +132,7 @@ $(TINY_VL)/config.json:
 DEMO_VL_RUN = outputs/quickstart-vl/training_complete.json
 
 demo-vl: $(DEMO_VL_RUN)
-	@echo "the vision-language demo's finished run is in outputs/quickstart-vl"
+	@echo "the vision-language demo's finished run is in outputs/quickstart-vl (again from step 0: qlora-train --config configs/quickstart-vl.yaml --overwrite)"
 
-$(DEMO_VL_RUN): $(TINY_VL)/config.json
+$(DEMO_VL_RUN): | $(TINY_VL)/config.json
 	qlora-train --config configs/quickstart-vl.yaml

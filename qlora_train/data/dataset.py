@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from qlora_train.data.batches import merge_back, parse_readable
 from qlora_train.data.drops import DropReason, stop_at_first_bad_row
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
-from qlora_train.data.parse import ParseReport
+from qlora_train.data.parse import ParseReport, RowImages
 from qlora_train.data.pipeline import objective, process_rows
 from qlora_train.data.processed import (
     SFT_ROW,
@@ -109,8 +110,7 @@ class DatasetReport:
         if self.text_blocks_added:
             out.append(f"long texts cut into blocks: {self.text_blocks_added} extra blocks")
         if self.objective == "unpaired":
-            out.append(f"labels (kept): {self.desirable_rows} desirable, {self.rows_kept - self.desirable_rows} "
-                       "undesirable")
+            out.append(labels_line(self.desirable_rows, self.rows_kept - self.desirable_rows))
             if self.rows_turns_dropped or self.rows_token_fallback:
                 out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} rows, "
                            f"completions cut (data.max_response_length) in {sum(self.rows_token_fallback.values())}")
@@ -138,12 +138,27 @@ class DatasetReport:
                        "checked (the template is not prefix-stable on them)")
         if self.parse.get("image_rows"):
             forms = self.parse.get("images", {})
-            out.append(f"images: {sum(forms.values())} in {self.parse['image_rows']} rows read (" + ", ".join(
-                f"{form} {n}" for form, n in sorted(forms.items())) + ")")
+            out.append(f"images: {sum(forms.values())} in {self.parse['image_rows']} rows read: " + ", ".join(
+                f"{n} {RowImages.FORMS.get(form, form)}" for form, n in sorted(forms.items())))
+        if self.parse.get("system_column_conflicts"):
+            out.append(system_conflict_line(self.parse["system_column_conflicts"]))
         if self.unrendered_messages:
             out.append("messages the chat template does not render (the model never sees them): " + ", ".join(
                 f"{role} {n}" for role, n in sorted(self.unrendered_messages.items(), key=lambda kv: -kv[1])))
         return out
+
+
+def labels_line(desirable: int, undesirable: int) -> str:
+    """Kept unpaired rows (KTO) by label, as the run's summary and ``--stats-only`` print them."""
+    return f"labels (kept): {desirable} desirable, {undesirable} undesirable"
+
+
+def system_conflict_line(rows: int) -> str:
+    """Rows whose own system message was kept over a ``system`` column that says something else
+    (``ParseReport.system_column_conflicts``), as the run's summary and ``--stats-only`` print them."""
+    have = "1 row has" if rows == 1 else f"{rows} rows have"
+    return (f"system column: {have} a system message of their own and a 'system' column that differs: their own is "
+            "used, the column is not")
 
 
 def _domain(row, key: str | None) -> str:
@@ -481,6 +496,16 @@ def _domain_stats(kept: datasets.Dataset) -> dict[str, dict[str, int]]:
     return out
 
 
+def no_eval_line(cfg: DataConfig, kept: int) -> str:
+    """The one line a run whose eval split came out empty says: it trains without evaluation (docs/training.md)."""
+    if cfg.eval_datasets:
+        why = "no row of data.eval_datasets was kept (their drops: eval_dropped in dataset_report.json)"
+    else:
+        why = (f"data.eval_fraction {cfg.eval_fraction} of {kept} kept row{'s' if kept != 1 else ''} leaves no row "
+               "for one side of the split")
+    return f"no eval split: {why}; training without evaluation"
+
+
 def _kept_rows(processed: datasets.Dataset) -> datasets.Dataset:
     return processed.filter(lambda r: [not x for x in r], input_columns=["drop_reason"], batched=True,
                             desc="dropping refused rows")
@@ -511,9 +536,12 @@ def datasets_from_processed(processed: datasets.Dataset, cfg: DataConfig, tokeni
         _, eval_processed = load_and_process_sources(cfg.eval_datasets, cfg, tokenizer)
         report.eval_dropped = summarize(eval_processed, cfg).dropped
         eval_ds = _kept_rows(eval_processed).select_columns(carry)
-    elif cfg.eval_fraction > 0 and len(kept) >= 2:
+    elif cfg.eval_fraction > 0 and math.ceil(cfg.eval_fraction * len(kept)) < len(kept):  # a row on each side
         split = kept.train_test_split(test_size=cfg.eval_fraction, seed=cfg.shuffle_seed)
         kept, eval_ds = split["train"], split["test"]
+    if (cfg.eval_datasets or cfg.eval_fraction > 0) and not (eval_ds is not None and len(eval_ds)):
+        log.warning(no_eval_line(cfg, len(kept)))
+        eval_ds = None
     # examples and blocks after the split, so that one conversation or long text never lands on both sides
     # (only SFT rows have them: a pair's num_tokens count both sides, each within max_length already)
     if row_type.expanded_columns:

@@ -6,10 +6,11 @@ from what a row holds; ``image_info`` reads and checks the image it names:
 
     >>> image_ref("cats/1.png", "/data/set", "messages[0]")
     '/data/set/cats/1.png'
-    >>> image_ref({"url": "https://x.org/a.png"}, None, "images[0]")
+    >>> image_ref({"url": "http://x.io/a.jpg"}, None, "images[0]")
     Traceback (most recent call last):
     ...
-    qlora_train.masking.messages.RowRejected: bad_image: images[0]: remote images are not downloaded: https://x.org/a.png
+    qlora_train.masking.messages.RowRejected: bad_image: images[0]: remote images are not downloaded: http://x.io/a.jpg\
+ (download them and name the local files; relative paths are found under data.image_dir)
 
 Every problem with one image refuses its row (``RowRejected``, ``bad_image``, naming where in the row and the file),
 never the run.
@@ -118,7 +119,8 @@ def image_ref(value: Any, base_dir: str | None, where: str) -> str:
         return value
     scheme = urlparse(value).scheme.lower() if "://" in value else ""
     if scheme in ("http", "https"):
-        raise _refuse(where, f"remote images are not downloaded: {value}")
+        raise _refuse(where, f"remote images are not downloaded: {value} (download them and name the local files; "
+                      "relative paths are found under data.image_dir)")
     if scheme == "file":
         url = urlparse(value)
         if url.netloc not in ("", "localhost"):

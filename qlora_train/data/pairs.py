@@ -33,6 +33,7 @@ from qlora_train.data.parse import (
     map_fields,
     refuse_row_images,
     row_tools,
+    with_row_system,
 )
 from qlora_train.data.processed import PAIR_ROW
 from qlora_train.data.rows import Batch, check_length, content_chars, content_hash, guarded, report_json
@@ -90,9 +91,9 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
       split into messages (each stripped), then as ``implicit_prompt``.
 
     Messages go through the chat rows' normalisation (``parse.canonical_messages``: role and key mappings,
-    reasoning keys, inline think blocks, tool calls, ``think_mode``); tools through ``parse.row_tools``. A
-    ``system`` string column opens the prompt unless the prompt has a system message. A string side (or prompt)
-    is one message whose content is made text as every content is (``parse.content_text``: ``42`` is ``"42"``);
+    reasoning keys, inline think blocks, tool calls, ``think_mode``); tools through ``parse.row_tools``. The
+    row's ``system`` column opens the prompt as every schema's does (``parse.with_row_system``). A string side (or
+    prompt) is one message whose content is made text as every content is (``parse.content_text``: ``42`` is ``"42"``);
     a null side is a missing one (``pair_missing_side``). ``score_chosen`` /
     ``score_rejected`` (numbers) are kept. A row with ``completion`` and ``label`` and no pair (KTO's unpaired
     form, ``unpaired.canonicalize_unpaired``) is refused as ``unpaired_preference``.
@@ -137,9 +138,7 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
                           "conversations (message lists) or HH-RLHF transcripts ('\\n\\nHuman: …\\n\\nAssistant: …'); "
                           f"got {type(row['chosen']).__name__} and {type(row['rejected']).__name__} "
                           f"(keys {sorted(row)[:8]})")
-    system = row.get("system")
-    if isinstance(system, str) and system and not any(m["role"] == "system" for m in prompt):
-        prompt = messages([{"role": "system", "content": system}], "system", "system") + prompt
+    prompt = with_row_system(prompt, row, cfg, report)
     scores = [_score(row, f"score_{side}") for side in SIDES]
     check_pair(prompt, chosen, rejected)
     return CanonicalPair(prompt, chosen, rejected, row_tools(row, cfg, report), fmt, *scores, report=report)

@@ -71,6 +71,8 @@ class ParseReport:
     tools_present: int = 0
     tools_parsed_from_string: int = 0
     unknown_roles: dict[str, int] = field(default_factory=dict)
+    system_from_column: int = 0  # rows whose system message is their ``system`` column (with_row_system)
+    system_column_conflicts: int = 0  # rows with a system message of their own and a column that differs: not used
     image_rows: int = 0  # rows with images
     images: dict[str, int] = field(default_factory=dict)  # images read, by form (RowImages.FORMS)
     # filled after the render (pipeline): what the chat template did with the row's reasoning and messages
@@ -254,11 +256,16 @@ class RowImages:
     tokenizer with an image rule, checked to be one the processor takes; counted by form in the report.
     ``finish`` checks the row as a whole."""
 
-    FORMS = ("part", "part_from_column", "placeholder")
+    # each form (counted in ``ParseReport.images``) in the words the dataset report uses
+    FORMS = {"part": "named in message content parts",
+             "part_from_column": "from the images column, placed by content parts without a reference",
+             "placeholder": "from the images column, placed by placeholders in the text"}
 
     def __init__(self, row: dict, cfg: DataConfig, report: ParseReport, tokenizer=None):
         self.cfg, self.report, self.tokenizer = cfg, report, tokenizer
         found = row_image_column(row, cfg)
+        if found is None:  # an images column that is there but empty ([], null, "") holds 0: its placeholders ask
+            found = next(((column, []) for column in cfg.image_columns if column in row), None)
         self.column, self.pending = found if found is not None else (None, [])
         self.taken = 0  # column images asked for (more than the column holds: refused by ``finish``)
         self.read_any = False
@@ -415,14 +422,39 @@ def _raw_messages(row: dict, schema: str, cfg: DataConfig) -> list[dict]:
             raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"prompt_response needs one of {PROMPT_KEYS} and one of "
                               f"{RESPONSE_KEYS}, got {sorted(row)[:8]}")
         prompt, response = row[prompt_key], row[response_key]
-    msgs = []
-    if isinstance(row.get("system"), str) and row["system"]:
-        msgs.append({"role": "system", "content": row["system"]})
-    msgs.append({"role": "user", "content": prompt})
     answer = {"role": "assistant", "content": response}
     answer.update({k: row[k] for k in cfg.reasoning_keys if k in row})  # row-level reasoning belongs to the answer
-    msgs.append(answer)
-    return msgs
+    return [{"role": "user", "content": prompt}, answer]
+
+
+SYSTEM_COLUMN = "system"  # a row's system prompt, read for every schema (chat rows, pairs, unpaired rows)
+
+
+def with_row_system(messages: list[Message], row: dict, cfg: DataConfig, report: ParseReport, *,
+                    schema: str = "messages") -> list[Message]:
+    """The row's ``system`` column (another column through ``data.field_mappings: {system: …}``) as a system message
+    first in ``messages``, unless they have a system message of their own: then theirs is kept, and a column that
+    says something else is counted as a conflict (``system_column_conflicts``), never dropped silently. The one
+    place the column is read, for chat rows of every schema, a pair's prompt and an unpaired row's prompt. Its
+    value is a text (``content_text``: a string, text parts, a number); absent, null or ``""`` is none. The
+    message's role is what a ``system`` message of the row is mapped to (``data.roles``).
+
+        >>> row = {"system": "Be brief.", "conversations": []}
+        >>> with_row_system([{"role": "user", "content": "Hi"}], row, DataConfig(), ParseReport())
+        [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
+    """
+    value = row.get(SYSTEM_COLUMN)
+    if value is None or value == "":
+        return messages
+    text = content_text(value, f"column '{SYSTEM_COLUMN}'")
+    own = next((m for m in messages if m["role"] == "system"), None)
+    if own is not None:
+        if own["content"].strip() != text.strip():
+            report.system_column_conflicts += 1
+        return messages
+    report.system_from_column += 1
+    role = _role_aliases(schema, cfg).get("system", "system")
+    return [{"role": role, "content": text}, *messages]
 
 
 def _role_aliases(schema: str, cfg: DataConfig) -> dict[str, str]:
@@ -567,7 +599,8 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
     the first matching tools column, reads the row's images (``RowImages``:
     image content parts, ``<image>`` placeholders, the images column; each an
     ``IMAGE_SLOT`` in its message's content and an ``ImageInfo`` in its
-    ``images``; checked against ``tokenizer``'s image rule when it has one), and marks every message with its ``train``
+    ``images``; checked against ``tokenizer``'s image rule when it has one), puts the row's ``system`` column
+    first unless the conversation has its own (``with_row_system``), and marks every message with its ``train``
     flag (``LossPolicy.mark``; ``policy`` defaults to ``LossPolicy.of(cfg)``):
     the one place that decides which messages are trained. A bare list is a
     list of messages.
@@ -586,6 +619,7 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"schema {schema!r} is template-free: it has no messages")
     messages = canonical_messages(_raw_messages(row, schema, cfg), cfg, report, schema=schema, tokenizer=tokenizer,
                                   images=RowImages(row, cfg, report, tokenizer))
+    messages = with_row_system(messages, row, cfg, report, schema=schema)
     messages = (policy or LossPolicy.of(cfg)).mark(messages)
     trained = [i for i, m in enumerate(messages) if m["train"]]
     if not trained:

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from qlora_train.config import DataConfig
 from qlora_train.data.drops import DropReason
 from qlora_train.data.pairs import PROMPT_KEYS, _check_messages, _messages, check_prompt, check_response, side_limit
-from qlora_train.data.parse import ParseReport, instruction_prompt, map_fields, refuse_row_images, row_tools
+from qlora_train.data.parse import (
+    ParseReport,
+    instruction_prompt,
+    map_fields,
+    refuse_row_images,
+    row_tools,
+    with_row_system,
+)
 from qlora_train.data.processed import UNPAIRED_ROW
 from qlora_train.data.rows import Batch, check_length, content_chars, content_hash, guarded, report_json
 from qlora_train.data.truncate import middle_exchanges
@@ -62,9 +69,9 @@ def canonicalize_unpaired(row: dict, cfg: DataConfig | None = None, *, tokenizer
 
     After ``cfg.field_mappings``: ``prompt`` (or ``question``) a string or a message list, or ``instruction``
     (+ ``input``, joined as for Alpaca rows); ``completion`` a string or a message list; ``label`` a bool (or the
-    integers 0 and 1). Messages are normalised as a pair's (``parse.canonical_messages``); a ``system`` string
-    column opens the prompt unless it has a system message. A paired row (``chosen``/``rejected``) is refused as
-    ``unknown_schema`` naming ``train.method: dpo`` or ``orpo``.
+    integers 0 and 1). Messages are normalised as a pair's (``parse.canonical_messages``); the row's ``system``
+    column opens the prompt as every schema's does (``parse.with_row_system``). A paired row (``chosen`` /
+    ``rejected``) is refused as ``unknown_schema`` naming ``train.method: dpo`` or ``orpo``.
     """
     cfg = cfg or DataConfig()
     if not isinstance(row, dict):
@@ -86,10 +93,7 @@ def canonicalize_unpaired(row: dict, cfg: DataConfig | None = None, *, tokenizer
     prompt_value = row[prompt_key] if prompt_key is not None else instruction_prompt(row, cfg)
     prompt = _messages(prompt_value, prompt_key or "instruction", "user", cfg, report, tokenizer)
     completion = _messages(row["completion"], "completion", "assistant", cfg, report, tokenizer)
-    system = row.get("system")
-    if isinstance(system, str) and system and not any(m["role"] == "system" for m in prompt):
-        prompt = _messages([{"role": "system", "content": system}], "system", "system", cfg, report,
-                           tokenizer) + prompt
+    prompt = with_row_system(prompt, row, cfg, report)
     check_unpaired(prompt, completion)
     return CanonicalUnpaired(prompt, completion, desirable, row_tools(row, cfg, report),
                              "prompt_completion" if prompt_key is not None else "instruction", report=report)

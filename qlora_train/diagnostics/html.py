@@ -6,7 +6,8 @@ One self-contained page (inline CSS, no script, no network): every token is a
 token outlines it and shows its position, id and label. Long samples wrap and
 scroll inside their box (drag its corner to enlarge); each sample can be folded.
 An image's run of image tokens is one span (``tok off image``): a thumbnail of the
-image (a ``data:`` PNG, at most 96 px) and its marker ``[image WxH → N tokens]``.
+image (a ``data:`` PNG, at most 96 px) and its marker ``[image WxH → N tokens]``, followed by where the row has it
+(``src``: its file, or the images column and index of inline bytes).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ pre { white-space: pre-wrap; word-break: break-word; font-size: .85rem; line-hei
 .tok:hover { outline: 1px solid #c00; background: #ffe9a8; }
 .tok.image { border: 1px dashed #999; border-radius: 3px; padding: 0 .2em; }
 .thumb { max-height: 96px; max-width: 96px; vertical-align: middle; margin-right: .3em; }
+.src { font-size: .75rem; color: #235; background: #e8eef7; border-radius: 3px; padding: 0 .3em; margin: 0 .3em; }
 .refused { border-color: #d98; }
 .reason { color: #a00; font-weight: 600; }
 nav a { margin-right: .6em; }
@@ -48,8 +50,9 @@ def _image_span(run: ImageRun, labels: list[int], on: bool) -> str:
     uri = thumbnail_uri(run.ref) if run.ref and run.size else None
     img = f'<img class="thumb" src="{uri}" alt="image {run.size[0]}x{run.size[1]}">' if uri else ""
     shown = ",".join(map(str, sorted(set(labels[run.start:run.end]))))
+    source = f'<span class="src" title="where the row has this image">{escape(run.source)}</span>' if run.source else ""
     return (f'<span class="tok {"on" if on else "off"} image" title="#{run.start}-{run.end - 1} {run.tokens} image '
-            f'tokens label {shown}">{img}{escape(run.marker)}</span>')
+            f'tokens label {shown}">{img}{escape(run.marker)}</span>{source}')
 
 
 def _token_spans(sample: Sample) -> str:
@@ -71,8 +74,8 @@ def _token_spans(sample: Sample) -> str:
 
 
 def _section(sample: Sample) -> str:
-    head = (f'<summary><h2>{sample.name}</h2> <span class="meta">{escape(sample.location)} '
-            f"(source {escape(sample.source)})</span></summary>")
+    head = (f'<summary><h2>{escape(sample.name)}</h2> <span class="meta">(source {escape(sample.source)})</span>'
+            "</summary>")
     if sample.drop_reason:
         return (f'<section class="refused" id="{sample.anchor}"><details open>{head}'
                 f'<p class="meta"><span class="reason">refused: {escape(sample.drop_reason)}</span> '
@@ -84,7 +87,7 @@ def _section(sample: Sample) -> str:
 
 def debug_html(samples: list[Sample], *, title: str = "qlora-train debug samples") -> str:
     """Samples -> a complete HTML page."""
-    nav = " ".join(f'<a href="#{s.anchor}">{s.name}</a>' for s in samples)
+    nav = " ".join(f'<a href="#{s.anchor}">{escape(s.name)}</a>' for s in samples)
     legend = ('<p class="legend">legend: <span class="tok on">trained</span> <span class="tok off">masked</span> '
               "(hover a token for its position, id and label)</p>")
     body = "\n".join(_section(s) for s in samples)

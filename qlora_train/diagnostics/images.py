@@ -20,7 +20,8 @@ import io
 import sys
 from dataclasses import dataclass
 
-from qlora_train.data.images import image_bytes_or_path, image_info
+from qlora_train.config import DataConfig
+from qlora_train.data.images import image_bytes_or_path, image_info, image_ref
 from qlora_train.masking import RowRejected, image_rule
 
 THUMBNAIL_PX = 96  # the longer side of a thumbnail in the page
@@ -40,6 +41,7 @@ class ImageRun:
     size: tuple[int, int] | None = None
     problem: str = ""
     now_tokens: int | None = None  # the tokens its size makes now, where that differs from the ids' (file changed)
+    source: str = ""  # where the row has it (``image_sources``): its file, or the column and index of inline bytes
 
     @property
     def marker(self) -> str:
@@ -83,11 +85,57 @@ def _token_id(tokenizer, token: str) -> int | None:
     return i if isinstance(i, int) and i != tokenizer.unk_token_id else None
 
 
-def image_runs(ids: list[int], refs: list[str], tokenizer) -> tuple[ImageRun, ...]:
+def image_sources(raw_row: str, refs: list[str], data: DataConfig) -> list[str]:
+    """A row's image references -> where the row has each, for the debug page: a file's path; for an image the
+    row holds inline (its ``data:`` reference made from bytes) the images column and index it came from
+    (``column 'images'[1]``), or ``inline in a message's content`` (an image part holding a ``data:`` URI).
+
+        >>> image_sources('{"images": ["a.png", "data:image/png;base64,iVBO"]}',
+        ...               ["/d/a.png", "data:image/png;base64,iVBO"], DataConfig())
+        ['/d/a.png', "column 'images'[1]"]
+    """
+    inline: dict[str, str] | None = None
+    out = []
+    for ref in refs:
+        if not ref.startswith("data:"):
+            out.append(ref)
+            continue
+        if inline is None:
+            inline = _inline_column_images(raw_row, data)
+        out.append(inline.get(ref, "inline in a message's content"))
+    return out
+
+
+def _inline_column_images(raw_row: str, data: DataConfig) -> dict[str, str]:
+    """``data:`` reference -> ``column 'name'[k]`` for the images the row's images column holds inline."""
+    from qlora_train.data.batches import read_json
+    from qlora_train.data.parse import map_fields, row_image_column
+
+    try:
+        row = read_json(raw_row)
+    except ValueError:
+        return {}
+    found = row_image_column(map_fields(row, data.field_mappings), data) if isinstance(row, dict) else None
+    if found is None:
+        return {}
+    column, values = found
+    out: dict[str, str] = {}
+    for k, value in enumerate(values):
+        try:
+            ref = image_ref(value, None, f"column '{column}'[{k}]")
+        except RowRejected:
+            continue
+        if ref.startswith("data:"):
+            out.setdefault(ref, f"column '{column}'[{k}]")
+    return out
+
+
+def image_runs(ids: list[int], refs: list[str], tokenizer, sources: list[str] = ()) -> tuple[ImageRun, ...]:
     """A sample's ids and its row's image references -> its images' runs, in order (``()`` for a text model).
 
     Each maximal run of the image token is one image, with the open and close markers right around it; the k-th
-    run is ``refs[k]`` when there are as many runs as references (else no reference is named: only the counts)."""
+    run is ``refs[k]`` (from ``sources[k]``, ``image_sources``) when there are as many runs as references (else no
+    reference is named: only the counts)."""
     rule = image_rule(tokenizer)
     if rule is None:
         return ()
@@ -106,8 +154,9 @@ def image_runs(ids: list[int], refs: list[str], tokenizer) -> tuple[ImageRun, ..
         spans.append((start, end, q - p))
         p = end
     named = refs if len(refs) == len(spans) else [""] * len(spans)
+    where = list(sources) if len(sources) == len(named) and refs == named else [""] * len(spans)
     out = []
-    for (start, end, n), ref in zip(spans, named):
+    for (start, end, n), ref, source in zip(spans, named, where):
         size, problem = image_size(ref) if ref else (None, "")
         now = None
         if size is not None:
@@ -116,5 +165,5 @@ def image_runs(ids: list[int], refs: list[str], tokenizer) -> tuple[ImageRun, ..
             except RowRejected:  # the processor refuses its size now: shown as a change
                 made = -1
             now = made if made != n else None
-        out.append(ImageRun(start, end, n, ref, size, problem, now))
+        out.append(ImageRun(start, end, n, ref, size, problem, now, source))
     return tuple(out)

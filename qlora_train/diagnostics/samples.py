@@ -2,7 +2,7 @@
 
 A sample as ``format_sample(load_samples(raw, processed, tok, [0])[0], color=False)`` prints it::
 
-    --- row 0  data.jsonl:1  (source 0:data.jsonl)
+    --- data.jsonl:1  (source 0:data.jsonl)
     tokens 21 before truncation, 21 after; trained 6; truncation: none
     <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n⟦Hello!<|im_end|>⟧\\n
 
@@ -27,7 +27,7 @@ from tokenizers.decoders import DecodeStream
 from qlora_train.config import DataConfig
 from qlora_train.data.batches import read_json
 from qlora_train.data.drops import DropReason
-from qlora_train.diagnostics.images import ImageRun, image_runs
+from qlora_train.diagnostics.images import ImageRun, image_runs, image_sources
 from qlora_train.masking import IGNORE_INDEX, SIDES, RowRejected
 from qlora_train.terminal import visible
 
@@ -59,9 +59,10 @@ class Sample:
 
     @property
     def name(self) -> str:
-        """``row 3``, ``row 3 extra 1/2`` for the row's first of two extra examples, ``row 3 chosen``, ``row 3 by
-        the rule``."""
-        return f"row {self.index}" + (f" extra {self.extra}/{self.extras}" if self.extra else "") + (
+        """The row's location, as every message names a row (``file:line`` in a JSON lines file, ``file[i]`` the
+        row's index from 0 elsewhere), and which of its samples: ``d.jsonl:4``, ``d.jsonl:4 extra 1/2`` for the
+        row's first of two extra examples, ``d.jsonl:4 chosen``, ``d.jsonl:4 by the rule``."""
+        return self.location + (f" extra {self.extra}/{self.extras}" if self.extra else "") + (
             f" {self.side}" if self.side else "") + (f" {self.mask_by}" if self.mask_by else "")
 
     @property
@@ -167,6 +168,7 @@ def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig
             continue
         extras = list(zip(p.get("expanded_input_ids") or [], p.get("expanded_labels") or []))
         refs = p.get("images") or []
+        sources = image_sources(r["row"] or "", refs, _source_config(r, data or DataConfig())) if refs else []
         out.append(Sample(
             index=i, location=r["location"], source=r["source"], input_ids=p.get("input_ids", []),  # not a pair's
             labels=p.get("labels", []), pieces=token_pieces(p.get("input_ids", []), tokenizer),
@@ -174,18 +176,18 @@ def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig
             truncation=truncation_summary(p["dropped_turns"], p["reasoning_trimmed_tokens"],
                                           p.get("token_fallback", "")),
             drop_reason=p["drop_reason"], drop_detail=p["drop_detail"], raw=r["row"] or "", extras=len(extras),
-            images=image_runs(p.get("input_ids", []), refs, tokenizer), **_unpaired_fields(p),
+            images=image_runs(p.get("input_ids", []), refs, tokenizer, sources), **_unpaired_fields(p),
         ))
         if p["drop_reason"] == DropReason.MASK_DISAGREES and data is not None:
             out += [Sample(index=i, location=r["location"], source=r["source"], input_ids=m.input_ids,
                            labels=m.labels, pieces=token_pieces(m.input_ids, tokenizer),
                            num_tokens_before=len(m.input_ids), truncation="none", mask_by=by,
-                           images=image_runs(m.input_ids, refs, tokenizer))
+                           images=image_runs(m.input_ids, refs, tokenizer, sources))
                     for by, m in _both_masks(r, tokenizer, data)]
         for k, (ids, labels) in enumerate(extras, start=1):
             out.append(Sample(index=i, location=r["location"], source=r["source"], input_ids=ids, labels=labels,
                               pieces=token_pieces(ids, tokenizer), num_tokens_before=len(ids), truncation="none",
-                              extra=k, extras=len(extras), images=image_runs(ids, refs, tokenizer)))
+                              extra=k, extras=len(extras), images=image_runs(ids, refs, tokenizer, sources)))
     return out
 
 
@@ -196,15 +198,21 @@ def _unpaired_fields(p: dict) -> dict:
     return {"label": "desirable" if p["desirable"] else "undesirable", "prompt_length": p["prompt_length"]}
 
 
+def _source_config(raw_row: dict, data: DataConfig) -> DataConfig:
+    """The data options a raw row was processed with: its source's (``DataConfig.for_source``)."""
+    from qlora_train.data.sources import source_label
+
+    return next((data.for_source(s) for k, s in enumerate(data.datasets) if source_label(k, s) == raw_row["source"]),
+                data)
+
+
 def _both_masks(raw_row: dict, tokenizer, data: DataConfig) -> list:
     """``rule_check.both_masks`` of a raw row's conversations (``pipeline.Objective.conversations``), with its
     source's options (``DataConfig.for_source``)."""
     from qlora_train.data.pipeline import objective
     from qlora_train.data.rule_check import both_masks
-    from qlora_train.data.sources import source_label
 
-    cfg = next((data.for_source(s) for k, s in enumerate(data.datasets) if source_label(k, s) == raw_row["source"]),
-               data)
+    cfg = _source_config(raw_row, data)
     try:
         return both_masks(objective(cfg).conversations(read_json(raw_row["row"]), tokenizer, cfg), tokenizer)
     except (RowRejected, ValueError):  # no longer refused this way (the config or data changed)
@@ -258,7 +266,7 @@ def raw_preview(raw: str) -> str:
 def format_sample(sample: Sample, *, color: bool, show_tokens: bool = False) -> str:
     """One sample as terminal text: trained spans green (``color``) or inside ``⟦ ⟧`` (plain). The row's text is
     shown through ``terminal.visible`` (its control characters escaped); the colours and marks are ours."""
-    head = visible(f"--- {sample.name}  {sample.location}  (source {sample.source})")
+    head = visible(f"--- {sample.name}  (source {sample.source})")
     if sample.drop_reason:
         return "\n".join([head, visible(f"refused: {sample.drop_reason}: {sample.drop_detail}"),
                           visible(raw_preview(sample.raw))])

@@ -21,7 +21,7 @@ from collections import Counter
 import numpy as np
 
 from qlora_train.config import DataConfig
-from qlora_train.data.dataset import DatasetReport, summarize_columns
+from qlora_train.data.dataset import DatasetReport, labels_line, summarize_columns, system_conflict_line
 from qlora_train.data.drops import DropReason
 from qlora_train.data.parse import canonicalize_row
 from qlora_train.files import write_atomic
@@ -165,6 +165,8 @@ def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int
     fallback = Counter(s for s in cols.get("token_fallback", ()) if s)
     tools = list((tool_tokens or {}).values())
     extra = {"pairs": pair_stats(cols)} if pairs else {}
+    if "desirable" in cols:  # unpaired rows (KTO): the kept rows by label
+        extra["labels"] = {"desirable": report.desirable_rows, "undesirable": report.rows_kept - report.desirable_rows}
     images = image_stats(cols, max_length=max_length)
     if images:  # a text run's statistics stay as they were
         extra["images"] = images
@@ -408,6 +410,10 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, ma
             *layout_advice(overall)):
         if line:
             out.append(line)
+    conflicts = overall["parse"].get("system_column_conflicts", 0)
+    if conflicts:
+        out.append(f"{system_conflict_line(conflicts)}: make them agree, or leave one out "
+                   "(docs/datasets.md#the-system-column)")
     dropped = sum(overall["dropped"].values())
     if dropped:
         out.append(f"{dropped} of {overall['rows_in']} rows are dropped (reasons above); "
@@ -478,7 +484,9 @@ def image_lines(s: dict, max_length: int) -> list[str]:
 def parse_lines(p: dict) -> list[str]:
     """``ParseReport`` totals as two readable lines."""
     return [
-        f"parse: schemas {_counts(p.get('schemas', {}))}; unknown roles {_counts(p.get('unknown_roles', {}))}",
+        f"parse: schemas {_counts(p.get('schemas', {}))}; unknown roles {_counts(p.get('unknown_roles', {}))}; "
+        f"system column first in {p.get('system_from_column', 0)} rows, not used in "
+        f"{p.get('system_column_conflicts', 0)} (a system message of their own that differs)",
         f"reasoning: think blocks extracted {p.get('extracted_think_from_content', 0)} (unbalanced tags "
         f"{p.get('unbalanced_think_tags', 0)}), keys moved {_counts(p.get('moved_reasoning_keys', {}))}, dropped "
         f"{p.get('dropped_think_messages', 0)}, capped {p.get('think_capped_messages', 0)}; tools present "
@@ -528,6 +536,7 @@ def stats_lines(stats: dict) -> list[str]:
             f"rows in {s['rows_in']}, kept {s['rows_kept']}, dropped {s['rows_in'] - s['rows_kept']}",
             *[f"  dropped {n:>7}  {reason}  (first: {s['first_dropped'][reason]})"
               for reason, n in s["dropped"].items()],
+            *([labels_line(s["labels"]["desirable"], s["labels"]["undesirable"])] if "labels" in s else ()),
         ]
         if "pairs" in s:  # the SFT length lines would count both sides of a pair as one row's length
             lines += [*pair_lines(s["pairs"], stats["max_length"]),

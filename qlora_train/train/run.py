@@ -174,11 +174,26 @@ def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | N
         *([f"tokens     added {', '.join(f'{t} ({i})' for t, i in zip(new_tokens.tokens, new_tokens.ids))}: only "
            "their embedding rows train (and the output head's, when untied)"] if new_tokens else []),
         *([f"vision     {tower}"] if tower else []),
+        *([f"method     {method_line(cfg)}"] if cfg.train.method != "sft" else []),
         *[f"data       {line}" for line in report.lines()],
         *([f"batches    {packing.line()}"] if packing else []),
         f"output     {cfg.train.output_dir}",
         "=" * 72,
     ]
+
+
+def method_line(cfg: Config) -> str:
+    """A preference run's method, the adapter it starts from and the reference it keeps close to (``preference``):
+    ``dpo from the adapter in outputs/quickstart; reference: that adapter, frozen``."""
+    t, m = cfg.train, cfg.model
+    start = f"from the adapter in {m.adapter_path}" if m.adapter_path else "from a new adapter on the base"
+    if t.method == "orpo":
+        reference = "no reference model (ORPO)"
+    elif m.adapter_path:
+        reference = "reference: that adapter, frozen (loaded a second time beside the trained copy)"
+    else:
+        reference = "reference: the base (the adapter switched off)"
+    return f"{t.method} {start}; {reference}"
 
 
 def template_note(m) -> str:
@@ -255,7 +270,7 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
     a finished run or another config's checkpoints, unless ``overwrite`` (``--overwrite``) removes them first.
     Raises ``TrainingInterrupted`` after saving a checkpoint when SIGINT/SIGTERM arrives.
     """
-    from transformers import Trainer, set_seed
+    from transformers import IntervalStrategy, Trainer, set_seed
 
     set_seed(cfg.train.seed)  # before the adapter is built: LoRA init is random
     out = Path(cfg.train.output_dir)
@@ -269,8 +284,6 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
                          overwrite=overwrite))  # every rank takes rank 0's view of the directory
     if start.action == "refuse":
         raise UsageError(start.line)
-    log.info(runtime.note)
-    log.info(start.line)
     vision = vision_base(cfg.model, strict=False)  # unreadable: the loads below say why
     check_vision_training(cfg, vision)  # packing, preference rows, FSDP: refused for a vision-language model
     if cfg.train.packing:
@@ -282,8 +295,11 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
         data = training_data(cfg, tokenizer)
     train_ds, eval_ds, report, packing = data.train, data.eval, data.report, data.packing
     check_images_readable(cfg.model, vision, report.parse.get("image_rows", 0))
-
     check_rows_fit_method(cfg, train_ds)
+    if eval_ds is None:  # asked for, but the split came out empty: the data stage said so in one line
+        args.eval_strategy = IntervalStrategy.NO
+    log.info(start.line)  # the data is there to train on: where the run starts
+
     model = load_model(cfg, runtime, new_tokens)
     trainer_class, trainer_kwargs = Trainer, {}
     if cfg.train.method == "sft":

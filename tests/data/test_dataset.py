@@ -58,6 +58,25 @@ def test_parquet_and_max_samples(tmp_path, qwen3_tok):
     assert report.rows_in == 3 and len(train_ds) + len(eval_ds) == 3 and len(eval_ds) == 1
 
 
+def test_an_eval_split_that_comes_out_empty_is_said_in_one_line_and_left_out(tmp_path, qwen3_tok, caplog):
+    """One kept row cannot be split; an eval file whose rows are all dropped gives none: either way the run trains
+    without evaluation (docs/training.md), said once."""
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps(GOOD) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n")
+    for cfg, why in (
+        (DataConfig(datasets=[DatasetSource(path=str(one))], eval_fraction=0.1),
+         "data.eval_fraction 0.1 of 1 kept row leaves no row for one side of the split"),
+        (DataConfig(datasets=[DatasetSource(path=str(one))], eval_datasets=[DatasetSource(path=str(bad))]),
+         "no row of data.eval_datasets was kept (their drops: eval_dropped in dataset_report.json)")):
+        caplog.clear()
+        train_ds, eval_ds, report = build_datasets(cfg, qwen3_tok)
+        assert (len(train_ds), eval_ds, report.train_rows, report.eval_rows) == (1, None, 1, 0)
+        assert [r.getMessage() for r in caplog.records if "eval" in r.getMessage()] == [
+            f"no eval split: {why}; training without evaluation"]
+
+
 def test_all_rows_dropped_stops_with_reasons(tmp_path, qwen3_tok):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"foo": 1}) + "\n")

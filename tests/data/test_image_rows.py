@@ -145,7 +145,8 @@ def test_references_resolved(tmp_path):
     assert image_ref("x/../a.png", "/data", "w") == "/data/a.png"
     assert image_ref("/abs/a.png", "/data", "w") == "/abs/a.png"
     assert image_ref("file:///abs/a%20b.png", "/data", "w") == "/abs/a b.png"
-    for bad, why in (("https://x.org/a.png", "remote images are not downloaded: https://x.org/a.png"),
+    for bad, why in (("https://x.org/a.png", "remote images are not downloaded: https://x.org/a.png (download them "
+                      "and name the local files; relative paths are found under data.image_dir)"),
                      ("s3://bucket/a.png", "scheme s3://"), ("data:text/plain;base64,aGk=", "not data:image/"),
                      ("", "an empty image reference"), (3, "of type int"), ({"size": 3}, "an image mapping without")):
         with pytest.raises(RowRejected, match="bad_image") as exc:
@@ -177,6 +178,18 @@ def test_count_mismatch_refuses_the_row_saying_both_counts(tmp_path):
     assert "1 image(s) asked for" in refused(chat("<image>", images=["a.png", "a.png"]), cfg)
     assert "0 image(s) asked for" in refused(chat("no placeholder", images=["a.png"]), cfg)
     assert "the row has no images column" in refused(chat([{"type": "image"}, {"type": "text", "text": "x"}]), cfg)
+
+
+@pytest.mark.parametrize("empty", [[], None, ""])
+def test_placeholders_in_a_row_whose_images_column_is_empty_are_refused(empty):
+    """An images column that is there but empty holds 0 images: its placeholders ask for images it does not have (as
+    more placeholders than images do); a row without the column keeps the placeholder as text."""
+    assert refused(chat("<image>What is it?", images=empty), DataConfig()) == (
+        "1 image(s) asked for ('<image>' placeholders and image parts without a reference), but column 'images' "
+        "holds 0")
+    assert "column 'images' holds 0" in refused(chat([{"type": "image"}, {"type": "text", "text": "x"}],
+                                                     images=empty), DataConfig())
+    assert canonicalize_row(chat("no placeholder", images=empty)).report.image_rows == 0
 
 
 def test_a_literal_object_replacement_character_in_a_row_with_images(tmp_path):
@@ -300,7 +313,7 @@ def test_relative_paths_resolve_against_the_data_files_directory(tmp_path, vl_to
     _, _, report = build_datasets(cfg, vl_tok)
     assert report.rows_kept == 2 and report.dropped == {"bad_image": 8}
     assert report.parse["images"] == {"placeholder": 1} and report.parse["image_rows"] == 1
-    assert "images: 1 in 1 rows read (placeholder 1)" in report.lines()
+    assert "images: 1 in 1 rows read: 1 from the images column, placed by placeholders in the text" in report.lines()
 
 
 def test_the_rule_check_of_a_row_with_images(tmp_path, vl_tok):
@@ -377,6 +390,33 @@ def test_content_split_at_slots_gives_back_the_texts_and_refs_in_order(three_png
     assert out["content"].count(IMAGE_SLOT) == len(out["images"]) == len(refs)
     assert [im["ref"] for im in out["images"]] == refs
     assert [im["width"] for im in out["images"]] == [Image.open(r).size[0] for r in refs]
+
+
+def test_placeholders_without_images_and_remote_images_refused_through_the_cli(tmp_path, qwen_tokenizer_dir,
+                                                                                 capsys):
+    """What a user sees: a placeholder in a row whose images list is empty, and a remote image, are refused as
+    bad_image with what to do; a placeholder in a row without an images column is text, kept."""
+    import yaml
+
+    from qlora_train.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (
+        chat("<image>What is it?", images=[]), chat("<image>x", images=["http://x.io/a.png"]),
+        chat("what does <image> mean in LLaVA?"))))
+    cfg = {"model": {"name_or_path": str(qwen_tokenizer_dir), "chat_template": "qwen3"},
+           "data": {"datasets": [{"path": str(data)}], "cache_dir": str(tmp_path / "cache")},
+           "train": {"output_dir": str(tmp_path / "out"), "report_to": "none"}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    argv = ["--config", str(tmp_path / "cfg.yaml"), "--stats-only", "--debug-samples", "2", "--debug-refused"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "rows in 3, kept 1, dropped 2\n" in printed
+    assert (f"refused: bad_image: {data}:1: 1 image(s) asked for ('<image>' placeholders and image parts without a "
+            "reference), but column 'images' holds 0\n") in printed
+    assert (f"refused: bad_image: {data}:2: messages[0] <image> #0 <- column 'images'[0]: remote images are not "
+            "downloaded: http://x.io/a.png (download them and name the local files; relative paths are found under "
+            "data.image_dir)\n") in printed
 
 
 def test_stats_only_reads_image_headers_only(tmp_path, qwen_tokenizer_dir, monkeypatch):

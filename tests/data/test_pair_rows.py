@@ -418,7 +418,8 @@ def test_stats_only_and_debug_samples_on_pairs_through_the_cli(tmp_path, qwen_to
     printed = capsys.readouterr().out
     for line in ("pairs kept 6; tokens per pair (kept):", "prompt (shared)", "chosen response", "rejected response",
                  "refused pairs by reason: ", "truncated 0 pairs: middle prompt exchanges dropped 0",
-                 "--- row 0 chosen", "--- row 0 rejected", "Jupiter.<|im_end|>\u27e7", "Mars.<|im_end|>\u27e7"):
+                 f"--- {pairs_file}:1 chosen", f"--- {pairs_file}:1 rejected", "Jupiter.<|im_end|>\u27e7",
+                 "Mars.<|im_end|>\u27e7"):
         assert line in printed, line
     stats = json.loads((out / "stats.json").read_text())
     pairs = stats["overall"]["pairs"]

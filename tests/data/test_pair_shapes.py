@@ -117,7 +117,7 @@ def test_the_tool_shape_through_the_cli_every_pair_kept_only_responses_marked(tm
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "rows in 3, kept 3, dropped 0" in printed and "refused pairs by reason: none" in printed
-    samples = printed[printed.index("--- row 0 chosen"):]
+    samples = printed[printed.index(f"--- {SHAPES / 'trl_conversational.jsonl'}:1 chosen"):]
     marked = re.findall("\u27e6(.*?)\u27e7", samples, flags=re.S)
     rows = [canonicalize_pair(json.loads(line)) for line in (SHAPES / "trl_conversational.jsonl").read_text()
             .splitlines()]

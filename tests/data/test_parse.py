@@ -38,6 +38,43 @@ def test_prompt_response(key):
     assert out.report.extracted_think_from_content == 1
 
 
+SYS = {"role": "system", "content": "Be brief.", "train": False}
+USER_ASSISTANT = [{"role": "user", "content": "q", "train": False},
+                  {"role": "assistant", "content": "a", "train": True}]
+
+
+@pytest.mark.parametrize("row", [
+    {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},  # ShareGPT
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},  # OpenAI
+    {"conversation": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+    {"prompt": "q", "response": "a"},
+    {"instruction": "q", "output": "a"},  # Alpaca
+], ids=["sharegpt", "messages", "conversation", "prompt_response", "alpaca"])
+def test_the_system_column_opens_every_chat_schema(row):
+    out = canonicalize_row({**row, "system": "Be brief."})
+    assert out.messages == [SYS, *USER_ASSISTANT]
+    assert (out.report.system_from_column, out.report.system_column_conflicts) == (1, 0)
+
+
+def test_a_conversations_own_system_message_wins_and_a_different_column_is_counted():
+    own = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "q"},
+                             {"from": "gpt", "value": "a"}]}
+    for column, conflicts in (("Be brief.", 0), ("You are a pirate.", 1), ("", 0), (None, 0)):
+        out = canonicalize_row({**own, "system": column})
+        assert out.messages == [SYS, *USER_ASSISTANT], column
+        assert (out.report.system_from_column, out.report.system_column_conflicts) == (0, conflicts), column
+
+
+def test_the_system_column_is_text_by_the_content_rule_and_mapped_like_any_column():
+    row = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    parts = [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]
+    assert canonicalize_row({**row, "system": parts}).messages == [SYS, *USER_ASSISTANT]
+    out = canonicalize_row({**row, "persona": "Be brief."}, DataConfig(field_mappings={"system": "persona"}))
+    assert out.messages == [SYS, *USER_ASSISTANT]
+    with pytest.raises(RowRejected, match="bad_content_type: column 'system': content of type bool"):
+        canonicalize_row({**row, "system": True})
+
+
 def test_close_tag_only_counts_as_reasoning():
     out = canonicalize_row({"prompt": "q", "response": "step one</think>answer"})
     assert out.messages[-1] == {"role": "assistant", "content": "answer", "reasoning_content": "step one",

@@ -221,6 +221,8 @@ def test_prompt_messages_with_their_own_system_keep_it():
     row = {"prompt": [{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}], "system": "column",
            "chosen": "a", "rejected": "b"}
     assert pair_of(row)[0] == [{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}]
+    # the column is read in one place for every schema (parse.with_row_system): the conflict is counted
+    assert canonicalize_pair(row).report.system_column_conflicts == 1
 
 
 def test_implicit_prompt_ultrafeedback_style():

@@ -236,7 +236,8 @@ def test_debug_samples_show_both_masks_of_a_refused_row(tmp_path, family_tokeniz
     cfg = source_of(tmp_path, [{"messages": [U1, A1, U2, A2]}])
     raw, processed = load_and_process(cfg, tok)
     samples = load_samples(raw, processed, tok, [0], cfg)
-    assert [s.name for s in samples] == ["row 0", "row 0 by the layout", "row 0 by the rule"]
+    where = raw[0]["location"]  # the row's file and line, as every message names it
+    assert [s.name for s in samples] == [where, f"{where} by the layout", f"{where} by the rule"]
     assert samples[0].drop_reason == "mask_disagrees"
     assert "".join(p for p, on in zip(samples[1].pieces, samples[1].trained) if on) == (
         "4<|im_end|>\n<|im_start|>user6<|im_end|>")

@@ -91,6 +91,10 @@ def test_row_shapes_to_canonical_messages():
     mapped = canonicalize_unpaired({"q": "2+2?", "answer": "4", "good": True, "system": "Be brief."},
                                    DataConfig(field_mappings={"prompt": "q", "completion": "answer", "label": "good"}))
     assert mapped.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert mapped.report.system_from_column == 1
+    own = canonicalize_unpaired({"prompt": [{"role": "system", "content": "Mine."}, {"role": "user", "content": "q"}],
+                                 "completion": "a", "label": True, "system": "Be brief."})
+    assert own.prompt[0] == {"role": "system", "content": "Mine."} and own.report.system_column_conflicts == 1
 
 
 @pytest.mark.parametrize("raw", GOOD[:3] + GOOD[4:])
@@ -224,8 +228,8 @@ def test_config_refusals(tmp_path, tree, message):
 
 
 def test_stats_only_and_debug_samples_on_unpaired_rows_through_the_cli(tmp_path, qwen_tokenizer_dir, capsys):
-    """Tokenizer only, no weights: the report counts the labels; each sample is headed with its label and shows only
-    the completion trained."""
+    """Tokenizer only, no weights: the report counts the labels (printed and in stats.json, as docs/preference.md
+    says); each sample is headed with its file and line, its label, and shows only the completion trained."""
     import yaml
 
     from qlora_train.cli import main
@@ -241,10 +245,12 @@ def test_stats_only_and_debug_samples_on_unpaired_rows_through_the_cli(tmp_path,
     out = tmp_path / "stats"
     assert main(["--config", str(path), "--stats-only", "--debug-samples", "2", "--stats-dir", str(out)]) == 0
     printed = capsys.readouterr().out
-    for line in ("rows in 10, kept 5, dropped 5", "--- row 0 ", "desirable completion: tokens ",
-                 "--- row 1 ", "undesirable completion: tokens ", "Jupiter.<|im_end|>\u27e7",
+    for line in ("rows in 10, kept 5, dropped 5\n", "labels (kept): 3 desirable, 2 undesirable\n",
+                 f"--- {rows}:1 ", "desirable completion: tokens ", f"--- {rows}:2 ", "undesirable completion: tokens ",
+                 "Jupiter.<|im_end|>\u27e7",
                  "<|im_start|>user\nName the largest planet.<|im_end|>\n<|im_start|>assistant\n\u27e6<think>"):
         assert line in printed, line
     assert "\u27e6Name the largest" not in printed and "\u27e6<|im_start|>user" not in printed
     stats = json.loads((out / "stats.json").read_text())
     assert stats["overall"]["rows_kept"] == 5
+    assert stats["overall"]["labels"] == {"desirable": 3, "undesirable": 2}

@@ -181,7 +181,7 @@ def test_debug_samples_plain_output_and_html(dataset, monkeypatch, capsys):
     assert main(["--config", str(cfg_path), "--debug-samples", "1", "--debug-tokens", "--stats-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     body = SIMPLE_TEXT.replace(SIMPLE_TRAINED, S.OPEN + SIMPLE_TRAINED + S.CLOSE)
-    assert (f"--- row 0  {a}:1  (source 0:{a})\ntokens 17 before truncation, 17 after; trained 7; "
+    assert (f"--- {a}:1  (source 0:{a})\ntokens 17 before truncation, 17 after; trained 7; "
             f"truncation: none\n{body}\n") in printed
     assert "     0    -100  151644  '<|im_start|>'" in printed  # (label, id) per token
     assert "    15  151645  151645  '<|im_end|>'" in printed  # the end of turn is trained
@@ -194,6 +194,33 @@ def test_debug_samples_plain_output_and_html(dataset, monkeypatch, capsys):
     assert tokens["row-0"][15] == (True, "#15 id 151645 label 151645", "<|im_end|>")
 
 
+def test_sharegpt_rows_with_a_system_column_show_it_rendered_and_masked(tmp_path, qwen_tokenizer_dir, monkeypatch,
+                                                                       capsys):
+    """A row-level ``system`` column (ShareGPT's convention) opens the conversation, untrained; a conversation with a
+    system message of its own keeps it, and the column that differs is counted and advised on."""
+    turns = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Arr!"}]
+    rows = [{"system": "You are a pirate.", "conversations": turns},
+            {"system": "You are a pirate.", "conversations": [{"from": "system", "value": "Be brief."}, *turns]}]
+    data = write_data(tmp_path, [json.dumps(r) for r in rows])
+    cfg, out = write_config(tmp_path, qwen_tokenizer_dir, [data]), tmp_path / "dbg"
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert main(["--config", str(cfg), "--stats-only", "--debug-samples", "2", "--stats-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    answer = S.OPEN + "<think>\n\n</think>\n\nArr!<|im_end|>" + S.CLOSE
+    for system, line in (("You are a pirate.", 1), ("Be brief.", 2)):
+        assert (f"--- {data}:{line}  (source 0:{data})\ntokens ") in printed
+        assert (f"\n<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+                f"{answer}\n") in printed
+    assert "system column first in 1 rows, not used in 1 (a system message of their own that differs)" in printed
+    assert ("- system column: 1 row has a system message of their own and a 'system' column that differs: their own "
+            "is used, the column is not: make them agree, or leave one out") in printed
+    stats = json.loads((out / "stats.json").read_text())["overall"]["parse"]
+    assert (stats["system_from_column"], stats["system_column_conflicts"]) == (1, 1)
+    tokens = read_tokens((out / "debug_samples.html").read_text())["row-0"]
+    assert "".join(t for _, _, t in tokens).startswith("<|im_start|>system\nYou are a pirate.<|im_end|>\n")
+    assert "".join(t for on, _, t in tokens if on) == "<think>\n\n</think>\n\nArr!<|im_end|>"
+
+
 def test_debug_refused_shows_reason_and_raw_row(dataset, capsys, monkeypatch):
     cfg_path, a, _ = dataset
     monkeypatch.setenv("NO_COLOR", "1")
@@ -202,7 +229,7 @@ def test_debug_refused_shows_reason_and_raw_row(dataset, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert printed.startswith("== template layout\n")  # the layout first (test_layout_declaration.py)
     assert "\n2 refused samples (first rows)" in printed
-    assert f"--- row 1  {a}:2  (source 0:{a})\nrefused: unparseable_json: {a}:2: unparseable JSON line" in printed
+    assert f"--- {a}:2  (source 0:{a})\nrefused: unparseable_json: {a}:2: unparseable JSON line" in printed
     assert f"refused: no_assistant_turn: {a}:4:" in printed and '"content": "only a question"' in printed
 
 

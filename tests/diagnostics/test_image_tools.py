@@ -124,6 +124,31 @@ def test_debug_html_has_thumbnails_and_no_pad_tokens(vl_tok, tmp_path):
     assert PAD not in page
 
 
+def test_debug_html_names_each_images_source_beside_its_thumbnail(vl_tok, tmp_path):
+    """A file's path, or for bytes the row holds inline (a Parquet image column) the column and index; outside the
+    token spans, so the tokens read back as before."""
+    import base64
+    import io
+    import json
+
+    from PIL import Image
+
+    from qlora_train.data.images import image_ref
+
+    a = png(tmp_path / "a.png", 112, 112)
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), (0, 90, 200)).save(buf, format="PNG")
+    inline = {"bytes": base64.b64encode(buf.getvalue()).decode("ascii"), "path": None}
+    row = processed_row(vl_tok, image_messages([(a, 112, 112), (image_ref(inline, None, "x"), 56, 56)]))
+    raw = {"location": "d.parquet[0]", "source": "0:d.parquet", "row": json.dumps({"images": ["a.png", inline]})}
+    page = debug_html(load_samples([raw], [row], vl_tok, [0]))
+    beside = re.findall(r'<img class="thumb" src="data:image/png;base64,[^"]+" alt="[^"]+">(\[image [^]]+\])</span>'
+                        r'<span class="src" title="where the row has this image">([^<]+)</span>', page)
+    assert beside == [("[image 112x112 → 16 tokens]", a), ("[image 56x56 → 4 tokens]", "column &#x27;images&#x27;[1]")]
+    assert [text for _, _, text in read_tokens(page)["row-0"] if text.startswith("[image")] == [
+        "[image 112x112 → 16 tokens]", "[image 56x56 → 4 tokens]"]
+
+
 def test_a_missing_image_is_said_so_and_the_page_renders(vl_tok, tmp_path):
     path = png(tmp_path / "gone.png", 112, 112)
     row = processed_row(vl_tok, image_messages([(path, 112, 112)]))

@@ -151,12 +151,12 @@ def test_debug_samples_show_each_extra_example_after_its_row(qwen3_tok):
         "dropped_turns": [0], "reasoning_trimmed_tokens": [0], "token_fallback": [""], "drop_reason": [""],
         "drop_detail": [""], "expanded_input_ids": [[prefix]], "expanded_labels": [[[-100] * 2 + prefix[2:]]]})
     primary, extra = S.load_samples(raw, processed, qwen3_tok, [0])
-    assert (primary.name, primary.anchor, extra.name, extra.anchor) == ("row 0", "row-0", "row 0 extra 1/1",
+    assert (primary.name, primary.anchor, extra.name, extra.anchor) == ("d:1", "row-0", "d:1 extra 1/1",
                                                                         "row-0-extra-1")
     assert extra.input_ids == prefix and extra.num_trained == len(prefix) - 2
     text = S.format_sample(primary, color=False)
     assert f"trained {len(full) - 3}; truncation: none; 1 extra examples follow (reasoning_history: expand)" in text
     text = S.format_sample(extra, color=False)
-    assert text.startswith("--- row 0 extra 1/1  d:1  (source 0:d)\n"
+    assert text.startswith("--- d:1 extra 1/1  (source 0:d)\n"
                            f"tokens {len(prefix)}; trained {len(prefix) - 2}; extra example 1 of 1")
     assert list(read_tokens(debug_html([primary, extra]))) == ["row-0", "row-0-extra-1"]

@@ -44,3 +44,32 @@ def test_only_pefts_deprecated_gradient_checkpointing_calls_are_silenced():
         ("`save_pretrained` is deprecated and will be removed in v6.", FutureWarning),
         ("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning),
         ("`is_gradient_checkpointing` is deprecated and will be removed in v6.", UserWarning)]
+
+
+def test_only_transformers_unactionable_lines_are_dropped():
+    """The cache turned off under gradient checkpointing (every vision-language run) and checkpoint times that look
+    unreliable (rotating checkpoints saved within a second): transformers 5's texts, logged by these loggers."""
+    silence_library_noise()
+    lines = {
+        "transformers.utils.generic": [
+            "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`.",
+            "`Unexpected select feature strategy: x"],
+        "transformers.modeling_layers": [
+            "Caching is incompatible with gradient checkpointing in Qwen2DecoderLayer. Setting `use_cache=False`.",
+            "another layer warning"],
+        "transformers.trainer_utils": [
+            "mtime may not be reliable on this filesystem, falling back to numerical ordering",
+            "mtime is fine"],
+    }
+    kept: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: kept.append(record.getMessage())
+    for name, messages in lines.items():
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)  # on the logger itself: transformers' loggers need not reach the root's
+        try:
+            for message in messages:
+                logger.warning(message)
+        finally:
+            logger.removeHandler(handler)
+    assert kept == ["`Unexpected select feature strategy: x", "another layer warning", "mtime is fine"]

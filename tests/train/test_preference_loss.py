@@ -347,9 +347,11 @@ def test_train_runs_two_qlora_dpo_steps_logs_rewards_and_changes_the_adapter(tin
 
 @pytest.mark.slow  # trains; fast: test_fresh_adapter_dpo_loss_is_log_2_with_zero_rewards, test_starting_adapter_is_...
 def test_train_from_an_sft_adapter_starts_at_log_2_and_saves_only_the_trained_copy(tiny_model_dir, tmp_path,
-                                                                                     pair_examples, monkeypatch):
-    """model.adapter_path through run.train: the starting adapter is both the policy and the reference at step 1
-    (loss log 2), only its trained copy changes, and only it is saved."""
+                                                                                     pair_examples, monkeypatch,
+                                                                                     capsys):
+    """model.adapter_path through run.train: the summary names the adapter and the reference; the starting adapter
+    is both the policy and the reference at step 1 (loss log 2), only its trained copy changes, and only it is
+    saved."""
     from datasets import Dataset
 
     from qlora_train.data.dataset import DatasetReport
@@ -363,6 +365,8 @@ def test_train_from_an_sft_adapter_starts_at_log_2_and_saves_only_the_trained_co
     cfg.model.adapter_path = str(tmp_path / "sft")
     snapshot = Snapshot()
     trainer = run.train(cfg, callbacks=[snapshot])
+    assert (f"\nmethod     dpo from the adapter in {tmp_path / 'sft'}; reference: that adapter, frozen (loaded a "
+            "second time beside the trained copy)\n") in capsys.readouterr().out
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert abs(logs[0]["loss"] - math.log(2)) < 1e-4 and logs[1]["rewards/margins"] != 0
     after = dict(snapshot.model.named_parameters())
@@ -370,6 +374,20 @@ def test_train_from_an_sft_adapter_starts_at_log_2_and_saves_only_the_trained_co
     assert any(not torch.equal(b, after[n].detach()) for n, b in snapshot.before.items())
     out = tmp_path / "out"
     assert (out / "adapter_model.safetensors").is_file() and not (out / REFERENCE_ADAPTER).exists()
+
+
+def test_the_summary_says_where_a_preference_run_starts_and_its_reference():
+    from qlora_train.train.run import method_line
+
+    def line(method: str, adapter: str | None) -> str:
+        return method_line(Config.model_validate({"model": {"name_or_path": "m", "adapter_path": adapter},
+                                                  "data": {"datasets": [{"path": "d.jsonl"}]},
+                                                  "train": {"method": method, "per_device_train_batch_size": 2}}))
+
+    assert line("dpo", "runs/sft") == ("dpo from the adapter in runs/sft; reference: that adapter, frozen (loaded a "
+                                       "second time beside the trained copy)")
+    assert line("kto", None) == "kto from a new adapter on the base; reference: the base (the adapter switched off)"
+    assert line("orpo", "runs/sft") == "orpo from the adapter in runs/sft; no reference model (ORPO)"
 
 
 @pytest.mark.parametrize("train, model, message", [

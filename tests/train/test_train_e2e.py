@@ -226,6 +226,32 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_model_di
     assert_losses_continue(ref, resumed, steps=(4, 5, 6))
 
 
+def test_a_one_row_dataset_trains_without_eval_saying_each_thing_once(tmp_path, tiny_model_dir, caplog, capsys):
+    """data.eval_fraction on one row: no eval split, said in one line, and the run trains without evaluation (no
+    transformers traceback); the CPU runtime is said once (in the summary); a run whose rows are all dropped stops
+    before it says where it starts."""
+    caplog.set_level(logging.INFO, logger="qlora_train")
+    cfg = yaml.safe_load(write_config(tmp_path, tiny_model_dir, max_steps=1, save_steps=1).read_text())
+    cfg["data"].update(datasets=[{"path": str(SAMPLE), "max_samples": 1}], eval_fraction=0.1)
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(tmp_path / "one.yaml")]) == 0
+    said = [r.getMessage() for r in caplog.records] + capsys.readouterr().out.splitlines()
+    assert [m for m in said if "eval" in m] == [
+        "no eval split: data.eval_fraction 0.1 of 1 kept row leaves no row for one side of the split; training "
+        "without evaluation", "data       rows in 1, kept 1 (train 1, eval 0)"]
+    assert len([m for m in said if "no CUDA device" in m]) == (0 if torch.cuda.is_available() else 1)
+    assert json.loads((tmp_path / "out" / "training_complete.json").read_text())["global_step"] == 1
+
+    caplog.clear()
+    (tmp_path / "none.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    cfg["data"]["datasets"] = [{"path": str(tmp_path / "none.jsonl")}]
+    cfg["train"]["output_dir"] = str(tmp_path / "none")
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(tmp_path / "none.yaml")]) == 1
+    assert "\nerror: all 1 rows were dropped (no_assistant_turn: 1)" in capsys.readouterr().err
+    assert not [r for r in caplog.records if "starting at step" in r.getMessage()]
+
+
 def test_cuda_oom_in_training_exits_3_with_advice(tmp_path, tiny_model_dir, monkeypatch, capsys):
     from transformers import Trainer
 

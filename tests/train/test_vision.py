@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -210,20 +211,37 @@ def test_fused_loss_equals_the_models_own_on_image_rows(tiny_vl_dir, tmp_path, v
     assert fused.loss.item() == pytest.approx(own.item(), rel=1e-5)
 
 
+class Recorder(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.mark.slow
 def test_trains_the_bundled_image_rows_from_the_config(tiny_vl_dir, tmp_path, caplog, capsys):
-    """The demo's rows (content parts, relative image paths) read, expanded, collated and trained: the real path."""
+    """The demo's rows (content parts, relative image paths) read, expanded, collated and trained: the real path;
+    transformers' lines nobody can act on (the cache turned off for gradient checkpointing) are not said."""
     from transformers import AutoImageProcessor
 
     from qlora_train.cli import main
 
     caplog.set_level(logging.INFO, logger="qlora_train")
     path = write_vl_config(tmp_path, tiny_vl_dir, data_path=DEMO_ROWS, max_samples=12, max_steps=6)
-    assert main(["--config", str(path)]) == 0
+    said = Recorder()
+    logging.getLogger("transformers").addHandler(said)  # transformers' loggers do not propagate to the root's
+    try:
+        assert main(["--config", str(path)]) == 0
+    finally:
+        logging.getLogger("transformers").removeHandler(said)
+    assert not [m for m in said.messages if "incompatible with gradient checkpointing" in m], said.messages
     assert any(r.getMessage().startswith("loss: fused LM head") for r in caplog.records)
     printed = capsys.readouterr().out
     assert "vision     tower model.visual (qwen2_5_vl) not quantised, in float32; frozen (lora.train_vision: false)" \
         in printed
+    assert re.search(r"\ndata       images: \d+ in \d+ rows read: \d+ named in message content parts\n", printed)
     out = tmp_path / "out"
     report = json.loads((out / "dataset_report.json").read_text())
     assert report["rows_kept"] == 12 and not report["dropped"]
