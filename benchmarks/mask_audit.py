@@ -225,7 +225,7 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
     per pair, tokens over both sides."""
     from qlora_train.data import DataConfig
     from qlora_train.masking import IGNORE_INDEX
-    from tests.masking.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, prefix_oracle
+    from tests.masking.oracle import DECIDED, REFUSE, UNDECIDED, check_kept_row, pair_oracle
 
     t0 = time.perf_counter()
     result, tok, facts, convs = _start(template, vocab, n, seed, qwen_dir, hostile)
@@ -235,12 +235,8 @@ def audit_pairs(template: str, vocab: str, n: int, seed: int, qwen_dir: str, hos
     out = _process(result, rows, tok, DataConfig(objective="preference", max_length=8192, think_loss=think_loss,
                                                  rule_check=rule_check))
     for i, ((prompt, chosen, rejected), (_, tools)) in enumerate(zip(pairs_, convs)):
-        verdicts = {}
-        for side, response in (("chosen", chosen), ("rejected", rejected)):
-            verdicts[side] = prefix_oracle(tok, prompt + response, tools=tools, end_markers=facts["end_markers"],
-                                           # only the response's turns trained
-                                           trained=range(len(prompt), len(prompt) + len(response)),
-                                           think_loss=think_loss)
+        verdicts = pair_oracle(tok, prompt, {"chosen": chosen, "rejected": rejected}, tools=tools,
+                               end_markers=facts["end_markers"], think_loss=think_loss)  # only the responses trained
         kinds = {v.kind for v in verdicts.values()}
         kind = DECIDED if kinds == {DECIDED} else REFUSE if REFUSE in kinds else UNDECIDED
         result.decided += kind == DECIDED

@@ -147,7 +147,8 @@ def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule:
                   for t in rendered.turns)
     runs = ImageRuns(token, rule.image_token_id, tuple((moved(s), n) for s, n in zip(starts, counts)))
     return rendered._replace(text="".join(pieces), char_mask=np.concatenate(masks),
-                             message_ends=tuple(moved(e) for e in rendered.message_ends), turns=turns, images=runs)
+                             message_ends=tuple(moved(e) for e in rendered.message_ends), turns=turns, images=runs,
+                             extra_cuts=tuple(moved(c) for c in rendered.extra_cuts))
 
 
 __all__ = ["IMAGE_SLOT", "ImageInfo", "ImageRule", "expand_images", "expanded_text", "image_rule", "message_images",

@@ -12,8 +12,12 @@ A side is exactly what SFT trains for the conversation ``prompt + response`` wit
 turns marked trained (``mark_side``, rendered with ``pair_policy``): the same one render and verified walk, the same
 tokens and labels (``example.mask_conversation``). Nothing here finds a turn: the boundary between prompt and
 response is where the render says the response's first turn starts its generated part (``TurnSpan.start``: after
-the header, ``[/INST]`` or whatever the template's prompt side writes); the render is cut there before it is
-tokenized, so the prompt's ids are the prompt tokenized alone, as at inference.
+the header, ``[/INST]`` or whatever the template's prompt side writes, and what the generation prompt adds after
+it); the render is cut there before it is tokenized, so the prompt's ids are the prompt tokenized alone, as at
+inference. Where a pair's two sides start at different places (a template whose generation prompt pre-fills an
+empty reasoning block, which the rejected side's turn writes whole and the chosen side's, with reasoning, parts
+from after ``<think>\n``), the pair's prompt ends at the earlier one, and the other side is cut there too: its text
+up to its own start stays untrained.
 
 The shared prompt of a pair (``shared_prompt_length``), checked on every pair:
 
@@ -124,11 +128,17 @@ def _responses(prompt: list[Message], responses: list[tuple[str, list[Message]]]
         except RowRejected as rej:
             raise RowRejected(rej.reason, f"{side}: {rej.detail} (messages counted over prompt + response)",
                               traceback=rej.traceback) from None
+    # the responses share the prompt through the earlier of their starts: a side whose turn writes more of the
+    # generation prompt's text (the empty block it pre-fills, where the other side's turn has reasoning) starts
+    # later, and is cut there too, so that both sides' prompt tokens are the same
+    starts = [next(t.start for t in ex.rendered.turns if t.index == len(prompt)) for ex in examples]
+    boundary = min(starts)
+    examples = [ex if start == boundary else replace(ex, rendered=ex.rendered._replace(extra_cuts=(boundary,)))
+                for ex, start in zip(examples, starts)]
     out = []
     for ex, masked in zip(examples, finish_examples(examples, tokenizer)):
         if isinstance(masked, RowRejected):
             raise masked
-        boundary = next(t.start for t in ex.rendered.turns if t.index == len(prompt))
         whole, starting = masked.offsets.tokens_before(boundary, len(ex.rendered.text))
         out.append(MaskedResponse(masked, boundary, whole, starting - whole))
     return out

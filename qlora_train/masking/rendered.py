@@ -53,6 +53,7 @@ class RenderedConversation(NamedTuple):
     verified_by: str = "layout"  # or "prefix_renders": the rule applied with per-turn prefix renders (prefix.py)
     renders: int = 1  # chat-template renders this result cost
     images: ImageRuns | None = None  # a vision-language model's render: its images' tokens (``images.expand_images``)
+    extra_cuts: tuple[int, ...] = ()  # more places the text is cut (a preference pair's shared prompt end, ``pair``)
 
     @property
     def cuts(self) -> tuple[int, ...]:
@@ -61,7 +62,7 @@ class RenderedConversation(NamedTuple):
         tokenized alone; and where a turn's trained text resumes after a masked reasoning block (``think_loss:
         answer_only``: the answer's first word is trained whatever the block's last characters are). A cut at 0 or
         at the end of the text is no cut."""
-        out, mask, n = [], self.char_mask, len(self.text)
+        out, mask, n = list(self.extra_cuts), self.char_mask, len(self.text)
         for t in self.turns:
             out.append(t.start)
             for at in (t.reasoning[0] if t.reasoning else t.start, t.body_start):

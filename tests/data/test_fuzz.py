@@ -47,7 +47,15 @@ from qlora_train.data.parse import canonicalize_row
 from qlora_train.data.processed import SFT_ROW
 from qlora_train.data.sources import SourceError, _json_rows
 from qlora_train.masking import IGNORE_INDEX, LossPolicy
-from tests.masking.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens, weak_violations
+from tests.masking.oracle import (
+    DECIDED,
+    REFUSE,
+    check_kept_row,
+    pair_oracle,
+    prefix_oracle,
+    tokens,
+    weak_violations,
+)
 
 # ---------------------------------------------------------------------------------------------- run length
 # FUZZ_SECONDS (make fuzz): the whole budget, shared out over the fuzz tests and the xdist workers; each test
@@ -398,10 +406,12 @@ def check_pair_masks(out: dict[str, list], tok, cfg: DataConfig, ends) -> None:
         pair = canonicalize_pair(json.loads(out["row"][i]), cfg, tokenizer=tok)
         if not pair.prompt:
             continue  # the oracle renders the empty prompt before the response, which apply_chat_template refuses
+        verdicts = pair_oracle(tok, pair.prompt, {"chosen": pair.chosen, "rejected": pair.rejected}, tools=pair.tools,
+                               end_markers=ends)
         for side, response in (("chosen", pair.chosen), ("rejected", pair.rejected)):
             msgs = pair.prompt + response
             trained_range = range(len(pair.prompt), len(msgs))
-            verdict = prefix_oracle(tok, msgs, tools=pair.tools, end_markers=ends, trained=trained_range)
+            verdict = verdicts[side]
             labels = out[f"{side}_labels"][i]
             check = check_kept_row(tok, verdict, msgs, out[f"{side}_input_ids"][i], _trained(labels),
                                    trained_messages=trained_range)

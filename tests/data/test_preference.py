@@ -15,7 +15,7 @@ from qlora_train.data import DataConfig, build_preference_example, canonicalize_
 from qlora_train.masking import IGNORE_INDEX, RowRejected
 from qlora_train.masking.policy import LossPolicy
 from tests.masking.families import FAMILIES
-from tests.masking.oracle import DECIDED, check_kept_row, prefix_oracle
+from tests.masking.oracle import DECIDED, check_kept_row, pair_oracle
 from tests.masking.test_family_masks import TOOLS as FAMILY_TOOLS
 from tests.masking.test_family_masks import _call, _specials_removed, answer, upper
 
@@ -453,7 +453,12 @@ def check_pair_properties(tok, fam, prompt, chosen, rejected):
     for side, response in (("chosen", chosen), ("rejected", rejected)):
         ids, labels = ex[f"{side}_input_ids"], ex[f"{side}_labels"]
         assert not sft[side]["drop_reason"], sft[side]["drop_detail"]
-        assert (ids, labels) == (sft[side]["input_ids"], sft[side]["labels"])  # exactly SFT's side
+        if ids != sft[side]["input_ids"]:  # a side that starts after the pair's prompt ends (it writes more of the
+            # generation prompt's text: an empty block it pre-fills) is cut there too: its own text and trained tokens
+            assert tok.decode(ids) == tok.decode(sft[side]["input_ids"])
+            assert trained_text(tok, ids, labels) == trained_text(tok, sft[side]["input_ids"], sft[side]["labels"])
+        else:
+            assert labels == sft[side]["labels"]  # exactly SFT's side
         assert all(lab == IGNORE_INDEX for lab in labels[:n])  # the prompt never trained
         trained = trained_text(tok, ids, labels)
         assert not any(c.isupper() for c in _specials_removed(trained, tok, fam)), trained
@@ -461,8 +466,8 @@ def check_pair_properties(tok, fam, prompt, chosen, rejected):
         for m in response:
             if m["role"] == "assistant" and m["content"].strip():
                 assert "".join(m["content"].split()) in flat
-        verdict = prefix_oracle(tok, prompt + response, tools=tools, end_markers=fam.end_markers,
-                                trained=range(len(prompt), len(prompt) + len(response)))
+        verdict = pair_oracle(tok, prompt, {"chosen": chosen, "rejected": rejected}, tools=tools,
+                              end_markers=fam.end_markers)[side]
         if verdict.kind == DECIDED:  # the rule's verdict on the response's turns, token by token
             check = check_kept_row(tok, verdict, prompt + response, ids, [lab != IGNORE_INDEX for lab in labels])
             assert not check.text_differs and (check.wrong, check.missed) == (0, 0), (check, verdict.reason)

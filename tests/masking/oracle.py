@@ -72,6 +72,7 @@ and neither does the oracle.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -310,6 +311,22 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
         return Verdict(DECIDED, full, tuple(spans), turns=tuple(turns), cuts=tuple(sorted(cuts)), masked=tuple(masked),
                        whole=tuple(whole))
     return Verdict(DECIDED, full, tuple(spans), turns=tuple(turns), cuts=tuple(cuts))
+
+
+def pair_oracle(tok, prompt: Sequence[dict], responses: dict[str, Sequence[dict]], *, tools: list | None = None,
+                end_markers: Sequence[str], think_loss: str = "all") -> dict[str, Verdict]:
+    """Each side of a preference pair (``responses``: side -> its messages) judged with only its response's turns
+    trained, each side's text cut also where the pair's prompt ends: the earlier of the sides' starts (a side whose
+    turn writes more of the generation prompt's text, an empty block it pre-fills, starts later), as training
+    tokenizes a pair so that both sides' prompt tokens are the same."""
+    prompt = list(prompt)
+    verdicts = {side: prefix_oracle(tok, prompt + list(r), tools=tools, end_markers=end_markers, think_loss=think_loss,
+                                    trained=range(len(prompt), len(prompt) + len(r))) for side, r in responses.items()}
+    firsts = [min(v.cuts) for v in verdicts.values() if v.cuts]
+    if len(firsts) == len(verdicts):
+        shared = min(firsts)
+        verdicts = {side: dataclasses.replace(v, cuts=tuple(sorted({*v.cuts, shared}))) for side, v in verdicts.items()}
+    return verdicts
 
 
 def _aligned_end(prompt: str, full: str, after: int, own: int) -> int | None:

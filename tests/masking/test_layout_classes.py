@@ -24,7 +24,7 @@ from qlora_train.data import DataConfig, process_rows
 from qlora_train.masking import IGNORE_INDEX, template_layout
 from tests.masking.conversations import conversation
 from tests.masking.families import FAMILIES, ISSUE24_NAMES, ISSUE34_NAMES, ISSUE45_NAMES, example_messages
-from tests.masking.oracle import DECIDED, REFUSE, check_kept_row, prefix_oracle, tokens
+from tests.masking.oracle import DECIDED, REFUSE, check_kept_row, pair_oracle, prefix_oracle, tokens
 from tests.vocabularies import SHIPPED_TEMPLATES
 
 # every family template probed on three vocabularies: make test (CI) runs it, make test-fast does not
@@ -238,10 +238,11 @@ def test_the_trailer_is_never_trained_in_a_pair(tokenizers, vocab):
                              **({"tools": tools} if tools else {})}], tok, DataConfig(objective="preference"))
         assert out["drop_reason"] == [""], out["drop_detail"]
         kept += 1
+        verdicts = pair_oracle(tok, prompt, {"chosen": chosen, "rejected": rejected}, tools=tools,
+                               end_markers=fam.end_markers)
         for side, response in (("chosen", chosen), ("rejected", rejected)):
             ids, labels = out[f"{side}_input_ids"][0], out[f"{side}_labels"][0]
-            verdict = prefix_oracle(tok, prompt + response, tools=tools, end_markers=fam.end_markers,
-                                    trained=range(len(prompt), len(prompt) + len(response)))
+            verdict = verdicts[side]
             assert verdict.kind == DECIDED, verdict.reason
             check = check_kept_row(tok, verdict, prompt + response, ids, [lab != IGNORE_INDEX for lab in labels],
                                    trained_messages=range(len(prompt), len(prompt) + len(response)))
