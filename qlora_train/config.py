@@ -248,8 +248,9 @@ class DataConfig(_Section):
     think_max_tokens: int = Field(0, ge=0, description="Cap reasoning at this many tokens (0 = no cap).")
     think_loss: ThinkLoss = Field(
         "all",
-        description="`all` trains the reasoning block with its tags; `answer_only` masks the whole block; "
-        "`answer_plus_think` trains reasoning text but masks the tags.",
+        description="`all` trains the reasoning block with its tags; `answer_only` masks the whole block (the answer "
+        "trained from its own first character); `answer_plus_think` trains reasoning text but masks the tags. What "
+        "the generation prompt writes (an opener, a pre-filled empty block) is prompt under each.",
     )
     reasoning_history: ReasoningHistory = Field(
         "expand",

@@ -2,10 +2,11 @@
 
     >>> probe_layout(tok)              # Qwen3
     TemplateLayout(assistant_header='<|im_start|>assistant\\n', turn_openers=('<|im_start|>assistant\\n',),
-                   end_markers=('<|im_end|>',), think_open='<think>', think_close='</think>', answer_open='',
-                   reasoning_key='reasoning_content', leads=(), turn_start='<|im_start|>',
-                   tool_arguments_as_string=False, last_turn_unmarked=False, trailer='',
-                   layout_class='header_from_generation_prompt', unknown=(), declared=())
+                   end_markers=('<|im_end|>',), think_open='<think>', think_close='</think>',
+                   think_separator='\\n\\n', answer_open='', reasoning_key='reasoning_content', leads=(),
+                   turn_start='<|im_start|>', tool_arguments_as_string=False, last_turn_unmarked=False, trailer='',
+                   prompt_tail='', prompt_by_row=False, layout_class='header_from_generation_prompt', unknown=(),
+                   declared=())
 
 The generated part of a turn is what the model writes after the prompt the
 template gives it at inference. Three layout classes place that prompt's end
@@ -20,7 +21,11 @@ and ``render(conversation + [answer])``.
 - no header (Mistral / Llama 2 ``[INST]``: the answer follows ``[/INST]``).
 
 For the last two the ``turn_openers`` are the prompt-side text after a user
-(and, where the template has tools, a tool result) message. Reasoning
+(and, where the template has tools, a tool result) message. What the generation
+prompt writes after the header (a reasoning opener ``<think>\n``, a pre-filled
+empty block, a preamble) is its ``prompt_tail``: prompt, never trained (every
+render's generation prompt is prompt); ``prompt_by_row`` says that text depends
+on the conversation (a ``/no_think`` flag), so each turn's is rendered. Reasoning
 delimiters, an answer marker written before the content (``<|START_RESPONSE|>``,
 harmony's final channel), the message key the template reads reasoning from,
 and the end markers (a turn may close with several: a response end then an
