@@ -125,7 +125,7 @@ def answer_start(text: str, at: int, content: str, layout: TemplateLayout, limit
         c += 1
     body = content.strip(WHITESPACE)
     if not body or not text.startswith(body, c):
-        return c  # the content is not next (an answer marker, calls first): the answer starts at what is
+        return j  # the content is not next (an answer marker, calls: '\n<call>'): the answer starts after the separator
     lead = content[: len(content) - len(content.lstrip(WHITESPACE))]
     k = c
     while k > j and c - k < len(lead) and text[k - 1] == lead[len(lead) - 1 - (c - k)]:

@@ -101,6 +101,7 @@ class Verdict:
     # rendered reasoning), and the spans think_loss="all" trains: a token trained outside them is wrong
     masked: tuple[tuple[int, int], ...] = ()
     whole: tuple[tuple[int, int], ...] | None = None
+    answer_only: bool = False  # judged with think_loss="answer_only"
 
 
 _SHIFT = "\x01"  # put before a turn's content to see where the template starts writing it (no template trims it)
@@ -306,10 +307,10 @@ def prefix_oracle(tok, messages: Sequence[dict], *, tools: list | None = None, e
             turns.append(i)
         cursor = end
     if failed:
-        return Verdict(failed[0], full, reason=failed[1], cuts=tuple(cuts))
+        return Verdict(failed[0], full, reason=failed[1], cuts=tuple(cuts), answer_only=think_loss == "answer_only")
     if think_loss == "answer_only":
         return Verdict(DECIDED, full, tuple(spans), turns=tuple(turns), cuts=tuple(sorted(cuts)), masked=tuple(masked),
-                       whole=tuple(whole))
+                       whole=tuple(whole), answer_only=True)
     return Verdict(DECIDED, full, tuple(spans), turns=tuple(turns), cuts=tuple(cuts))
 
 
@@ -392,7 +393,13 @@ def check_kept_row(tok, verdict: Verdict, messages: Sequence[dict], input_ids: S
                    trained: Sequence[bool], trained_messages: range | None = None) -> RowCheck:
     """Compare the tokens the engine trains in a row it kept (``trained[k]``: token k has a label) with the
     oracle's verdict on the row, token by token (the first-character rule)."""
-    ids, offsets = tokens(tok, verdict.text, verdict.cuts)
+    if verdict.answer_only and verdict.kind != REFUSE:  # each answer's cut where the engine has it
+        found = _answer_cut_tokens(tok, verdict, list(input_ids))
+        if found is None:
+            return RowCheck(text_differs=True)
+        ids, offsets = found
+    else:
+        ids, offsets = tokens(tok, verdict.text, verdict.cuts)
     if ids != list(input_ids):
         return RowCheck(text_differs=True)
     if verdict.kind == DECIDED and verdict.whole is not None:  # answer_only: the answers exactly, no reasoning
@@ -408,6 +415,37 @@ def check_kept_row(tok, verdict: Verdict, messages: Sequence[dict], input_ids: S
     if verdict.kind == REFUSE:
         return RowCheck(False, wrong=sum(trained))
     return RowCheck(False, weak=weak_violations(verdict.text, messages, offsets, trained, trained_messages))
+
+
+_ANSWER_WITHIN = 64  # an undecided answer_only row: where its answer's cut may be, after the turn's start
+
+
+def _answer_cut_tokens(tok, verdict: Verdict, input_ids: list[int]) -> tuple[list[int], list] | None:
+    """An answer_only verdict's tokens with each answer's cut where the engine's ids show it: anywhere from the
+    turn's start through its answer's first character (the masked block and the separator are either's; where the
+    text is cut there changes which tokens they make, never what must be trained), or nowhere. None where no
+    placement gives the engine's ids."""
+    text = verdict.text
+    answers = {a for (w, _), (a, _) in zip(verdict.whole or (), verdict.spans) if a > w}
+    bounds = [0, *sorted(c for c in set(verdict.cuts) - answers if 0 < c < len(text)), len(text)]
+    ids, offsets = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        a = next((a for a in answers if lo < a < hi), None)
+        if a is not None:
+            options = [a, None, *range(lo + 1, a)]
+        elif verdict.kind == UNDECIDED and lo > 0:  # no answer placed: its cut within the turn's first characters
+            options = [None, *range(lo + 1, min(hi, lo + _ANSWER_WITHIN))]
+        else:
+            options = [None]
+        for cut in options:
+            piece_ids, piece_offsets = tokens(tok, text[lo:hi], [] if cut is None else [cut - lo])
+            if input_ids[len(ids):len(ids) + len(piece_ids)] == piece_ids:
+                ids += piece_ids
+                offsets += [(x + lo, y + lo) for x, y in piece_offsets]
+                break
+        else:
+            return None
+    return ids, offsets
 
 
 def weak_violations(text: str, messages: Sequence[dict], offsets: Sequence[tuple[int, int]],
