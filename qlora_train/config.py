@@ -45,6 +45,7 @@ FORMAT_OVERRIDES = ("dataset_schema", "messages_field", "message_property_mappin
                     "format", "no_input_format", "image_dir")
 ImageCheck = Literal["decode", "header"]  # data.image_check: how much of each image preprocessing reads
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # data.max_image_pixels: 8000x8000
+DEFAULT_MAX_ROW_IMAGE_PIXELS = 256_000_000  # data.max_row_image_pixels: four images of the largest size
 
 
 class RowHandlerSpec(_Section):
@@ -279,9 +280,19 @@ class DataConfig(_Section):
         "file's directory, a local directory source itself, a glob's leading directory; the current directory for "
         "a hub dataset or sources whose files lie in different directories.",
     )
+    image_root: str | None = Field(
+        None, description="Directory every image file must lie in (its links followed): an image path outside it "
+        "refuses its row (`bad_image`). Unset: a row's image paths may name any file this user can read "
+        "(docs/trust.md#images).",
+    )
     max_image_pixels: int = Field(
         DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="Images with more pixels (read from the header, before "
-        "decoding) are refused with their row (`bad_image`).",
+        "decoding; Pillow's own decompression-bomb guard is set to it) are refused with their row (`bad_image`).",
+    )
+    max_row_image_pixels: int = Field(
+        DEFAULT_MAX_ROW_IMAGE_PIXELS, ge=1, description="Pixels one row's images may hold together, each reference "
+        "counted (what its batch decodes for it; an image referred to again is read once here): a row over it is "
+        "refused (`over_budget`) at the reference that passes it.",
     )
     image_check: ImageCheck = Field(
         "decode", description="`decode`: every image decoded once at preprocessing, so a corrupt file is refused "
@@ -328,10 +339,12 @@ class DataConfig(_Section):
     def for_source(self, src: DatasetSource) -> DataConfig:
         """The options that process ``src``'s rows: its format overrides (``FORMAT_OVERRIDES``) applied, and
         the source lists and mixing left out, so that one source's cache does not depend on the others. ``image_dir``
-        is made absolute: set, or the source's own (``source_image_dir``)."""
+        is made absolute: set, or the source's own (``source_image_dir``); so is ``image_root``."""
         update = {k: getattr(src, k) for k in FORMAT_OVERRIDES if getattr(src, k) is not None}
         image_dir = update.get("image_dir", self.image_dir) or source_image_dir(src)
         update["image_dir"] = str(Path(image_dir).expanduser().absolute()) if image_dir else None
+        if self.image_root:
+            update["image_root"] = str(Path(self.image_root).expanduser().absolute())
         return self.model_copy(update={**update, "datasets": [], "eval_datasets": [], "mixing": MixingConfig()})
 
     # Section checks name their key first ("key: why"); _describe joins it to the section's path.

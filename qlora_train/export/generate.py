@@ -96,19 +96,19 @@ def greedy(gen):
 def user_message(prompt: str, images: list[str] = ()) -> dict:
     """A prompt (and image paths, read for their sizes) -> the user message: an image slot per image before the
     text, with its ``ImageInfo`` (``ExportError`` for an image that cannot be read)."""
-    from PIL import Image, UnidentifiedImageError
-
+    from qlora_train.data.images import ImageUnreadable, upright_size
     from qlora_train.masking import IMAGE_SLOT
 
     if not images:
         return {"role": "user", "content": prompt}
     infos = []
     for path in images:
+        ref = str(Path(path).resolve())
         try:
-            with Image.open(path) as im:
-                infos.append({"ref": str(Path(path).resolve()), "width": im.width, "height": im.height})
-        except (OSError, UnidentifiedImageError) as exc:
+            width, height = upright_size(ref)  # EXIF orientation applied, as training reads an image
+        except ImageUnreadable as exc:
             raise ExportError(f"--image {path}: cannot read it: {exc}") from None
+        infos.append({"ref": ref, "width": width, "height": height})
     return {"role": "user", "content": IMAGE_SLOT * len(images) + prompt, "images": infos}
 
 

@@ -128,7 +128,8 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
         return PairCollator(tokenizer.pad_token_id)
     if not cfg.train.packing:
         rule = image_rule(tokenizer)  # a vision-language model's rows carry images (packing is refused for it)
-        return ImageCollator(tokenizer.pad_token_id, rule) if rule is not None else PadCollator(tokenizer.pad_token_id)
+        return (ImageCollator(tokenizer.pad_token_id, rule, max_pixels=cfg.data.max_image_pixels) if rule is not None
+                else PadCollator(tokenizer.pad_token_id))
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if "flash" in attn and runtime.device == "cuda":
         return PackedCollator(tokenizer.pad_token_id, attention="position_ids")
