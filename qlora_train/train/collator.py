@@ -49,9 +49,9 @@ class PadCollator:
 @dataclass
 class ImageCollator:
     """A vision-language model's batches: ``PadCollator``'s, plus the pixels of the rows' images (``images``: the
-    references the rows keep, loaded here with ``data.images.open_image``), made by the image processor of
-    ``rule`` (``masking.ImageRule``) one image at a time, so that a batch's peak is one decoded image and the
-    processed patches (an image's own, the same as a call on all of them): ``pixel_values`` (every image's patches, row by row, image by image),
+    references the rows keep, loaded here with ``data.images.open_image``: upright, RGB), made by the image
+    processor of ``rule`` (``masking.ImageRule``) one image at a time (the same patches as one call on all; a batch
+    holds one decoded image at a time): ``pixel_values`` (every image's patches, row by row, image by image),
     ``image_grid_thw`` (one ``[t, h, w]`` patch grid per image) and ``mm_token_type_ids`` (1 at each image token:
     the model's 3D positions read it). A batch of text rows alone (no ``images``) is ``PadCollator``'s exactly.
 
