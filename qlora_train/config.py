@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import glob as globlib
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -570,6 +571,14 @@ class TrainConfig(_Section):
         "in CPU memory, moved to the GPU layer by layer (less GPU memory, slower steps; docs/distributed.md).",
     )
 
+    @field_validator("output_dir", mode="before")
+    @classmethod
+    def _a_path(cls, value: Any) -> Any:
+        if isinstance(value, str) and "$" in value:
+            raise ValueError(f"{value!r} holds '$': environment variables are not expanded (a folder named "
+                             "'$HOME' would be made); write the path itself (a leading ~ is expanded)")
+        return os.path.expanduser(value) if isinstance(value, str) else value
+
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod
     def _auto_or_a_path(cls, value: Any) -> Any:
@@ -745,7 +754,7 @@ def file_problems(tree: dict) -> list[str]:
         problems.append(f"train.resume_from_checkpoint: checkpoint directory not found: {resume} "
                         "(or use 'auto')")
     out = train.get("output_dir")
-    if isinstance(out, str) and Path(out).is_file():
+    if isinstance(out, str) and Path(out).expanduser().is_file():
         problems.append(f"train.output_dir: is a file, not a directory: {out}")
     return problems
 

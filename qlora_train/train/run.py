@@ -31,6 +31,7 @@ from qlora_train.data.prepared import training_data
 from qlora_train.errors import UsageError
 from qlora_train.files import fresh_dir, write_atomic
 from qlora_train.masking import SIDES, image_rule
+from qlora_train.output_dir import RunLock, mark, output_dir_problem, run_inputs
 from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import ImageCollator, PackedCollator, PadCollator, PairCollator, UnpairedCollator
@@ -47,6 +48,7 @@ from qlora_train.train.model import count_parameters, load_model, load_model_con
 from qlora_train.train.resume import (
     COMPLETE_MARKER,
     STAGING_DIR,
+    Decision,
     agree,
     decide,
     last_checkpoint,
@@ -225,7 +227,7 @@ def save_final_outputs(trainer, tokenizer, cfg: Config, out: Path, main: bool) -
     write_atomic(staging / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
     write_atomic(staging / "loss_history.json", json.dumps(losses, indent=1))
-    publish(staging, out)
+    mark(out, published=publish(staging, out))  # what --overwrite removes of this run besides its checkpoints
     write_atomic(out / COMPLETE_MARKER, json.dumps(
         {"global_step": trainer.state.global_step, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
     if len(losses) >= 2:
@@ -234,28 +236,47 @@ def save_final_outputs(trainer, tokenizer, cfg: Config, out: Path, main: bool) -
     log.info("adapter, tokenizer and config written to %s", out)
 
 
-def publish(staging: Path, out: Path) -> None:
-    """Move every staged entry into ``out`` (``os.replace``), ``adapter_config.json`` last, then drop ``staging``.
+def publish(staging: Path, out: Path) -> list[str]:
+    """Move every staged entry into ``out`` (``os.replace``), ``adapter_config.json`` last, then drop ``staging``;
+    returns the names published.
 
     Each file appears whole or not at all; peft finds an adapter by its config, so
-    the config is only there once the weights are.
+    the config is only there once the weights are. A link at a name is replaced, never written through.
     """
     entries = sorted(staging.iterdir(), key=lambda p: p.name == "adapter_config.json")
     for src in entries:
         dst = out / src.name
-        if dst.is_dir() and src.is_dir():
+        if dst.is_dir() and not dst.is_symlink() and src.is_dir():
             shutil.rmtree(dst)
         os.replace(src, dst)
     staging.rmdir()
+    return sorted(src.name for src in entries)
 
 
 def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False):
     """Run one training job; returns the finished ``Trainer`` (outputs are in ``cfg.train.output_dir``).
 
-    Resumes the checkpoints of the same config found in the output directory; raises ``UsageError`` when it holds
-    a finished run or another config's checkpoints, unless ``overwrite`` (``--overwrite``) removes them first.
-    Raises ``TrainingInterrupted`` after saving a checkpoint when SIGINT/SIGTERM arrives.
+    The output folder must be ours (``output_dir``: missing, empty or written by our runs, never a folder of the
+    run's inputs) and free: the run holds its lock until it returns. Resumes the checkpoints of the same config
+    found there; raises ``UsageError`` when it holds a finished run or another config's checkpoints, unless
+    ``overwrite`` (``--overwrite``) removes them first. Raises ``TrainingInterrupted`` after saving a checkpoint
+    when SIGINT/SIGTERM arrives.
     """
+    with RunLock(Path(cfg.train.output_dir)) as lock:
+        return _train(cfg, lock, callbacks=callbacks, overwrite=overwrite)
+
+
+def claim(out: Path, cfg: Config, lock: RunLock) -> str | None:
+    """Rank 0: the output folder checked (``output_dir.output_dir_problem``), marked ours and locked for this run;
+    None when all that holds, else the line that refuses the run."""
+    problem = output_dir_problem(out, run_inputs(cfg))
+    if problem is not None:
+        return problem
+    mark(out)
+    return lock.take()
+
+
+def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: bool):
     from transformers import Trainer, set_seed
 
     set_seed(cfg.train.seed)  # before the adapter is built: LoRA init is random
@@ -266,8 +287,10 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
     check_distributed_setup(cfg, runtime)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
     fingerprint = run_fingerprint(cfg)
-    start = agree(decide(read_output_dir(out), fingerprint, resume=cfg.train.resume_from_checkpoint,
-                         overwrite=overwrite))  # every rank takes rank 0's view of the directory
+    refusal = claim(out, cfg, lock) if main else None
+    start = agree(Decision("refuse", refusal) if refusal else decide(
+        read_output_dir(out), fingerprint, resume=cfg.train.resume_from_checkpoint,
+        overwrite=overwrite))  # every rank takes rank 0's view of the directory
     if start.action == "refuse":
         raise UsageError(start.line)
     log.info(runtime.note)

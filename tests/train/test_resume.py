@@ -237,7 +237,9 @@ def test_the_cli_refuses_a_finished_run_and_another_configs_checkpoints(tmp_path
     assert capsys.readouterr().err.splitlines() == [
         f"error: {out} holds a finished run (step 2): train into another train.output_dir, or add --overwrite to "
         "train again from step 0 (removes its checkpoints and adapter)"]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", FINGERPRINT_FILE, "training_complete.json"]
+    # the run found there left as it was (the folder marked ours, and its lock file: a run written before the mark)
+    assert sorted(p.name for p in out.iterdir()) == [".qlora-train", ".qlora-train.lock", "checkpoint-2",
+                                                     FINGERPRINT_FILE, "training_complete.json"]
     # the diagnostics and --preprocess do not train: a finished run is no reason to refuse them (this tokenizer
     # cannot be loaded: they get that far)
     for flags in (["--stats-only"], ["--preprocess"]):
