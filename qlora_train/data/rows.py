@@ -123,7 +123,7 @@ def storable(text: str) -> str:
     """Text as a string column stores it (UTF-8): a lone surrogate (an undecodable byte of a data file, which a
     refusal's detail quotes from a role, a name or a path) written as its escape, ``\\udcff``; other text as is.
 
-    >>> storable("the prompt ends with a user\udcff message")
+    >>> storable("the prompt ends with a user\\udcff message")
     'the prompt ends with a user\\\\udcff message'
     """
     try:
