@@ -74,13 +74,16 @@ def load_chat_model(cfg: Config, *, merged_dir: Path | None = None, checkpoint: 
     else:
         from peft import PeftModel
 
+        from qlora_train.train.resume import refusing_unsafe_files
+
         adapter_dir = find_adapter(cfg.train.output_dir, checkpoint)
         tokenizer = trained_tokenizer(adapter_dir, cfg.model)
         saved = (adapter_dir / "preprocessor_config.json").is_file()  # the image processor training used
         set_image_rule(tokenizer, image_rule_for(cfg.model, tokenizer, processor_path=adapter_dir if saved else None))
         base = load_base_model(cfg.model, runtime)
-        fit_base_to_adapter(base, adapter_dir, tokenizer)  # rows for the tokens model.new_tokens added
-        model = PeftModel.from_pretrained(base, adapter_dir)
+        with refusing_unsafe_files(adapter_dir, "the trained adapter"):
+            fit_base_to_adapter(base, adapter_dir, tokenizer)  # rows for the tokens model.new_tokens added
+            model = PeftModel.from_pretrained(base, adapter_dir)
         gen, source = serving_generation_config(base.generation_config, tokenizer), f"base + adapter {adapter_dir}"
     model.eval()
     return ChatModel(model, tokenizer, greedy(gen), source)

@@ -252,11 +252,13 @@ def start_from_adapter(base, path: str, *, with_reference: bool):
     from peft import PeftModel
 
     from qlora_train.train.preference import REFERENCE_ADAPTER, TRAINED_ADAPTER
+    from qlora_train.train.resume import refusing_unsafe_files
 
     try:
-        model = PeftModel.from_pretrained(base, path, adapter_name=TRAINED_ADAPTER, is_trainable=True)
-        if with_reference:
-            model.load_adapter(path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        with refusing_unsafe_files(path, "model.adapter_path"):
+            model = PeftModel.from_pretrained(base, path, adapter_name=TRAINED_ADAPTER, is_trainable=True)
+            if with_reference:
+                model.load_adapter(path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model.adapter_path: cannot load the adapter in {path}: {' '.join(str(exc).split())}") \
             from None

@@ -26,13 +26,17 @@ while saving: it is skipped, and removed when the run starts. ``decide`` is pure
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from qlora_train.errors import UsageError
 
 log = logging.getLogger("qlora_train")
 COMPLETE_MARKER = "training_complete.json"
@@ -220,6 +224,65 @@ def _config_difference(saved: dict | None, now: dict) -> str:
         return "its fingerprint differs"
     more = f"; {len(lines) - 1} more" if len(lines) > 1 else ""
     return f"{lines[0]}{more}"
+
+
+# --- reading a checkpoint ---
+
+
+@contextlib.contextmanager
+def refusing_unsafe_files(folder: str | Path, where: str):
+    """Read files of ``folder`` (a checkpoint, an adapter) inside: a file that torch's weights-only loader or
+    safetensors refuses (a pickle that would run code, a file that is not tensors at all) -> ``UsageError`` (exit 2)
+    in one line naming ``where``, the file and why, without torch's advice to load it again unsafely."""
+    try:
+        yield
+    except Exception as exc:
+        why = _refused_why(exc)
+        if why is None:
+            raise
+        name = _file_read(exc, Path(folder))
+        raise UsageError(f"{where}: {name or f'a file in {folder}'} is not a tensor file ({why}): it was refused "
+                         "unread (checkpoints are read as tensors only, never as code); remove it, or use another "
+                         "checkpoint") from None
+
+
+# the sentences of torch's message that advise loading the file anyway (unsafely), or say nothing of the file
+_UNSAFE_HINTS = ("weights_only", "Weights only load failed", "arbitrary code", "trusted source", "safe_globals",
+                 "allowlist", "Check the documentation", "file an issue")
+
+
+def _refused_why(exc: BaseException) -> str | None:
+    """Why torch's weights-only loader or safetensors refused a file (their own words, less torch's hint), or
+    None for any other exception."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    text = " ".join(str(exc).split())
+    if isinstance(exc, pickle.UnpicklingError):
+        pieces = (p.strip().removeprefix("WeightsUnpickler error:").strip()
+                  for p in re.split(r"\n+|(?<=\.) (?=[A-Z])", str(exc)))
+        said = " ".join(p for p in pieces if p and not any(hint in p for hint in _UNSAFE_HINTS))
+        return said.rstrip(".") or "not a tensor pickle"
+    if isinstance(exc, SafetensorError):
+        return f"safetensors: {text[:200]}"
+    if isinstance(exc, RuntimeError) and "PytorchStreamReader" in text:
+        return text[:200]
+    return None
+
+
+def _file_read(exc: BaseException, folder: Path) -> str | None:
+    """The file inside ``folder`` that the failing read was reading: the innermost path inside it that a frame of
+    the traceback holds (torch.load's ``f``, safetensors' ``filename``), or None."""
+    found, tb, top = None, exc.__traceback__, os.path.realpath(folder)
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, os.PathLike) or isinstance(value, str) and len(value) < 4096 and "\0" not in value:
+                path = os.path.realpath(os.fspath(value))
+                if path.startswith(top + os.sep) and os.path.isfile(path):
+                    found = os.fspath(value)
+        tb = tb.tb_next
+    return found
 
 
 # --- acting on it ---

@@ -14,6 +14,7 @@ exactly when that marker exists.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import logging
@@ -54,6 +55,7 @@ from qlora_train.train.resume import (
     last_checkpoint,
     prepare_output_dir,
     read_output_dir,
+    refusing_unsafe_files,
     run_fingerprint,
 )
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
@@ -335,7 +337,9 @@ def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: boo
             train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
             callbacks=[*(callbacks or []), stopper, *([ShardReport()] if args.fsdp else [])],
         )
-        trainer.train(resume_from_checkpoint=start.checkpoint)
+        with refusing_unsafe_files(start.checkpoint, f"resuming from {start.checkpoint}") if start.checkpoint \
+                else contextlib.nullcontext():
+            trainer.train(resume_from_checkpoint=start.checkpoint)
         if stopper.stopped_at is not None:
             raise TrainingInterrupted(stopper.signum, stopper.stopped_at, last_checkpoint(cfg.train.output_dir))
         save_final_outputs(trainer, tokenizer, cfg, out, main)  # a signal now waits for the save to finish
