@@ -137,11 +137,23 @@ def read_marker(folder: Path) -> dict:
 class RunLock:
     """The lock one training run holds on its output folder (``LOCK_FILE``, ``fcntl.flock``): ``take`` returns None
     once it is held, or the line that refuses the run (another process holds it); ``release`` (or the process's
-    end) lets it go. Where ``flock`` does not exist (Windows) no lock is taken."""
+    end) lets it go. Where ``flock`` does not exist (Windows) no lock is taken. ``claim`` checks the folder first
+    (``output_dir_problem``) and marks it; a folder it made is removed again on ``release`` when the run wrote
+    nothing else into it (a run refused for its data leaves nothing)."""
 
     def __init__(self, folder: Path):
-        self.path = Path(folder) / LOCK_FILE
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
         self._fd: int | None = None
+        self._made = False
+
+    def claim(self, inputs: dict[str, str]) -> str | None:
+        problem = output_dir_problem(self.folder, inputs)
+        if problem is not None:
+            return problem
+        self._made = not self.folder.exists()
+        mark(self.folder)
+        return self.take()
 
     def take(self) -> str | None:
         try:
@@ -172,6 +184,11 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the file drops its lock
             self._fd = None
+        if self._made and {p.name for p in self.folder.iterdir()} <= {MARKER_FILE, LOCK_FILE}:
+            for name in (MARKER_FILE, LOCK_FILE):
+                (self.folder / name).unlink(missing_ok=True)
+            self.folder.rmdir()
+        self._made = False
 
     def __enter__(self) -> RunLock:
         return self

@@ -32,7 +32,7 @@ from qlora_train.data.prepared import training_data
 from qlora_train.errors import UsageError
 from qlora_train.files import fresh_dir, write_atomic
 from qlora_train.masking import SIDES, image_rule
-from qlora_train.output_dir import RunLock, mark, output_dir_problem, run_inputs
+from qlora_train.output_dir import RunLock, mark, run_inputs
 from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import ImageCollator, PackedCollator, PadCollator, PairCollator, UnpairedCollator
@@ -268,16 +268,6 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
         return _train(cfg, lock, callbacks=callbacks, overwrite=overwrite)
 
 
-def claim(out: Path, cfg: Config, lock: RunLock) -> str | None:
-    """Rank 0: the output folder checked (``output_dir.output_dir_problem``), marked ours and locked for this run;
-    None when all that holds, else the line that refuses the run."""
-    problem = output_dir_problem(out, run_inputs(cfg))
-    if problem is not None:
-        return problem
-    mark(out)
-    return lock.take()
-
-
 def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: bool):
     from transformers import Trainer, set_seed
 
@@ -289,7 +279,7 @@ def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: boo
     check_distributed_setup(cfg, runtime)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
     fingerprint = run_fingerprint(cfg)
-    refusal = claim(out, cfg, lock) if main else None
+    refusal = lock.claim(run_inputs(cfg)) if main else None  # the folder ours (output_dir) and this run's alone
     start = agree(Decision("refuse", refusal) if refusal else decide(
         read_output_dir(out), fingerprint, resume=cfg.train.resume_from_checkpoint,
         overwrite=overwrite))  # every rank takes rank 0's view of the directory
