@@ -37,6 +37,7 @@ def config(folder) -> Config:
                   train={"output_dir": "unused"})
 
 
+@pytest.mark.slow  # saves and loads a model (seconds)
 def test_a_known_model_type_loads_with_the_built_in_classes_and_its_code_never_runs(tmp_path):
     flag = tmp_path / "ran"
     cfg = config(repository(tmp_path / "m", "qwen3", flag))
