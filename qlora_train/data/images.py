@@ -12,7 +12,11 @@ from what a row holds; ``image_info`` reads and checks the image it names:
     qlora_train.masking.messages.RowRejected: bad_image: images[0]: remote images are not downloaded: https://x.org/a.png
 
 Every problem with one image refuses its row (``RowRejected``, ``bad_image``, naming where in the row and the file),
-never the run.
+never the run. What is read, and how (docs/trust.md#images): only a regular file (a named pipe or a device is never
+opened: ``image_file``), only a format whose size is in a header read before any pixel (``READ_FORMATS``; others
+refused by name), with Pillow's own decompression-bomb guard set to ``data.max_image_pixels`` while it is read
+(``_header``); an image stands upright as its EXIF orientation says, in its size and in its pixels, and a 16-bit one
+is scaled to 8 bits (``open_image``).
 """
 
 from __future__ import annotations

@@ -269,7 +269,8 @@ class RowImages:
 
     def read(self, value: Any, where: str, form: str) -> ImageInfo:
         """One image of the row, read inside the row's budget: its seconds looked at before and after it (one image
-        costs at most ``data.max_image_pixels`` to decode), its pixels added to the row's before it is read."""
+        costs at most ``data.max_image_pixels`` to decode; one referred to again is not read again), its pixels
+        added to the row's, which ``data.max_row_image_pixels`` bounds."""
         ref = image_ref(value, self.cfg.image_dir, where, root=self.cfg.image_root)
         if self.spending is not None:
             self.spending.clock()

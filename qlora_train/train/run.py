@@ -5,7 +5,9 @@ rank 0 preprocesses first and the others reuse the datasets cache; only rank
 0 writes reports and outputs; each rank loads its own 4-bit model.
 
 Before anything loads, the output directory decides whether the run starts, resumes its own checkpoints or
-refuses (``resume.py``): the same command again continues a killed run. Faults: Ctrl-C / SIGTERM saves a
+refuses (``resume.py``): the same command again continues a killed run. It must be a folder of ours, and this
+run's alone while it runs (``output_dir.RunLock``: missing, empty or marked ours, never among the run's inputs;
+locked until the run returns). Faults: Ctrl-C / SIGTERM saves a
 checkpoint at the current step and raises ``TrainingInterrupted`` (``signals.py``). The final outputs are staged in
 ``<output_dir>/.final.tmp``, moved into place file by file (each ``os.replace``
 is atomic), and ``training_complete.json`` is written last: a run is complete
