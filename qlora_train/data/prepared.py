@@ -27,10 +27,10 @@ The fingerprint is a blake2b over seven part hashes, each cheap and deterministi
     images       each image file the saved rows refer to: its path, size in bytes and modification time (whole
                  seconds), as ``images.json`` lists them; ``data:`` URIs are in the rows themselves
 
-What was saved is checked when it is read back (``prepared_checks``): each file of a dataset read must have the
-hash written beside it (an Arrow shard edited, swapped or added since is named), and the rows training reads must
-hold tokens a run can train on (ids and labels of one length, ids inside the tokenizer's vocabulary, each label -100
-or its token's id), else ``ConfigError`` naming the file or the row, before the model loads.
+What was saved is checked when it is read back (``prepared_checks``): each file of a dataset read, and the report,
+must have the hash written beside it (an Arrow shard edited, swapped or added since is named), and the rows training
+reads must hold tokens a run can train on (ids and labels of one length, ids inside the tokenizer's vocabulary, each
+label -100 or its token's id), else ``ConfigError`` naming the file or the row, before the model loads.
 
 The raw files' contents are not fingerprinted: a prepared directory stands for the files as they were. Images are:
 the rows keep their references, not their pixels (training reads the files), and each image's tokens in the ids
@@ -333,7 +333,7 @@ def write_prepared(cfg: Config, tokenizer, dest: str | Path) -> TrainingData:
     write_atomic(staging / DATA_CONFIG_FILE, yaml.safe_dump(cfg.data.model_dump(mode="json"), sort_keys=False))
     images = stamp.pop("images")  # their own file: a run's thousands of images are not printed with the rest
     write_atomic(staging / IMAGES_FILE, json.dumps(images, ensure_ascii=False))
-    shards = shard_hashes(staging, DATASET_DIRS)
+    shards = shard_hashes(staging, (*DATASET_DIRS, REPORT_FILE))
     write_atomic(staging / FINGERPRINT_FILE, json.dumps(
         {**stamp, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shards": shards}, indent=1, ensure_ascii=False))
     publish_dir(staging, dest)
@@ -385,15 +385,20 @@ def check_prepared(cfg: Config, tokenizer, *, parts: tuple[str, ...] = PARTS) ->
     return path, saved
 
 
-def _load(path: Path, sub: str, saved: dict):
-    """One saved dataset, its files checked against the hashes written beside them first."""
-    import datasets
-
+def _check_files(path: Path, sub: str, saved: dict) -> None:
+    """``ConfigError`` naming the files of ``path/sub`` that are not the ones ``--preprocess`` hashed."""
     changed = changed_files(path, sub, saved["shards"])
     if changed:
         more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
         raise ConfigError([f"data.prepared_path: {path / name}" for name in changed[:3]] + [
             f"data.prepared_path: {path / sub} is not what --preprocess wrote{more}; run --preprocess again"])
+
+
+def _load(path: Path, sub: str, saved: dict):
+    """One saved dataset, its files checked against the hashes written beside them first."""
+    import datasets
+
+    _check_files(path, sub, saved)
     try:
         return datasets.load_from_disk(str(path / sub))
     except Exception as exc:  # missing or damaged shards, state.json or dataset_info.json
@@ -414,6 +419,7 @@ def load_prepared(cfg: Config, tokenizer) -> TrainingData:
     """``data.prepared_path`` -> the datasets training feeds, after the fingerprint check, each file's hash and
     each row's tokens checked."""
     path, saved = check_prepared(cfg, tokenizer)
+    _check_files(path, REPORT_FILE, saved)  # the report the run prints: the one written with the rows
     try:
         report = DatasetReport(**json.loads((path / REPORT_FILE).read_text()))
     except (OSError, ValueError, TypeError) as exc:

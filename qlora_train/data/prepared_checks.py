@@ -31,21 +31,22 @@ def file_hash(path: Path) -> str:
         return hashlib.file_digest(fh, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
-def shard_hashes(folder: Path, subdirs: tuple[str, ...]) -> dict[str, str]:
-    """Every file under ``folder``'s ``subdirs`` (the Arrow shards and the ``datasets`` files beside them) ->
-    its hash, keyed by its path relative to ``folder`` (``train/data-00000-of-00001.arrow``)."""
+def shard_hashes(folder: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """Every file of ``folder``'s ``names`` (folders: the Arrow shards and the ``datasets`` files beside them; or
+    single files) -> its hash, keyed by its path relative to ``folder`` (``train/data-00000-of-00001.arrow``)."""
     out = {}
-    for sub in subdirs:
-        for path in sorted((folder / sub).rglob("*")):
+    for name in names:
+        paths = [folder / name] if (folder / name).is_file() else sorted((folder / name).rglob("*"))
+        for path in paths:
             if path.is_file():
                 out[path.relative_to(folder).as_posix()] = file_hash(path)
     return out
 
 
 def changed_files(folder: Path, sub: str, saved: dict[str, str]) -> list[str]:
-    """The files of ``folder/sub`` that are not the ones hashed when they were written (``saved``), one line each:
-    missing, changed, or there but never written (an extra file beside the shards)."""
-    mine = {name: digest for name, digest in saved.items() if name.startswith(f"{sub}/")}
+    """The files of ``folder/sub`` (a folder, or one file) that are not the ones hashed when they were written
+    (``saved``), one line each: missing, changed, or there but never written (an extra file beside the shards)."""
+    mine = {name: digest for name, digest in saved.items() if name == sub or name.startswith(f"{sub}/")}
     out = []
     for name, digest in sorted(mine.items()):
         path = folder / name
@@ -53,7 +54,9 @@ def changed_files(folder: Path, sub: str, saved: dict[str, str]) -> list[str]:
             out.append(f"{name}: missing")
         elif file_hash(path) != digest:
             out.append(f"{name}: changed since --preprocess wrote it")
-    here = {p.relative_to(folder).as_posix() for p in (folder / sub).rglob("*") if p.is_file()}
+    where = folder / sub
+    here = {p.relative_to(folder).as_posix() for p in ([where] if where.is_file() else where.rglob("*"))
+            if p.is_file()}
     out += [f"{name}: not written by --preprocess" for name in sorted(here - mine.keys())]
     return out
 

@@ -56,3 +56,12 @@ def test_changed_files_names_what_differs_from_the_hashes_written(tmp_path):
     assert changed_files(tmp_path, "train", saved) == ["train/a.arrow: changed since --preprocess wrote it",
                                                        "train/state.json: missing",
                                                        "train/b.arrow: not written by --preprocess"]
+
+
+def test_a_single_file_is_hashed_and_checked_too(tmp_path):
+    (tmp_path / "dataset_report.json").write_text('{"rows_kept": 3}')
+    saved = shard_hashes(tmp_path, ("dataset_report.json",))
+    assert list(saved) == ["dataset_report.json"] and changed_files(tmp_path, "dataset_report.json", saved) == []
+    (tmp_path / "dataset_report.json").write_text('{"rows_kept": 4}')
+    assert changed_files(tmp_path, "dataset_report.json", saved) == [
+        "dataset_report.json: changed since --preprocess wrote it"]
