@@ -296,7 +296,7 @@ def test_tokens_outside_the_vocabulary_are_one_line_before_the_model_loads(prepa
     edited = tampered(prepared_project.parent / "prepared", tmp_path / "oov",
                       lambda row: {**row, "input_ids": [10 ** 6, *row["input_ids"][1:]]})
     saved = json.loads((edited / FINGERPRINT_FILE).read_text())
-    saved["shards"] = shard_hashes(edited, ("train", "eval", "rows/raw", "rows/processed"))
+    saved["shards"] |= shard_hashes(edited, ("train",))
     (edited / FINGERPRINT_FILE).write_text(json.dumps(saved))
     cfg = load_config(prepared_project, [f"data.prepared_path={edited}"])
     tok = load_tokenizer(cfg.model)
