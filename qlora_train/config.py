@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import glob as globlib
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -45,6 +46,7 @@ FORMAT_OVERRIDES = ("dataset_schema", "messages_field", "message_property_mappin
                     "format", "no_input_format", "image_dir")
 ImageCheck = Literal["decode", "header"]  # data.image_check: how much of each image preprocessing reads
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # data.max_image_pixels: 8000x8000
+DEFAULT_MAX_ROW_IMAGE_PIXELS = 256_000_000  # data.max_row_image_pixels: four images of the largest size
 
 
 class RowHandlerSpec(_Section):
@@ -280,9 +282,19 @@ class DataConfig(_Section):
         "file's directory, a local directory source itself, a glob's leading directory; the current directory for "
         "a hub dataset or sources whose files lie in different directories.",
     )
+    image_root: str | None = Field(
+        None, description="Directory every image file must lie in (its links followed): an image path outside it "
+        "refuses its row (`bad_image`). Unset: a row's image paths may name any file this user can read "
+        "(docs/trust.md#images).",
+    )
     max_image_pixels: int = Field(
         DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="Images with more pixels (read from the header, before "
-        "decoding) are refused with their row (`bad_image`).",
+        "decoding; Pillow's own decompression-bomb guard is set to it) are refused with their row (`bad_image`).",
+    )
+    max_row_image_pixels: int = Field(
+        DEFAULT_MAX_ROW_IMAGE_PIXELS, ge=1, description="Pixels one row's images may hold together, each reference "
+        "counted (what its batch decodes for it; an image referred to again is read once here): a row over it is "
+        "refused (`over_budget`) at the reference that passes it.",
     )
     image_check: ImageCheck = Field(
         "decode", description="`decode`: every image decoded once at preprocessing, so a corrupt file is refused "
@@ -329,10 +341,12 @@ class DataConfig(_Section):
     def for_source(self, src: DatasetSource) -> DataConfig:
         """The options that process ``src``'s rows: its format overrides (``FORMAT_OVERRIDES``) applied, and
         the source lists and mixing left out, so that one source's cache does not depend on the others. ``image_dir``
-        is made absolute: set, or the source's own (``source_image_dir``)."""
+        is made absolute: set, or the source's own (``source_image_dir``); so is ``image_root``."""
         update = {k: getattr(src, k) for k in FORMAT_OVERRIDES if getattr(src, k) is not None}
         image_dir = update.get("image_dir", self.image_dir) or source_image_dir(src)
         update["image_dir"] = str(Path(image_dir).expanduser().absolute()) if image_dir else None
+        if self.image_root:
+            update["image_root"] = str(Path(self.image_root).expanduser().absolute())
         return self.model_copy(update={**update, "datasets": [], "eval_datasets": [], "mixing": MixingConfig()})
 
     # Section checks name their key first ("key: why"); _describe joins it to the section's path.
@@ -558,6 +572,14 @@ class TrainConfig(_Section):
         "in CPU memory, moved to the GPU layer by layer (less GPU memory, slower steps; docs/distributed.md).",
     )
 
+    @field_validator("output_dir", mode="before")
+    @classmethod
+    def _a_path(cls, value: Any) -> Any:
+        if isinstance(value, str) and "$" in value:
+            raise ValueError(f"{value!r} holds '$': environment variables are not expanded (a folder named "
+                             "'$HOME' would be made); write the path itself (a leading ~ is expanded)")
+        return os.path.expanduser(value) if isinstance(value, str) else value
+
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod
     def _auto_or_a_path(cls, value: Any) -> Any:
@@ -733,7 +755,7 @@ def file_problems(tree: dict) -> list[str]:
         problems.append(f"train.resume_from_checkpoint: checkpoint directory not found: {resume} "
                         "(or use 'auto')")
     out = train.get("output_dir")
-    if isinstance(out, str) and Path(out).is_file():
+    if isinstance(out, str) and Path(out).expanduser().is_file():
         problems.append(f"train.output_dir: is a file, not a directory: {out}")
     return problems
 

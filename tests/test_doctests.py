@@ -19,6 +19,7 @@ MODULES = [
     "qlora_train.data.batches", "qlora_train.data.drops", "qlora_train.data.parse", "qlora_train.data.formats",
     "qlora_train.data.handlers",
     "qlora_train.data.rows", "qlora_train.data.packing", "qlora_train.data.prepared", "qlora_train.data.pairs",
+    "qlora_train.data.prepared_checks", "qlora_train.data.images", "qlora_train.output_dir",
     "qlora_train.data.unpaired",
     "qlora_train.data.truncate", "qlora_train.data.rule_check", "qlora_train.data.sources", "qlora_train.terminal",
     "qlora_train.train.collator", "qlora_train.train.preference_loss", "qlora_train.train.distributed",

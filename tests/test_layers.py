@@ -18,6 +18,7 @@ LAYERS = [
      "qlora_train.terminal"},
     {"qlora_train.masking"},  # the mask engine: a conversation and a tokenizer in, text, masks and labels out
     {"qlora_train.config"},
+    {"qlora_train.output_dir"},  # whose folder train.output_dir is, and which run writes into it now
     {"qlora_train.data"},
     {"qlora_train.vision"},  # which bases read images, their image processor (the tokenizer carries its rule)
     {"qlora_train.tokenizer"},

@@ -8,7 +8,8 @@ in, a finished example out). In the order the data flows::
     batches.parse_readable         a batch's rows parsed once (read_json: any JSON Python refuses is a ValueError,
                                    counted); results merged back in order (merge_back)
     images.image_info              a row's image references resolved (the data file's directory) and checked
-                                   (header, verify, decode): bad_image; pixels read only by the collator (open_image)
+                                   (regular files only, formats read, pixels from the header under Pillow's guard,
+                                   verify, decode): bad_image; pixels read only by the collator (open_image: upright)
     pipeline.objective             data.objective -> its Objective, decided once: its pipeline and its row type
                                    (processed.SFT_ROW, PAIR_ROW, UNPAIRED_ROW: the columns a processed row holds)
     sft.process_sft_rows           SFT: parse.canonicalize_row (Messages marked by the LossPolicy, tools, a
@@ -27,6 +28,7 @@ in, a finished example out). In the order the data flows::
     dataset.build_datasets         per-source processing, dedup, blocks, eval split, mixing, report
     packing.pack_dataset           optional: whole examples into max_length sequences (best fit decreasing)
     prepared.training_data         what training feeds: the above (+ packing), or read back from --preprocess
+                                   (prepared_checks: its files' hashes and every row's tokens checked)
 """
 
 # re-exported from the layers below (the config's schema, the shipped templates)

@@ -40,6 +40,7 @@ from qlora_train.data.processed import (
     SFT_ROW,
     arrow_lists,
 )
+from qlora_train.data.rows import storable
 from qlora_train.data.sources import SourceError, load_labelled_source, source_label
 from qlora_train.errors import DataError, InternalError
 
@@ -163,7 +164,7 @@ def system_conflict_line(rows: int) -> str:
 
 def _domain(row, key: str | None) -> str:
     value = row.get(key) if key and isinstance(row, dict) else None
-    return "" if value is None else str(value)
+    return "" if value is None else storable(str(value))
 
 
 @functools.cache

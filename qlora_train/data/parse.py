@@ -29,6 +29,7 @@ from qlora_train.masking import (
     LossPolicy,
     Message,
     RowRejected,
+    RowSpending,
     image_rule,
 )
 
@@ -261,18 +262,40 @@ class RowImages:
              "part_from_column": "from the images column, placed by content parts without a reference",
              "placeholder": "from the images column, placed by placeholders in the text"}
 
-    def __init__(self, row: dict, cfg: DataConfig, report: ParseReport, tokenizer=None):
-        self.cfg, self.report, self.tokenizer = cfg, report, tokenizer
+    def __init__(self, row: dict, cfg: DataConfig, report: ParseReport, tokenizer=None,
+                 spending: RowSpending | None = None):
+        self.cfg, self.report, self.tokenizer, self.spending = cfg, report, tokenizer, spending
         found = row_image_column(row, cfg)
         if found is None:  # an images column that is there but empty ([], null, "") holds 0: its placeholders ask
             found = next(((column, []) for column in cfg.image_columns if column in row), None)
         self.column, self.pending = found if found is not None else (None, [])
         self.taken = 0  # column images asked for (more than the column holds: refused by ``finish``)
         self.read_any = False
+        self.seen: dict[str, ImageInfo] = {}  # ref -> its info: an image referred to again is not read again
+        self.pixels = 0  # of every image referred to so far, each reference counted (the batch decodes each)
 
     def read(self, value: Any, where: str, form: str) -> ImageInfo:
-        info = image_info(image_ref(value, self.cfg.image_dir, where), max_pixels=self.cfg.max_image_pixels,
-                          check=self.cfg.image_check, where=where)
+        """One image of the row, read inside the row's budget: its seconds looked at before and after it (one image
+        costs at most ``data.max_image_pixels`` to decode; one referred to again is not read again), its pixels
+        added to the row's, which ``data.max_row_image_pixels`` bounds."""
+        ref = image_ref(value, self.cfg.image_dir, where, root=self.cfg.image_root)
+        if self.spending is not None:
+            self.spending.clock()
+        info = self.seen.get(ref)
+        if info is None:
+            info = self.seen[ref] = self._checked(ref, where)
+            if self.spending is not None:
+                self.spending.clock()
+        self.pixels += info["width"] * info["height"]
+        if self.pixels > self.cfg.max_row_image_pixels:
+            raise RowRejected(DropReason.OVER_BUDGET, f"{where}: the row's images hold {self.pixels:,} pixels > "
+                              f"data.max_row_image_pixels={self.cfg.max_row_image_pixels:,}")
+        _count(self.report.images, form)
+        self.read_any = True
+        return info
+
+    def _checked(self, ref: str, where: str) -> ImageInfo:
+        info = image_info(ref, max_pixels=self.cfg.max_image_pixels, check=self.cfg.image_check, where=where)
         rule = image_rule(self.tokenizer) if self.tokenizer is not None else None
         if rule is not None:
             try:
@@ -280,8 +303,6 @@ class RowImages:
             except RowRejected as rej:
                 raise RowRejected(DropReason.BAD_IMAGE, f"{where}: {shown(info['ref'])}: the image processor "
                                   f"refuses it ({rej.detail})") from None
-        _count(self.report.images, form)
-        self.read_any = True
         return info
 
     def from_column(self, where: str, form: str) -> ImageInfo | None:
@@ -513,8 +534,12 @@ def _message(raw: Any, i: int, rules: _MessageRules, report: ParseReport, images
     role, content = raw.get("role"), raw.get("content")
     if style == "sharegpt" and "content" not in raw and "value" in raw:
         content = raw["value"]
-    if not isinstance(role, str) or not role:
-        raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: missing role (key '{rules.props[style]['role']}')")
+    key = rules.props[style]["role"]
+    if role is not None and not isinstance(role, str):
+        raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: the role (key '{key}') is not a string: "
+                          f"{type(role).__name__} {str(role)[:40]}")
+    if not role:
+        raise RowRejected(DropReason.BAD_ROW, f"messages[{i}]: missing role (key '{key}')")
     if rules.aliases:
         role = rules.aliases.get(role.lower(), role)
     found: list[ImageInfo] = []
@@ -589,7 +614,7 @@ def _cap_reasoning(text: str, max_tokens: int, tokenizer) -> str:
 
 
 def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokenizer=None,
-                     policy: LossPolicy | None = None) -> CanonicalRow:
+                     policy: LossPolicy | None = None, spending: RowSpending | None = None) -> CanonicalRow:
     """Raw row -> ``CanonicalRow(messages, tools, report)``.
 
     Applies ``field_mappings``, detects the schema (or uses
@@ -599,8 +624,9 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
     the first matching tools column, reads the row's images (``RowImages``:
     image content parts, ``<image>`` placeholders, the images column; each an
     ``IMAGE_SLOT`` in its message's content and an ``ImageInfo`` in its
-    ``images``; checked against ``tokenizer``'s image rule when it has one), puts the row's ``system`` column
-    first unless the conversation has its own (``with_row_system``), and marks every message with its ``train``
+    ``images``; checked against ``tokenizer``'s image rule when it has one; each read inside ``spending``, the
+    row's budget, when given), puts the row's ``system`` column first unless the conversation has its own
+    (``with_row_system``), and marks every message with its ``train``
     flag (``LossPolicy.mark``; ``policy`` defaults to ``LossPolicy.of(cfg)``):
     the one place that decides which messages are trained. A bare list is a
     list of messages.
@@ -618,7 +644,7 @@ def canonicalize_row(row: dict | list, cfg: DataConfig | None = None, *, tokeniz
     if schema not in CHAT_SCHEMAS:
         raise RowRejected(DropReason.UNKNOWN_SCHEMA, f"schema {schema!r} is template-free: it has no messages")
     messages = canonical_messages(_raw_messages(row, schema, cfg), cfg, report, schema=schema, tokenizer=tokenizer,
-                                  images=RowImages(row, cfg, report, tokenizer))
+                                  images=RowImages(row, cfg, report, tokenizer, spending))
     messages = with_row_system(messages, row, cfg, report, schema=schema)
     messages = (policy or LossPolicy.of(cfg)).mark(messages)
     trained = [i for i, m in enumerate(messages) if m["train"]]

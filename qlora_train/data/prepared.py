@@ -10,7 +10,8 @@ saved there, after checking that the saved fingerprint matches the current one. 
     dataset_report.json     the report training prints and writes
     data_config.yaml        the data config as resolved
     images.json             each image the rows refer to (by path): its size in bytes and modification time
-    fingerprint.json        the fingerprint and its parts (written into the staging directory last)
+    fingerprint.json        the fingerprint and its parts, and each saved file's hash (``shards``: written into
+                            the staging directory last)
 
 The fingerprint is a blake2b over seven part hashes, each cheap and deterministic:
 
@@ -25,6 +26,11 @@ The fingerprint is a blake2b over seven part hashes, each cheap and deterministi
     packing      ``train.packing``, its length and ``split_long`` (training only; the diagnostics skip it)
     images       each image file the saved rows refer to: its path, size in bytes and modification time (whole
                  seconds), as ``images.json`` lists them; ``data:`` URIs are in the rows themselves
+
+What was saved is checked when it is read back (``prepared_checks``): each file of a dataset read, and the report,
+must have the hash written beside it (an Arrow shard edited, swapped or added since is named), and the rows training
+reads must hold tokens a run can train on (ids and labels of one length, ids inside the tokenizer's vocabulary, each
+label -100 or its token's id), else ``ConfigError`` naming the file or the row, before the model loads.
 
 The raw files' contents are not fingerprinted: a prepared directory stands for the files as they were. Images are:
 the rows keep their references, not their pixels (training reads the files), and each image's tokens in the ids
@@ -50,17 +56,20 @@ import yaml
 from qlora_train.config import Config
 from qlora_train.data.dataset import DatasetReport, datasets_from_processed, load_and_process, pipeline_code_hash
 from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
+from qlora_train.data.prepared_checks import changed_files, shard_hashes, token_problem
 from qlora_train.errors import ConfigError
 from qlora_train.files import fresh_dir, publish_dir, write_atomic
 from qlora_train.masking import layout_dict, template_layout
 
 log = logging.getLogger(__name__)
 # what a prepared directory holds, beyond what the fingerprint's parts say; 2: a render's ids are cut where each
-# trained turn's generated part begins (masking.encode_rendered), so directories of format 1 are refused
-FORMAT = 2
+# trained turn's generated part begins (masking.encode_rendered), so directories of format 1 are refused; 3: the
+# files' hashes (``shards``), checked when read
+FORMAT = 3
 FINGERPRINT_FILE, REPORT_FILE, DATA_CONFIG_FILE = "fingerprint.json", "dataset_report.json", "data_config.yaml"
 IMAGES_FILE = "images.json"
 TRAIN_DIR, EVAL_DIR, RAW_DIR, PROCESSED_DIR = "train", "eval", "rows/raw", "rows/processed"
+DATASET_DIRS = (TRAIN_DIR, EVAL_DIR, RAW_DIR, PROCESSED_DIR)
 # data keys that change how the rows are computed, not what they are (num_proc: tested to give the same rows)
 UNFINGERPRINTED = ("prepared_path", "num_proc", "batch_size", "cache_dir")
 PARTS = ("data", "tokenizer", "template", "layout", "code", "packing", "images")
@@ -324,8 +333,9 @@ def write_prepared(cfg: Config, tokenizer, dest: str | Path) -> TrainingData:
     write_atomic(staging / DATA_CONFIG_FILE, yaml.safe_dump(cfg.data.model_dump(mode="json"), sort_keys=False))
     images = stamp.pop("images")  # their own file: a run's thousands of images are not printed with the rest
     write_atomic(staging / IMAGES_FILE, json.dumps(images, ensure_ascii=False))
+    shards = shard_hashes(staging, (*DATASET_DIRS, REPORT_FILE))
     write_atomic(staging / FINGERPRINT_FILE, json.dumps(
-        {**stamp, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1, ensure_ascii=False))
+        {**stamp, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shards": shards}, indent=1, ensure_ascii=False))
     publish_dir(staging, dest)
     return data
 
@@ -343,7 +353,8 @@ def _saved_fingerprint(path: Path) -> dict:
         raise ConfigError([f"{where}: no {FINGERPRINT_FILE}, not a directory written by --preprocess"]) from None
     except (OSError, ValueError) as exc:
         raise ConfigError([f"{where}: {FINGERPRINT_FILE} cannot be read ({exc}); run --preprocess again"]) from None
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT or not isinstance(saved.get("parts"), dict):
+    if (not isinstance(saved, dict) or saved.get("format") != FORMAT or not isinstance(saved.get("parts"), dict)
+            or not isinstance(saved.get("shards"), dict)):
         raise ConfigError([f"{where}: {FINGERPRINT_FILE} is not of format {FORMAT}; run --preprocess again"])
     try:
         saved["images"] = json.loads((path / IMAGES_FILE).read_text())
@@ -356,8 +367,9 @@ def _saved_fingerprint(path: Path) -> dict:
     return saved
 
 
-def check_prepared(cfg: Config, tokenizer, *, parts: tuple[str, ...] = PARTS) -> Path:
-    """``data.prepared_path`` -> its path, once its fingerprint matches ``cfg`` and ``tokenizer`` on ``parts``.
+def check_prepared(cfg: Config, tokenizer, *, parts: tuple[str, ...] = PARTS) -> tuple[Path, dict]:
+    """``data.prepared_path`` -> (its path, its saved fingerprint), once the fingerprint matches ``cfg`` and
+    ``tokenizer`` on ``parts``.
 
     Raises ``ConfigError`` naming ``data.prepared_path`` and every difference, one line each.
     """
@@ -370,12 +382,23 @@ def check_prepared(cfg: Config, tokenizer, *, parts: tuple[str, ...] = PARTS) ->
             "data.prepared_path: run `qlora-train --config … --preprocess` again, or unset data.prepared_path to "
             "process the raw files"])
     log.info("data: read from %s (fingerprint %s)", path, saved["fingerprint"][:12])
-    return path
+    return path, saved
 
 
-def _load(path: Path, sub: str):
+def _check_files(path: Path, sub: str, saved: dict) -> None:
+    """``ConfigError`` naming the files of ``path/sub`` that are not the ones ``--preprocess`` hashed."""
+    changed = changed_files(path, sub, saved["shards"])
+    if changed:
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise ConfigError([f"data.prepared_path: {path / name}" for name in changed[:3]] + [
+            f"data.prepared_path: {path / sub} is not what --preprocess wrote{more}; run --preprocess again"])
+
+
+def _load(path: Path, sub: str, saved: dict):
+    """One saved dataset, its files checked against the hashes written beside them first."""
     import datasets
 
+    _check_files(path, sub, saved)
     try:
         return datasets.load_from_disk(str(path / sub))
     except Exception as exc:  # missing or damaged shards, state.json or dataset_info.json
@@ -383,18 +406,30 @@ def _load(path: Path, sub: str):
                            f"{' '.join(str(exc).split())[:200]}); run --preprocess again"]) from None
 
 
+def _trainable(ds, where: Path, tokenizer):
+    """A dataset training reads, its every row's tokens checked (``prepared_checks.token_problem``)."""
+    problem = token_problem(ds, vocab_size=len(tokenizer))
+    if problem is not None:
+        raise ConfigError([f"data.prepared_path: {where} {problem}: not what --preprocess makes with this "
+                           "tokenizer; run --preprocess again"])
+    return ds
+
+
 def load_prepared(cfg: Config, tokenizer) -> TrainingData:
-    """``data.prepared_path`` -> the datasets training feeds, after the fingerprint check."""
-    path = check_prepared(cfg, tokenizer)
+    """``data.prepared_path`` -> the datasets training feeds, after the fingerprint check, each file's hash and
+    each row's tokens checked."""
+    path, saved = check_prepared(cfg, tokenizer)
+    _check_files(path, REPORT_FILE, saved)  # the report the run prints: the one written with the rows
     try:
         report = DatasetReport(**json.loads((path / REPORT_FILE).read_text()))
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError([f"data.prepared_path: {path / REPORT_FILE} cannot be read ({exc}); "
                            "run --preprocess again"]) from None
-    eval_ds = _load(path, EVAL_DIR) if (path / EVAL_DIR).exists() or report.eval_rows else None
+    read = lambda sub: _trainable(_load(path, sub, saved), path / sub, tokenizer)
+    eval_ds = read(EVAL_DIR) if (path / EVAL_DIR).exists() or report.eval_rows else None
     p = report.packing
     packing = PackingStats(p["examples"], p["sequences"], p["tokens"], p["capacity"]) if p else None
-    return _grouped(cfg, TrainingData(_load(path, TRAIN_DIR), eval_ds, report, packing))
+    return _grouped(cfg, TrainingData(read(TRAIN_DIR), eval_ds, report, packing))
 
 
 def training_data(cfg: Config, tokenizer) -> TrainingData:
@@ -407,5 +442,5 @@ def diagnostic_rows(cfg: Config, tokenizer):
     packing aside), else ``load_and_process``."""
     if not cfg.data.prepared_path:
         return load_and_process(cfg.data, tokenizer)
-    path = check_prepared(cfg, tokenizer, parts=tuple(p for p in PARTS if p != "packing"))
-    return _load(path, RAW_DIR), _load(path, PROCESSED_DIR)
+    path, saved = check_prepared(cfg, tokenizer, parts=tuple(p for p in PARTS if p != "packing"))
+    return _load(path, RAW_DIR, saved), _load(path, PROCESSED_DIR, saved)

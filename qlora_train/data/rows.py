@@ -102,8 +102,8 @@ class Batch:
         out = self.outs[i]
         if rej.reason == DropReason.OVER_BUDGET:  # also after an example of the row was filled
             out.update(self.row_type.empty())
-        out.update(drop_reason=rej.reason, drop_detail=f"{self.where[i]}: {rej.detail}",
-                   error_traceback=rej.traceback)
+        out.update(drop_reason=rej.reason, drop_detail=storable(f"{self.where[i]}: {rej.detail}"),
+                   error_traceback=storable(rej.traceback))
 
     def each(self, fill) -> None:
         """``fill(i, row)`` for every row inside its budget, a refusal written to its row."""
@@ -117,6 +117,20 @@ class Batch:
     def columns(self) -> dict[str, list]:
         """The rows' columns: the row type's pipeline columns, one entry per input row."""
         return {col: [o[col] for o in self.outs] for col in self.row_type.output_columns}
+
+
+def storable(text: str) -> str:
+    """Text as a string column stores it (UTF-8): a lone surrogate (an undecodable byte of a data file, which a
+    refusal's detail quotes from a role, a name or a path) written as its escape, ``\\udcff``; other text as is.
+
+    >>> storable("the prompt ends with a user\\udcff message")
+    'the prompt ends with a user\\\\udcff message'
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _rows(batch: dict[str, list] | list[dict]) -> list[dict]:

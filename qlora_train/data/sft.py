@@ -89,7 +89,7 @@ def _chat_example(b: Batch, i: int, row, tokenizer, reports: dict[int, ParseRepo
     """A chat row -> its rendered example (checked against the rule where selected); its report in ``reports``,
     also for a row refused after its parse."""
     cfg = b.cfg
-    canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer, policy=b.policy)
+    canon = guarded(canonicalize_row, row, cfg, tokenizer=tokenizer, policy=b.policy, spending=b.spending[i])
     reports[i] = canon.report
     check_length(content_chars(canon.messages), cfg)
     if cfg.dedup:

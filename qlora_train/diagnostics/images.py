@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from qlora_train.config import DataConfig
-from qlora_train.data.images import image_bytes_or_path, image_info, image_ref
+from qlora_train.data.images import ImageUnreadable, image_info, image_ref, open_image
 from qlora_train.masking import RowRejected, image_rule
 
 THUMBNAIL_PX = 96  # the longer side of a thumbnail in the page
@@ -65,16 +65,13 @@ def image_size(ref: str) -> tuple[tuple[int, int] | None, str]:
 
 def thumbnail_uri(ref: str, max_px: int = THUMBNAIL_PX) -> str | None:
     """A reference -> a ``data:image/png`` URI of its thumbnail (longer side ``max_px``), or None when it cannot be
-    read. Decodes the image: for the few samples a page shows, never for statistics."""
-    from PIL import Image, UnidentifiedImageError
-
+    read (``data.images.open_image``: a regular file of a format read, at most ``DEFAULT_MAX_IMAGE_PIXELS``).
+    Decodes the image: for the few samples a page shows, never for statistics."""
     try:
-        with Image.open(image_bytes_or_path(ref)) as im:
-            im.draft("RGB", (max_px, max_px))  # a JPEG decodes at a reduced scale
-            thumb = im.convert("RGB")
-            thumb.thumbnail((max_px, max_px))
-    except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError):
+        thumb = open_image(ref, draft=max_px)  # a JPEG decodes at a reduced scale
+    except ImageUnreadable:
         return None
+    thumb.thumbnail((max_px, max_px))
     png = io.BytesIO()
     thumb.save(png, format="PNG")
     return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")

@@ -33,6 +33,7 @@ from qlora_train.diagnostics.stats import (
 )
 from qlora_train.files import write_atomic
 from qlora_train.masking import layout_yaml, resolve_layout
+from qlora_train.output_dir import claim_output_dir, run_inputs
 from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens
 
@@ -124,6 +125,8 @@ def diagnose(cfg: Config, *, stats: bool, debug: DebugOptions, out_dir: str | Pa
 
     stream = stream or sys.stdout
     out = Path(out_dir or cfg.train.output_dir)
+    if out_dir is None:  # train.output_dir: ours, never a folder of the run's inputs (output_dir)
+        claim_output_dir(out, run_inputs(cfg))
     out.mkdir(parents=True, exist_ok=True)
     tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)
     result = {"layout": layout_report(tokenizer, out_dir=out, stream=stream)}

@@ -74,13 +74,16 @@ def load_chat_model(cfg: Config, *, merged_dir: Path | None = None, checkpoint: 
     else:
         from peft import PeftModel
 
+        from qlora_train.train.resume import refusing_unsafe_files
+
         adapter_dir = find_adapter(cfg.train.output_dir, checkpoint)
         tokenizer = trained_tokenizer(adapter_dir, cfg.model)
         saved = (adapter_dir / "preprocessor_config.json").is_file()  # the image processor training used
         set_image_rule(tokenizer, image_rule_for(cfg.model, tokenizer, processor_path=adapter_dir if saved else None))
         base = load_base_model(cfg.model, runtime)
-        fit_base_to_adapter(base, adapter_dir, tokenizer)  # rows for the tokens model.new_tokens added
-        model = PeftModel.from_pretrained(base, adapter_dir)
+        with refusing_unsafe_files(adapter_dir, "the trained adapter"):
+            fit_base_to_adapter(base, adapter_dir, tokenizer)  # rows for the tokens model.new_tokens added
+            model = PeftModel.from_pretrained(base, adapter_dir)
         gen, source = serving_generation_config(base.generation_config, tokenizer), f"base + adapter {adapter_dir}"
     model.eval()
     return ChatModel(model, tokenizer, greedy(gen), source)
@@ -96,19 +99,19 @@ def greedy(gen):
 def user_message(prompt: str, images: list[str] = ()) -> dict:
     """A prompt (and image paths, read for their sizes) -> the user message: an image slot per image before the
     text, with its ``ImageInfo`` (``ExportError`` for an image that cannot be read)."""
-    from PIL import Image, UnidentifiedImageError
-
+    from qlora_train.data.images import ImageUnreadable, upright_size
     from qlora_train.masking import IMAGE_SLOT
 
     if not images:
         return {"role": "user", "content": prompt}
     infos = []
     for path in images:
+        ref = str(Path(path).resolve())
         try:
-            with Image.open(path) as im:
-                infos.append({"ref": str(Path(path).resolve()), "width": im.width, "height": im.height})
-        except (OSError, UnidentifiedImageError) as exc:
+            width, height = upright_size(ref)  # EXIF orientation applied, as training reads an image
+        except ImageUnreadable as exc:
             raise ExportError(f"--image {path}: cannot read it: {exc}") from None
+        infos.append({"ref": ref, "width": width, "height": height})
     return {"role": "user", "content": IMAGE_SLOT * len(images) + prompt, "images": infos}
 
 

@@ -69,6 +69,7 @@ def merge(cfg: Config, options: MergeOptions = MergeOptions()) -> Path:
     from peft import PeftModel
 
     from qlora_train.train.model import resolve_runtime
+    from qlora_train.train.resume import refusing_unsafe_files
 
     out = Path(cfg.train.output_dir)
     adapter_dir = find_adapter(out, options.checkpoint)
@@ -81,8 +82,9 @@ def merge(cfg: Config, options: MergeOptions = MergeOptions()) -> Path:
     log.info("merging %s into %s (%s weights, %s)", adapter_dir, cfg.model.name_or_path, options.base,
              runtime.compute_dtype)
     base = load_merge_base(cfg, runtime, options.base)
-    fit_base_to_adapter(base, adapter_dir, tokenizer)  # rows for the tokens model.new_tokens added
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload(safe_merge=True)
+    with refusing_unsafe_files(adapter_dir, "--merge"):
+        fit_base_to_adapter(base, adapter_dir, tokenizer)  # rows for the tokens model.new_tokens added
+        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload(safe_merge=True)
     merged.generation_config = serving_generation_config(merged.generation_config, tokenizer)
 
     staging = dest.with_name(f".{dest.name}.tmp")

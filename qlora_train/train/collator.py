@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from qlora_train.config import DEFAULT_MAX_IMAGE_PIXELS
 from qlora_train.errors import DataError
 from qlora_train.masking import IGNORE_INDEX, SIDES
 
@@ -48,8 +49,9 @@ class PadCollator:
 @dataclass
 class ImageCollator:
     """A vision-language model's batches: ``PadCollator``'s, plus the pixels of the rows' images (``images``: the
-    references the rows keep, loaded here with ``data.images.open_image``), made by the image processor of
-    ``rule`` (``masking.ImageRule``): ``pixel_values`` (every image's patches, row by row, image by image),
+    references the rows keep, loaded here with ``data.images.open_image``: upright, RGB), made by the image
+    processor of ``rule`` (``masking.ImageRule``) one image at a time (the same patches as one call on all; a batch
+    holds one decoded image at a time): ``pixel_values`` (every image's patches, row by row, image by image),
     ``image_grid_thw`` (one ``[t, h, w]`` patch grid per image) and ``mm_token_type_ids`` (1 at each image token:
     the model's 3D positions read it). A batch of text rows alone (no ``images``) is ``PadCollator``'s exactly.
 
@@ -64,15 +66,23 @@ class ImageCollator:
     pad_token_id: int
     rule: Any  # masking.ImageRule
     pad_to_multiple_of: int = 8
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # data.max_image_pixels: an image over it now is a DataError
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         batch = PadCollator(self.pad_token_id, self.pad_to_multiple_of)(features)
         refs = [list(f.get("images") or ()) for f in features]
         if not any(refs):
             return batch
-        images = [_open(ref, row) for row, row_refs in enumerate(refs) for ref in row_refs]
-        processed = self.rule.image_processor(images=images, return_tensors="pt")
-        grids = processed["image_grid_thw"]
+        sizes, pixels, grids = [], [], []
+        for row, row_refs in enumerate(refs):  # one image decoded at a time: a batch holds one image's pixels
+            for ref in row_refs:
+                image = _open(ref, row, self.max_pixels)
+                sizes.append(image.size)
+                processed = self.rule.image_processor(images=[image], return_tensors="pt")
+                del image
+                pixels.append(processed["pixel_values"])
+                grids.append(processed["image_grid_thw"])
+        grids = torch.cat(grids)
         merge = int(self.rule.image_processor.merge_size) ** 2
         tokens = (grids.prod(dim=1) // merge).tolist()
         is_image = batch["input_ids"] == self.rule.image_token_id  # (pads are never the image token)
@@ -80,28 +90,26 @@ class ImageCollator:
         for row, (held, row_refs) in enumerate(zip(is_image.sum(dim=1).tolist(), refs)):
             made = tokens[at:at + len(row_refs)]
             if held != sum(made):
-                sizes = ", ".join(f"{ref} {im.width}x{im.height} -> {n} tokens"
-                                  for ref, im, n in zip(row_refs, images[at:], made))
+                sizes = ", ".join(f"{ref} {w}x{h} -> {n} tokens"
+                                  for ref, (w, h), n in zip(row_refs, sizes[at:], made))
                 raise DataError(f"batch row {row}: its ids hold {held} image tokens {self.rule.image_token!r}, its "
                                 f"{len(row_refs)} image(s) make {sum(made)} ({sizes or 'none'}): did an image change "
                                 "since the rows were processed (the datasets cache, data.prepared_path)?")
             at += len(row_refs)
-        batch["pixel_values"] = processed["pixel_values"]
+        batch["pixel_values"] = torch.cat(pixels)
         batch["image_grid_thw"] = grids
         batch["mm_token_type_ids"] = is_image.int()
         return batch
 
 
-def _open(ref: str, row: int):
-    """A row's image, decoded (``data.images.open_image``); ``DataError`` naming it when it cannot be read any
-    more (it was read when the rows were processed)."""
-    from PIL import UnidentifiedImageError
-
-    from qlora_train.data.images import open_image
+def _open(ref: str, row: int, max_pixels: int):
+    """A row's image, decoded (``data.images.open_image``: upright, RGB); ``DataError`` naming it when it cannot
+    be read any more (it was read when the rows were processed)."""
+    from qlora_train.data.images import ImageUnreadable, open_image
 
     try:
-        return open_image(ref)
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        return open_image(ref, max_pixels=max_pixels)
+    except ImageUnreadable as exc:
         raise DataError(f"batch row {row}: cannot read its image {ref[:200]}: {exc}") from None
 
 

@@ -75,9 +75,20 @@ def load_model_config(cfg: ModelConfig):
 
     try:
         return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load the model config of {cfg.name_or_path}: {' '.join(str(exc).split())}") \
-            from None
+    except (OSError, ValueError) as exc:
+        raise model_load_error(exc, f"the model config of {cfg.name_or_path}") from None
+
+
+def model_load_error(exc: Exception, what: str) -> ModelLoadError:
+    """What transformers raised loading ``what`` -> one line; for a model whose config names its own code
+    (``auto_map``) for a type transformers does not know, what ``model.trust_remote_code`` is for."""
+    text = " ".join(str(exc).split())
+    if "trust_remote_code" in text:
+        return ModelLoadError(f"cannot load {what}: its config names its own code (auto_map) for a model type "
+                              "transformers does not know, and model.trust_remote_code is false, so that code is not "
+                              "run; set model.trust_remote_code: true only for a repository whose code you would run "
+                              "yourself (docs/trust.md)")
+    return ModelLoadError(f"cannot load {what}: {text}")
 
 
 def quantization_config(m: ModelConfig, compute_dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8,
@@ -117,8 +128,8 @@ def load_base_model(m: ModelConfig, runtime: Runtime, *, quantized: bool = True)
         kwargs["attn_implementation"] = m.attn_implementation
     try:
         return model_class(vision).from_pretrained(m.name_or_path, **kwargs)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load the model {m.name_or_path}: {' '.join(str(exc).split())}") from None
+    except (OSError, ValueError) as exc:
+        raise model_load_error(exc, f"the model {m.name_or_path}") from None
 
 
 def fit_embeddings(model, vocab_size: int, init_from: Mapping[int, Sequence[int]] | None = None) -> None:
@@ -252,11 +263,13 @@ def start_from_adapter(base, path: str, *, with_reference: bool):
     from peft import PeftModel
 
     from qlora_train.train.preference import REFERENCE_ADAPTER, TRAINED_ADAPTER
+    from qlora_train.train.resume import refusing_unsafe_files
 
     try:
-        model = PeftModel.from_pretrained(base, path, adapter_name=TRAINED_ADAPTER, is_trainable=True)
-        if with_reference:
-            model.load_adapter(path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        with refusing_unsafe_files(path, "model.adapter_path"):
+            model = PeftModel.from_pretrained(base, path, adapter_name=TRAINED_ADAPTER, is_trainable=True)
+            if with_reference:
+                model.load_adapter(path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model.adapter_path: cannot load the adapter in {path}: {' '.join(str(exc).split())}") \
             from None

@@ -13,6 +13,7 @@ from typing import TextIO
 
 from qlora_train.config import Config
 from qlora_train.data.prepared import default_prepared_dir, write_prepared
+from qlora_train.output_dir import claim_output_dir, run_inputs
 from qlora_train.terminal import visible
 from qlora_train.tokenizer import load_tokenizer
 
@@ -22,6 +23,8 @@ def preprocess(cfg: Config, out_dir: str | Path | None = None, *, stream: TextIO
     written and the rows per second of the pipeline (the tokenizer's loading left out). Returns the directory."""
     stream = stream or sys.stdout
     dest = Path(out_dir) if out_dir else default_prepared_dir(cfg)
+    if not out_dir and not cfg.data.prepared_path:  # <train.output_dir>/prepared: the folder ours (output_dir)
+        claim_output_dir(Path(cfg.train.output_dir), run_inputs(cfg))
     tokenizer = load_tokenizer(cfg.model)
     start = time.perf_counter()
     data = write_prepared(cfg, tokenizer, dest)

@@ -26,14 +26,17 @@ while saving: it is skipped, and removed when the run starts. ``decide`` is pure
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-import shutil
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from qlora_train.errors import UsageError
 
 log = logging.getLogger("qlora_train")
 COMPLETE_MARKER = "training_complete.json"
@@ -85,6 +88,7 @@ class OutputDirState:
     finished_step: int | None = None  # training_complete.json's global_step (-1: unreadable)
     adapter: bool = False  # adapter_config.json at the top: a final adapter was published
     saved: dict | None = None  # run_fingerprint.json, when readable
+    links: tuple[str, ...] = ()  # names of checkpoint-N entries that are symbolic links (never followed)
 
     def checkpoint(self, step: int) -> str:
         return str(Path(self.path) / f"checkpoint-{step}")
@@ -107,8 +111,9 @@ def read_output_dir(path: str | Path) -> OutputDirState:
     if not out.is_dir():
         return OutputDirState(str(out))
     complete, incomplete = [], []
-    found = [(int(p.name.removeprefix("checkpoint-")), p) for p in out.glob("checkpoint-*")
-             if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()]
+    named = [p for p in out.glob("checkpoint-*") if p.name.removeprefix("checkpoint-").isdigit()]
+    links = tuple(sorted(p.name for p in named if p.is_symlink()))
+    found = [(int(p.name.removeprefix("checkpoint-")), p) for p in named if p.is_dir() and not p.is_symlink()]
     for step, p in sorted(found):
         (complete if _readable_json(p / "trainer_state.json") is not None else incomplete).append((step, p.name))
     marker = out / COMPLETE_MARKER
@@ -116,7 +121,7 @@ def read_output_dir(path: str | Path) -> OutputDirState:
     if marker.is_file():
         finished_step = (_readable_json(marker) or {}).get("global_step", -1)
     return OutputDirState(str(out), tuple(s for s, _ in complete), tuple(n for _, n in incomplete), finished_step,
-                          (out / "adapter_config.json").is_file(), _readable_json(out / FINGERPRINT_FILE))
+                          (out / "adapter_config.json").is_file(), _readable_json(out / FINGERPRINT_FILE), links)
 
 
 def _readable_json(path: Path) -> dict | None:
@@ -156,6 +161,10 @@ def decide(state: OutputDirState, now: dict, *, resume: str, overwrite: bool) ->
     """The directory's state, this run's fingerprint (``run_fingerprint``), ``train.resume_from_checkpoint``
     (``auto`` or a checkpoint path) and ``--overwrite`` -> what to do (the rule in the module doc)."""
     out = state.path
+    if state.links:  # the Trainer's own clean-up (save_total_limit) and --overwrite would delete through them
+        return Decision("refuse", f"{Path(out) / state.links[0]} is a symbolic link: a run neither resumes from "
+                        "nor deletes anything through a link; remove the link (its target is left as it is), or "
+                        "name the checkpoint it points to in train.resume_from_checkpoint")
     if resume != "auto":  # a checkpoint path, resumed as asked
         if overwrite and _inside(resume, out):
             return Decision("refuse", f"--overwrite would remove {resume}, the checkpoint "
@@ -217,26 +226,97 @@ def _config_difference(saved: dict | None, now: dict) -> str:
     return f"{lines[0]}{more}"
 
 
+# --- reading a checkpoint ---
+
+
+@contextlib.contextmanager
+def refusing_unsafe_files(folder: str | Path, where: str):
+    """Read files of ``folder`` (a checkpoint, an adapter) inside: a file that torch's weights-only loader or
+    safetensors refuses (a pickle that would run code, a file that is not tensors at all) -> ``UsageError`` (exit 2)
+    in one line naming ``where``, the file and why, without torch's advice to load it again unsafely."""
+    try:
+        yield
+    except Exception as exc:
+        why = _refused_why(exc)
+        if why is None:
+            raise
+        name = _file_read(exc, Path(folder))
+        raise UsageError(f"{where}: {name or f'a file in {folder}'} is not a tensor file ({why}): it was refused "
+                         "unread (checkpoints are read as tensors only, never as code); remove it, or use another "
+                         "checkpoint") from None
+
+
+# the sentences of torch's message that advise loading the file anyway (unsafely), or say nothing of the file
+_UNSAFE_HINTS = ("weights_only", "Weights only load failed", "arbitrary code", "trusted source", "safe_globals",
+                 "allowlist", "Check the documentation", "file an issue")
+
+
+def _refused_why(exc: BaseException) -> str | None:
+    """Why torch's weights-only loader or safetensors refused a file (their own words, less torch's hint), or
+    None for any other exception."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    text = " ".join(str(exc).split())
+    if isinstance(exc, pickle.UnpicklingError):
+        pieces = (p.strip().removeprefix("WeightsUnpickler error:").strip()
+                  for p in re.split(r"\n+|(?<=\.) (?=[A-Z])", str(exc)))
+        said = " ".join(p for p in pieces if p and not any(hint in p for hint in _UNSAFE_HINTS))
+        return said.rstrip(".") or "not a tensor pickle"
+    if isinstance(exc, SafetensorError):
+        return f"safetensors: {text[:200]}"
+    if isinstance(exc, RuntimeError) and "PytorchStreamReader" in text:
+        return text[:200]
+    return None
+
+
+def _file_read(exc: BaseException, folder: Path) -> str | None:
+    """The file inside ``folder`` that the failing read was reading: the innermost path inside it that a frame of
+    the traceback holds (torch.load's ``f``, safetensors' ``filename``), or None."""
+    found, tb, top = None, exc.__traceback__, os.path.realpath(folder)
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, os.PathLike) or isinstance(value, str) and len(value) < 4096 and "\0" not in value:
+                path = os.path.realpath(os.fspath(value))
+                if path.startswith(top + os.sep) and os.path.isfile(path):
+                    found = os.fspath(value)
+        tb = tb.tb_next
+    return found
+
+
 # --- acting on it ---
 
 
 def prepare_output_dir(decision: Decision, now: dict, out: Path) -> None:
     """Rank 0, before training: remove what the decision says (the run found, with ``--overwrite``; cut-short
     checkpoints), and record this run's fingerprint (``run_fingerprint.json``)."""
+    from qlora_train.files import remove
+    from qlora_train.output_dir import read_marker
+
     out.mkdir(parents=True, exist_ok=True)
-    if decision.clear:
+    if decision.clear:  # only what our runs write, nothing through a link (a link itself is unlinked)
         for path in out.glob("checkpoint-*"):
-            if path.is_dir() and path.name.removeprefix("checkpoint-").isdigit():
-                shutil.rmtree(path)
-        shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
-        for name in FINAL_RUN_FILES:
-            (out / name).unlink(missing_ok=True)
+            if path.name.removeprefix("checkpoint-").isdigit():
+                remove(path)
+        remove(out / STAGING_DIR)
+        published = read_marker(out).get("published", [])
+        for name in {*FINAL_RUN_FILES, *(n for n in published if _plain_name(n))}:
+            remove(out / name)
     for name in decision.remove:
-        shutil.rmtree(out / name, ignore_errors=True)
+        remove(out / name)
     (out / COMPLETE_MARKER).unlink(missing_ok=True)  # this run is not complete until it says so
     from qlora_train.files import write_atomic
 
     write_atomic(out / FINGERPRINT_FILE, json.dumps(now, indent=1, ensure_ascii=False))
+
+
+def _plain_name(name) -> bool:
+    """A name the marker lists as published: an entry right inside the folder, not the marker or the lock."""
+    from qlora_train.output_dir import LOCK_FILE, MARKER_FILE
+
+    return (isinstance(name, str) and name == Path(name).name and name not in ("", ".", "..", MARKER_FILE, LOCK_FILE)
+            and "/" not in name and "\\" not in name)
 
 
 def agree(decision: Decision) -> Decision:

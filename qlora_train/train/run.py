@@ -5,7 +5,9 @@ rank 0 preprocesses first and the others reuse the datasets cache; only rank
 0 writes reports and outputs; each rank loads its own 4-bit model.
 
 Before anything loads, the output directory decides whether the run starts, resumes its own checkpoints or
-refuses (``resume.py``): the same command again continues a killed run. Faults: Ctrl-C / SIGTERM saves a
+refuses (``resume.py``): the same command again continues a killed run. It must be a folder of ours, and this
+run's alone while it runs (``output_dir.RunLock``: missing, empty or marked ours, never among the run's inputs;
+locked until the run returns). Faults: Ctrl-C / SIGTERM saves a
 checkpoint at the current step and raises ``TrainingInterrupted`` (``signals.py``). The final outputs are staged in
 ``<output_dir>/.final.tmp``, moved into place file by file (each ``os.replace``
 is atomic), and ``training_complete.json`` is written last: a run is complete
@@ -14,6 +16,7 @@ exactly when that marker exists.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import logging
@@ -31,6 +34,7 @@ from qlora_train.data.prepared import training_data
 from qlora_train.errors import UsageError
 from qlora_train.files import fresh_dir, write_atomic
 from qlora_train.masking import SIDES, image_rule
+from qlora_train.output_dir import RunLock, mark, run_inputs
 from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
 from qlora_train.train.collator import ImageCollator, PackedCollator, PadCollator, PairCollator, UnpairedCollator
@@ -47,11 +51,13 @@ from qlora_train.train.model import count_parameters, load_model, load_model_con
 from qlora_train.train.resume import (
     COMPLETE_MARKER,
     STAGING_DIR,
+    Decision,
     agree,
     decide,
     last_checkpoint,
     prepare_output_dir,
     read_output_dir,
+    refusing_unsafe_files,
     run_fingerprint,
 )
 from qlora_train.train.signals import StopOnSignal, TrainingInterrupted, handle_stop_signals
@@ -128,7 +134,8 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
         return PairCollator(tokenizer.pad_token_id)
     if not cfg.train.packing:
         rule = image_rule(tokenizer)  # a vision-language model's rows carry images (packing is refused for it)
-        return ImageCollator(tokenizer.pad_token_id, rule) if rule is not None else PadCollator(tokenizer.pad_token_id)
+        return (ImageCollator(tokenizer.pad_token_id, rule, max_pixels=cfg.data.max_image_pixels) if rule is not None
+                else PadCollator(tokenizer.pad_token_id))
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if "flash" in attn and runtime.device == "cuda":
         return PackedCollator(tokenizer.pad_token_id, attention="position_ids")
@@ -239,7 +246,7 @@ def save_final_outputs(trainer, tokenizer, cfg: Config, out: Path, main: bool) -
     write_atomic(staging / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
     write_atomic(staging / "loss_history.json", json.dumps(losses, indent=1))
-    publish(staging, out)
+    mark(out, published=publish(staging, out))  # what --overwrite removes of this run besides its checkpoints
     write_atomic(out / COMPLETE_MARKER, json.dumps(
         {"global_step": trainer.state.global_step, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
     if len(losses) >= 2:
@@ -248,28 +255,37 @@ def save_final_outputs(trainer, tokenizer, cfg: Config, out: Path, main: bool) -
     log.info("adapter, tokenizer and config written to %s", out)
 
 
-def publish(staging: Path, out: Path) -> None:
-    """Move every staged entry into ``out`` (``os.replace``), ``adapter_config.json`` last, then drop ``staging``.
+def publish(staging: Path, out: Path) -> list[str]:
+    """Move every staged entry into ``out`` (``os.replace``), ``adapter_config.json`` last, then drop ``staging``;
+    returns the names published.
 
     Each file appears whole or not at all; peft finds an adapter by its config, so
-    the config is only there once the weights are.
+    the config is only there once the weights are. A link at a name is replaced, never written through.
     """
     entries = sorted(staging.iterdir(), key=lambda p: p.name == "adapter_config.json")
     for src in entries:
         dst = out / src.name
-        if dst.is_dir() and src.is_dir():
+        if dst.is_dir() and not dst.is_symlink() and src.is_dir():
             shutil.rmtree(dst)
         os.replace(src, dst)
     staging.rmdir()
+    return sorted(src.name for src in entries)
 
 
 def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False):
     """Run one training job; returns the finished ``Trainer`` (outputs are in ``cfg.train.output_dir``).
 
-    Resumes the checkpoints of the same config found in the output directory; raises ``UsageError`` when it holds
-    a finished run or another config's checkpoints, unless ``overwrite`` (``--overwrite``) removes them first.
-    Raises ``TrainingInterrupted`` after saving a checkpoint when SIGINT/SIGTERM arrives.
+    The output folder must be ours (``output_dir``: missing, empty or written by our runs, never a folder of the
+    run's inputs) and free: the run holds its lock until it returns. Resumes the checkpoints of the same config
+    found there; raises ``UsageError`` when it holds a finished run or another config's checkpoints, unless
+    ``overwrite`` (``--overwrite``) removes them first. Raises ``TrainingInterrupted`` after saving a checkpoint
+    when SIGINT/SIGTERM arrives.
     """
+    with RunLock(Path(cfg.train.output_dir)) as lock:
+        return _train(cfg, lock, callbacks=callbacks, overwrite=overwrite)
+
+
+def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: bool):
     from transformers import IntervalStrategy, Trainer, set_seed
 
     set_seed(cfg.train.seed)  # before the adapter is built: LoRA init is random
@@ -280,8 +296,10 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
     check_distributed_setup(cfg, runtime)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
     fingerprint = run_fingerprint(cfg)
-    start = agree(decide(read_output_dir(out), fingerprint, resume=cfg.train.resume_from_checkpoint,
-                         overwrite=overwrite))  # every rank takes rank 0's view of the directory
+    refusal = lock.claim(run_inputs(cfg)) if main else None  # the folder ours (output_dir) and this run's alone
+    start = agree(Decision("refuse", refusal) if refusal else decide(
+        read_output_dir(out), fingerprint, resume=cfg.train.resume_from_checkpoint,
+        overwrite=overwrite))  # every rank takes rank 0's view of the directory
     if start.action == "refuse":
         raise UsageError(start.line)
     vision = vision_base(cfg.model, strict=False)  # unreadable: the loads below say why
@@ -327,7 +345,9 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
             train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
             callbacks=[*(callbacks or []), stopper, *([ShardReport()] if args.fsdp else [])],
         )
-        trainer.train(resume_from_checkpoint=start.checkpoint)
+        with refusing_unsafe_files(start.checkpoint, f"resuming from {start.checkpoint}") if start.checkpoint \
+                else contextlib.nullcontext():
+            trainer.train(resume_from_checkpoint=start.checkpoint)
         if stopper.stopped_at is not None:
             raise TrainingInterrupted(stopper.signum, stopper.stopped_at, last_checkpoint(cfg.train.output_dir))
         save_final_outputs(trainer, tokenizer, cfg, out, main)  # a signal now waits for the save to finish

@@ -46,6 +46,7 @@ from qlora_train.data.pairs import canonicalize_pair
 from qlora_train.data.parse import canonicalize_row
 from qlora_train.data.processed import SFT_ROW
 from qlora_train.data.sources import SourceError, _json_rows
+from qlora_train.data.unpaired import canonicalize_unpaired
 from qlora_train.masking import IGNORE_INDEX, LossPolicy
 from tests.masking.oracle import (
     DECIDED,
@@ -62,7 +63,7 @@ from tests.masking.oracle import (
 # draws chunks of new examples until its share is spent. Without it: the CI slice, a few examples per test
 # (derandomized under CI by the ``ci`` profile of tests/conftest.py).
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS") or 0)
-FUZZ_TESTS = 4  # the tests below that call ``explore``, each x TARGETS
+FUZZ_TESTS = 5  # the tests below that call ``explore``, each x TARGETS
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 CHUNK = 20  # examples per hypothesis run in a FUZZ_SECONDS run (the budget is looked at between runs)
 
@@ -271,6 +272,26 @@ def pair_rows(draw, markers):
     return draw(mutated(row, text))
 
 
+@st.composite
+def unpaired_rows(draw, markers):
+    """KTO rows: a prompt (the conversation up to its last user turn), its completion and a label."""
+    msgs, tools = draw(conversation(markers))
+    text = hostile_texts(markers)
+    last_user = max((k for k, m in enumerate(msgs) if m["role"] == "user"), default=0)
+    label = draw(st.sampled_from([True, False, 1, 0]) | garbage(text))
+    shape = draw(st.sampled_from(["messages", "messages", "strings", "garbage"]))
+    if shape == "messages":
+        row = {"prompt": msgs[:last_user + 1], "completion": msgs[last_user + 1:], "label": label,
+               **({"tools": tools} if tools else {})}
+    elif shape == "strings":
+        row = {"prompt": draw(text), "completion": draw(text), "label": label}
+        if draw(st.booleans()):
+            row["system"] = draw(text)
+    else:
+        row = draw(garbage(text))
+    return draw(mutated(row, text))
+
+
 # ---------------------------------------------------------------------------------------------- files
 LINE_EDITS = ("none", "none", "none", "ascii", "raw_surrogate", "bad_bytes", "nul_byte", "cut", "bom")
 
@@ -323,6 +344,7 @@ def source_file(draw, rows):
 # ---------------------------------------------------------------------------------------------- the checks
 SFT = DataConfig(max_length=8192, reasoning_history="drop", batch_size=4)  # oracle-checked: nothing truncated
 PAIRS = DataConfig(objective="preference", max_length=8192, batch_size=4)
+UNPAIRED = DataConfig(objective="unpaired", max_length=8192, batch_size=4)
 configs = {
     "sft": st.sampled_from([SFT, SFT, DataConfig(max_length=48, on_too_long="truncate"),
                             DataConfig(max_length=48, on_too_long="drop", think_loss="answer_only", dedup=True),
@@ -331,6 +353,8 @@ configs = {
     "preference": st.sampled_from([PAIRS, PAIRS, DataConfig(objective="preference", max_length=64),
                                    DataConfig(objective="preference", max_length=8192, rule_check="all",
                                               min_score_margin=0.5)]),
+    "unpaired": st.sampled_from([UNPAIRED, UNPAIRED, DataConfig(objective="unpaired", max_length=64),
+                                 DataConfig(objective="unpaired", max_length=8192, rule_check="all")]),
 }
 
 
@@ -421,6 +445,30 @@ def check_pair_masks(out: dict[str, list], tok, cfg: DataConfig, ends) -> None:
             assert check.wrong == 0 and check.weak == 0, f"{where}: {check} (tokens trained the rule does not)"
 
 
+def check_unpaired_masks(out: dict[str, list], tok, cfg: DataConfig, ends) -> None:
+    """Every kept unpaired row: its labels its ids or -100, nothing trained in its prompt; an untruncated one's
+    completion against the rule, its turns alone trained."""
+    for i, reason in enumerate(out["drop_reason"]):
+        if reason:
+            continue
+        ids, labels, p = out["input_ids"][i], out["labels"][i], out["prompt_length"][i]
+        assert len(ids) == len(labels) and any(_trained(labels)) and not any(_trained(labels[:p]))
+        assert all(lab in (IGNORE_INDEX, t) for lab, t in zip(labels, ids))
+        if cfg is not UNPAIRED or out["num_tokens_before"][i] != out["num_tokens"][i]:
+            continue
+        row = canonicalize_unpaired(json.loads(out["row"][i]), cfg, tokenizer=tok)
+        if not row.prompt:
+            continue  # the oracle renders the empty prompt before the completion, which apply_chat_template refuses
+        msgs = row.prompt + row.completion
+        trained_range = range(len(row.prompt), len(msgs))
+        verdict = prefix_oracle(tok, msgs, tools=row.tools, end_markers=ends, trained=trained_range)
+        check = check_kept_row(tok, verdict, msgs, ids, _trained(labels), trained_messages=trained_range)
+        where = out["location"][i]
+        assert not check.text_differs, f"{where}: the engine's ids are not the render's tokens"
+        assert verdict.kind != REFUSE, f"{where}: kept, but the rule refuses it: {verdict.reason}"
+        assert check.wrong == 0 and check.weak == 0, f"{where}: {check} (tokens trained the rule does not)"
+
+
 SOURCE_ERROR = -1  # in a drawn file's row counts: the reader may stop with a SourceError naming the file
 
 
@@ -440,6 +488,8 @@ def run_file(target, cfg, name, data, written):
         return
     if cfg.objective == "preference":
         check_pair_masks(out, tok, cfg, ends)
+    elif cfg.objective == "unpaired":
+        check_unpaired_masks(out, tok, cfg, ends)
     else:
         check_sft_masks(out, tok, cfg, ends)
 
@@ -457,6 +507,14 @@ def test_preference_files_through_the_pair_path(target):
     def body(data):
         name, raw, written = data.draw(source_file(pair_rows(target[3])), label="file")
         run_file(target, data.draw(configs["preference"], label="config"), name, raw, written)
+
+    explore(body, slice_examples=6)
+
+
+def test_unpaired_files_through_the_unpaired_path(target):
+    def body(data):
+        name, raw, written = data.draw(source_file(unpaired_rows(target[3])), label="file")
+        run_file(target, data.draw(configs["unpaired"], label="config"), name, raw, written)
 
     explore(body, slice_examples=6)
 
@@ -637,3 +695,26 @@ def test_accounting_gap_a_source_without_rows(qwen3_tok, tmp_path, body):
     sources = [DatasetSource(path=str(path))]
     with pytest.raises(DataError, match="rows.json"):
         load_and_process_sources(sources, DataConfig(datasets=sources, cache_dir=str(tmp_path / "cache")), qwen3_tok)
+
+
+@pytest.mark.parametrize("objective, body", [
+    ("preference", b'{"prompt": [{"role": "user\xff", "content": "hi"}], "chosen": "a", "rejected": "b"}'),
+    ("unpaired", b'{"prompt": [{"role": "user\xff", "content": "hi"}], "completion": "a", "label": true}'),
+], ids=["preference", "unpaired"])
+def test_a_prompt_role_with_a_lone_surrogate_refuses_its_row_not_the_run(qwen3_tok, objective, body):
+    """A raw ``\\xff`` in a pair's or a KTO row's prompt role (read as ``\\udcff``): the refusal's detail quotes the
+    role, and writing it to the Arrow table once killed the run (UnicodeEncodeError). Refused and counted, the
+    surrogate stored as its escape; the next row kept."""
+    ok = (b'{"prompt": "hi", "chosen": "a", "rejected": "b"}' if objective == "preference" else
+          b'{"prompt": "hi", "completion": "a", "label": true}')
+    out = _one_file(qwen3_tok, "rows.jsonl", body + b"\n" + ok + b"\n", DataConfig(objective=objective))
+    check_accounting(out, {2}, "rows.jsonl")
+    assert out["drop_reason"] == ["pair_bad_prompt", ""]
+    assert out["drop_detail"][0].endswith("rows.jsonl:1: the prompt ends with a user\\udcff message: it must end "
+                                          "with a user turn (or a tool result) for a response to answer")
+
+
+def test_a_domain_with_a_lone_surrogate_is_stored_as_its_escape(qwen3_tok):
+    body = b'{"messages": [{"role": "user", "content": "hi"}, ' + ANSWER + b'], "topic": "ma\xffth"}\n'
+    out = _one_file(qwen3_tok, "rows.jsonl", body, DataConfig(domain_key="topic"))
+    assert out["drop_reason"] == [""] and out["domain"] == ["ma\\udcffth"]

@@ -145,6 +145,19 @@ def test_rejections_name_the_reason(row, reason):
     assert err.value.reason == reason
 
 
+@pytest.mark.parametrize("role, detail", [
+    (5, "messages[1]: the role (key 'role') is not a string: int 5"),
+    (["user"], "messages[1]: the role (key 'role') is not a string: list ['user']"),
+    (None, "messages[1]: missing role (key 'role')"),
+    ("", "messages[1]: missing role (key 'role')"),
+])
+def test_a_role_that_is_not_a_string_is_said_so(role, detail):
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": role, "content": "a"}]}
+    with pytest.raises(RowRejected) as err:
+        canonicalize_row(row)
+    assert (err.value.reason, err.value.detail) == ("bad_row", detail)
+
+
 def test_reports_add_up():
     a = canonicalize_row({"prompt": "q", "response": "<think>r</think>a"}).report
     b = canonicalize_row({"messages": [{"role": "user", "content": "q"},

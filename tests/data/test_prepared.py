@@ -23,6 +23,7 @@ from qlora_train.data.prepared import (
     training_data,
     write_prepared,
 )
+from qlora_train.data.prepared_checks import shard_hashes
 from qlora_train.tokenizer import load_tokenizer
 
 # --preprocess round trips and subprocesses (~45 s on 2 cores): make test (CI) runs it, make test-fast does not
@@ -211,7 +212,7 @@ def test_a_probe_that_reads_the_same_template_differently_refuses_the_data(prepa
 def test_a_matching_fingerprint_passes_and_the_diagnostics_read_the_saved_rows(prepared_project, tmp_path):
     cfg = load_config(prepared_project)
     tok = load_tokenizer(cfg.model)
-    assert check_prepared(cfg, tok) == Path(cfg.data.prepared_path)
+    assert check_prepared(cfg, tok)[0] == Path(cfg.data.prepared_path)
     # same data and template: packing only matters to training, not to the diagnostics
     packed = load_config(prepared_project, ["train.packing=true"])
     with pytest.raises(ConfigError, match="packing settings differ"):
@@ -237,6 +238,11 @@ def test_a_missing_or_damaged_prepared_directory_is_exit_2(prepared_project, tmp
     for shard in (broken / "train").glob("*.arrow"):
         shard.write_bytes(b"not arrow")
     code, err = run(broken)
+    assert code == 2 and f"data.prepared_path: {broken / 'train'} is not what --preprocess wrote" in err
+    saved = json.loads((broken / FINGERPRINT_FILE).read_text())  # the hashes rewritten to match: still not read
+    saved["shards"] |= shard_hashes(broken, ("train",))
+    (broken / FINGERPRINT_FILE).write_text(json.dumps(saved))
+    code, err = run(broken)
     assert code == 2 and f"data.prepared_path: {broken / 'train'} cannot be read" in err
     (broken / FINGERPRINT_FILE).write_text("{")
     code, err = run(broken)
@@ -251,10 +257,57 @@ def test_data_prepared_before_renders_were_cut_at_their_turns_is_refused(prepare
     old = tmp_path / "old"
     shutil.copytree(prepared_project.parent / "prepared", old)
     saved = json.loads((old / FINGERPRINT_FILE).read_text())
-    assert saved["format"] == 2
-    (old / FINGERPRINT_FILE).write_text(json.dumps({**saved, "format": 1}))
-    code = main(["--config", str(prepared_project), "--set", f"data.prepared_path={old}"])
-    assert code == 2 and f"{FINGERPRINT_FILE} is not of format 2; run --preprocess again" in capsys.readouterr().err
+    assert saved["format"] == 3
+    for earlier in ({**saved, "format": 1}, {k: v for k, v in saved.items() if k != "shards"} | {"format": 2}):
+        (old / FINGERPRINT_FILE).write_text(json.dumps(earlier))
+        code = main(["--config", str(prepared_project), "--set", f"data.prepared_path={old}"])
+        assert code == 2 and f"{FINGERPRINT_FILE} is not of format 3; run --preprocess again" in capsys.readouterr().err
+
+
+def tampered(prepared: Path, dest: Path, edit) -> Path:
+    """A copy of ``prepared`` whose train/ rows were passed through ``edit`` (a row -> the row) and saved again
+    (as someone editing the shards would)."""
+    import datasets
+
+    shutil.copytree(prepared, dest)
+    rows = datasets.load_from_disk(str(prepared / "train")).map(edit)
+    shutil.rmtree(dest / "train")
+    rows.save_to_disk(str(dest / "train"))
+    return dest
+
+
+def test_prepared_shards_edited_since_are_refused_naming_them(prepared_project, tmp_path, capsys):
+    """Labels all set to the ids (every prompt token trained): the fingerprint of the config still matches, the
+    shards' hashes do not."""
+    edited = tampered(prepared_project.parent / "prepared", tmp_path / "edited",
+                      lambda row: {**row, "labels": row["input_ids"]})
+    capsys.readouterr()
+    code = main(["--config", str(prepared_project), "--set", f"data.prepared_path={edited}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("invalid config:\n")
+    assert f"data.prepared_path: {edited / 'train'}/data-00000-of-00001.arrow: changed since --preprocess wrote it" \
+        in err
+    assert f"data.prepared_path: {edited / 'train'} is not what --preprocess wrote" in err
+
+
+def test_tokens_outside_the_vocabulary_are_one_line_before_the_model_loads(prepared_project, tmp_path, capsys):
+    """Shards edited and their hashes rewritten to match: the rows themselves are checked, the first bad one
+    named."""
+    edited = tampered(prepared_project.parent / "prepared", tmp_path / "oov",
+                      lambda row: {**row, "input_ids": [10 ** 6, *row["input_ids"][1:]]})
+    saved = json.loads((edited / FINGERPRINT_FILE).read_text())
+    saved["shards"] |= shard_hashes(edited, ("train",))
+    (edited / FINGERPRINT_FILE).write_text(json.dumps(saved))
+    cfg = load_config(prepared_project, [f"data.prepared_path={edited}"])
+    tok = load_tokenizer(cfg.model)
+    with pytest.raises(ConfigError) as err:
+        training_data(cfg, tok)
+    assert err.value.problems == [
+        f"data.prepared_path: {edited / 'train'} row 0, position 0: id 1000000 is outside the vocabulary of "
+        f"{len(tok):,} tokens: not what --preprocess makes with this tokenizer; run --preprocess again"]
+    capsys.readouterr()
+    assert main(["--config", str(prepared_project), "--set", f"data.prepared_path={edited}"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["invalid config:", f"  {err.value.problems[0]}"]
 
 
 def test_preprocess_refuses_to_replace_a_directory_that_is_not_prepared_data(prepared_project, tmp_path, capsys):

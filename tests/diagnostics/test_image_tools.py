@@ -112,11 +112,9 @@ def test_debug_html_has_thumbnails_and_no_pad_tokens(vl_tok, tmp_path):
     page = debug_html(load_samples([raw], [row], vl_tok, [0]))
     uris = re.findall(r'<img class="thumb" src="(data:image/png;base64,[A-Za-z0-9+/=]+)"', page)
     assert len(uris) == 2
-    from PIL import Image
+    from qlora_train.data.images import open_image
 
-    from qlora_train.data.images import image_bytes_or_path
-
-    assert Image.open(image_bytes_or_path(uris[1])).size == (96, 19)  # 300x60 scaled to 96 px wide
+    assert open_image(uris[1]).size == (96, 19)  # 300x60 scaled to 96 px wide
     spans = read_tokens(page)["row-0"]
     images = [(on, text) for on, _, text in spans if text.startswith("[image")]
     # 300x60 -> 308x56 (the nearest multiples of 28) -> 11x2 = 22 tokens

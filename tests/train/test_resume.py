@@ -237,7 +237,9 @@ def test_the_cli_refuses_a_finished_run_and_another_configs_checkpoints(tmp_path
     assert capsys.readouterr().err.splitlines() == [
         f"error: {out} holds a finished run (step 2): train into another train.output_dir, or add --overwrite to "
         "train again from step 0 (removes its checkpoints and adapter)"]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", FINGERPRINT_FILE, "training_complete.json"]
+    # the run found there left as it was (the folder marked ours, and its lock file: a run written before the mark)
+    assert sorted(p.name for p in out.iterdir()) == [".qlora-train", ".qlora-train.lock", "checkpoint-2",
+                                                     FINGERPRINT_FILE, "training_complete.json"]
     # the diagnostics and --preprocess do not train: a finished run is no reason to refuse them (this tokenizer
     # cannot be loaded: they get that far)
     for flags in (["--stats-only"], ["--preprocess"]):
@@ -283,3 +285,44 @@ def test_every_rank_takes_rank_0s_decision(tmp_path):
     assert [r.returncode for r in ranks] == [0, 0], [o[1][-2000:] for o in outs]
     want = repr(Decision("resume", "rank 0's", "out/checkpoint-4"))
     assert [o[0].strip() for o in outs] == [want, want]
+
+
+# --- a checkpoint file that is not tensors: one line, nothing of it run ---
+
+
+class Planted:
+    """A pickle that would run a command when loaded the unsafe way."""
+
+    def __init__(self, flag: Path):
+        self.flag = flag
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.flag}",))
+
+
+def test_a_checkpoint_file_that_is_not_tensors_is_one_line_without_torchs_unsafe_hint(tmp_path):
+    import pickle
+
+    import torch
+    from safetensors.torch import load_file
+
+    from qlora_train.errors import UsageError
+    from qlora_train.train.resume import refusing_unsafe_files
+
+    ckpt, flag = tmp_path / "checkpoint-2", tmp_path / "ran"
+    ckpt.mkdir()
+    (ckpt / "rng_state.pth").write_bytes(pickle.dumps(Planted(flag), protocol=2))  # torch.save's protocol
+    (ckpt / "adapter_model.safetensors").write_bytes(b"\x80\x04not tensors")
+    with pytest.raises(UsageError) as err, refusing_unsafe_files(ckpt, f"resuming from {ckpt}"):
+        torch.load(ckpt / "rng_state.pth", weights_only=True)
+    assert str(err.value) == (f"resuming from {ckpt}: {ckpt / 'rng_state.pth'} is not a tensor file (Trying to load "
+                              "unsupported GLOBAL posix.system whose module posix is blocked): it was refused unread "
+                              "(checkpoints are read as tensors only, never as code); remove it, or use another "
+                              "checkpoint")
+    assert not flag.exists() and "weights_only" not in str(err.value) and "safe_globals" not in str(err.value)
+    with pytest.raises(UsageError) as err, refusing_unsafe_files(ckpt, "--merge"):
+        load_file(str(ckpt / "adapter_model.safetensors"))
+    assert str(err.value).startswith(f"--merge: {ckpt / 'adapter_model.safetensors'} is not a tensor file "
+                                     "(safetensors: Error while deserializing header: ")
+    with pytest.raises(ValueError, match="not ours"), refusing_unsafe_files(ckpt, "x"):  # anything else: as it is
+        raise ValueError("not ours")

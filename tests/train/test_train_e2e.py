@@ -168,6 +168,30 @@ def test_a_killed_run_resumes_with_the_same_command_and_a_finished_one_is_refuse
     assert json.loads((out / "training_complete.json").read_text())["global_step"] == 2
 
 
+def test_a_checkpoint_file_planted_with_a_pickle_is_refused_in_one_line_and_never_run(tmp_path, tiny_model_dir,
+                                                                                     capsys):
+    """A killed run's checkpoint whose rng_state.pth was replaced by a pickle that would run a command: the same
+    command again stops in one line (exit 2) naming the file, without torch's advice to load it unsafely."""
+    import pickle
+
+    from tests.train.test_resume import Planted
+
+    cfg_path, out, flag = str(write_config(tmp_path, tiny_model_dir, max_steps=4)), tmp_path / "out", tmp_path / "ran"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(load_config(cfg_path), callbacks=[CrashAt(3)])
+    planted = out / "checkpoint-2" / "rng_state.pth"
+    planted.write_bytes(pickle.dumps(Planted(flag), protocol=2))
+    capsys.readouterr()
+    assert main(["--config", cfg_path]) == 2
+    err = capsys.readouterr().err  # (the model's loading and the trainer's progress bars before it)
+    assert "Traceback" not in err and "weights_only" not in err and err.count("error:") == 1
+    assert err.endswith(f"error: resuming from {out / 'checkpoint-2'}: {planted} is not a tensor file (Trying to "
+                        "load unsupported GLOBAL posix.system whose module posix is blocked): it was refused unread "
+                        "(checkpoints are read as tensors only, never as code); remove it, or use another "
+                        "checkpoint\n")
+    assert not flag.exists()
+
+
 def losses(trainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 

@@ -58,6 +58,28 @@ def test_image_collator_pixels_grids_and_token_types(image_rule, images):
     assert batch["mm_token_type_ids"].sum(dim=1).tolist() == [4, 0, 16]
 
 
+def test_image_collator_reads_one_image_at_a_time_with_the_pixels_of_one_call(image_rule, images, monkeypatch):
+    """Each image decoded and processed alone (a batch holds one decoded image at a time): the same pixels and grids
+    as the processor's one call on all of them."""
+    from PIL import Image
+
+    from qlora_train.data.images import open_image
+
+    red, blue, green = (images[k]["ref"] for k in ("red", "blue", "green"))
+    rows = [row([1, *[IMG] * 4, 3], [red]), row([7, *[IMG] * 12, *[IMG] * 6, 8], [blue, green])]
+    calls = []
+    real = type(image_rule.image_processor).__call__
+    monkeypatch.setattr(type(image_rule.image_processor), "__call__",
+                        lambda self, images, **kw: calls.append(len(images)) or real(self, images=images, **kw))
+    batch = ImageCollator(0, image_rule)(rows)
+    assert calls == [1, 1, 1]
+    whole = real(image_rule.image_processor, images=[open_image(r) for r in (red, blue, green)], return_tensors="pt")
+    assert torch.equal(batch["pixel_values"], whole["pixel_values"])
+    assert torch.equal(batch["image_grid_thw"], whole["image_grid_thw"])
+    with Image.open(red) as im:
+        assert open_image(red).tobytes() == im.convert("RGB").tobytes()
+
+
 def test_image_collator_text_batch_is_pad_collators(image_rule):
     rows = [row([1, 2, 3], []), row([4, 5], [])]
     batch = ImageCollator(0, image_rule)(rows)
