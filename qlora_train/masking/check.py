@@ -25,8 +25,9 @@ Outcomes:
 - ``disagree``: ids or labels differ, an answer differs, or the rule refuses for another reason a row the fast
   path kept. ``detail`` names the first differing token (or character) and both trained texts, shortened.
 
-The rule reads the layout's trailer, end markers and reasoning opener only inside the render through a turn and
-right after it (``prefix.generated_part``); where answers are compared, the end markers that may differ between a
+The rule reads the layout's trailer and end markers only inside the render through a turn and right after it, its
+openers and prompt tail only where that render parts from the turn's generation prompt inside an earlier message
+(``prefix.generated_part``); where answers are compared, the end markers that may differ between a
 last and an earlier turn are the probe's, never a declared one (``probed_end_markers``).
 """
 
