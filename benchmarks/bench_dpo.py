@@ -169,10 +169,7 @@ def build_trl(cfg, runtime, data, tokenizer, times):
     """TRL's ``DPOTrainer`` on the same 4-bit base (loaded and prepared as ``load_model`` does, before the
     adapter), given ``peft_config``: TRL adds the adapter, and the reference is the adapter disabled."""
     from datasets import Dataset
-    from peft import prepare_model_for_kbit_training
     from trl import DPOConfig, DPOTrainer
-
-    from qlora_train.train.model import load_base_model
 
     class PreTokenizedDPOTrainer(DPOTrainer):
         """The pairs are token ids already (``prompt_ids``, ``chosen_ids``, ``rejected_ids``, what TRL's own
@@ -182,22 +179,38 @@ def build_trl(cfg, runtime, data, tokenizer, times):
             return dataset
 
     t = cfg.train
+    args = DPOConfig(**trl_arguments(cfg, runtime), beta=t.beta, loss_type=[t.dpo_loss], max_length=None,
+                     pad_to_multiple_of=None)
+    rows = Dataset.from_list([{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in data])
+    return PreTokenizedDPOTrainer(model=trl_base(cfg, runtime), args=args, train_dataset=rows,
+                                  processing_class=tokenizer, peft_config=lora_config(cfg), callbacks=[times])
+
+
+def trl_base(cfg, runtime):
+    """The base a TRL trainer is given: loaded as ``load_model`` loads it (4-bit), prepared for k-bit training
+    with the same gradient checkpointing, no adapter (TRL adds it from ``peft_config``)."""
+    from peft import prepare_model_for_kbit_training
+
+    from qlora_train.train.model import load_base_model
+
     base = load_base_model(cfg.model, runtime)
-    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=t.gradient_checkpointing,
+    return prepare_model_for_kbit_training(base, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
                                            gradient_checkpointing_kwargs={"use_reentrant": False})
-    args = DPOConfig(
+
+
+def trl_arguments(cfg, runtime) -> dict:
+    """The training arguments a TRL trainer shares with ours (``run.training_arguments``): optimizer, learning rate,
+    schedule, precision, seed, gradient checkpointing; no checkpoints, no loggers."""
+    t = cfg.train
+    return dict(
         output_dir=t.output_dir, max_steps=t.max_steps, per_device_train_batch_size=t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps, learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, optim=runtime.optim, bf16=runtime.bf16, fp16=runtime.fp16,
         use_cpu=runtime.device == "cpu", logging_steps=t.logging_steps, save_strategy="no", seed=t.seed,
         data_seed=t.seed, report_to=[], gradient_checkpointing=t.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, beta=t.beta, loss_type=[t.dpo_loss],
-        max_length=None, pad_to_multiple_of=None,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
     )
-    rows = Dataset.from_list([{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in data])
-    return PreTokenizedDPOTrainer(model=base, args=args, train_dataset=rows, processing_class=tokenizer,
-                                  peft_config=lora_config(cfg), callbacks=[times])
 
 
 def run_once(args, side: int, batch: int, method: str) -> dict:

@@ -57,13 +57,18 @@ def estimate_gib(loss: str, tokens: int) -> float:
 
 def rows(seq: int, n: int, seed: int = 0) -> list[dict]:
     """``n`` rows of ``seq`` random token ids; labels trained on 85 of every 256 positions."""
+    return rows_of_lengths([seq] * n, seed)
+
+
+def rows_of_lengths(lengths: list[int], seed: int = 0) -> list[dict]:
+    """One row of random token ids (none special) per length; labels trained on 85 of every 256 positions."""
     import torch
 
     from qlora_train.masking.tokenize import IGNORE_INDEX
 
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(n):
+    for seq in lengths:
         ids = torch.randint(0, 151643, (seq,), generator=gen)
         trained = torch.arange(seq) % (MASKED_RUN + TRAINED_RUN) >= MASKED_RUN
         out.append({"input_ids": ids.tolist(), "attention_mask": [1] * seq,

@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from email.parser import HeaderParser
 from pathlib import Path
@@ -380,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     inst.add_argument("--rehearse", action="store_true", help="a CPU rehearsal: cross-install or check only")
     inst.add_argument("--report", type=Path, help="also write the report here as JSON")
     args = ap.parse_args(argv)
+    began = time.perf_counter()
     try:
         if args.command == "download":
             manifest = download()
@@ -393,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     except BundleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    report["seconds"] = round(time.perf_counter() - began, 1)
     if getattr(args, "report", None):
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
