@@ -316,11 +316,15 @@ def check(bundle: Path | None = None, *, image_versions: dict[str, str | None] |
     problems += reqs
     report = {"problems": problems, "notes": notes, "bundle_present": present,
               "wheels": [f"{e['name']}=={e['version']}" for e in manifest["wheels"]], "bundle_bytes": manifest["bytes"]}
-    if (REPO / ".git").exists():
-        report["tree_bytes"] = tracked_bytes()
-        problem = size_problem(manifest["bytes"], report["tree_bytes"])
-        if problem:
-            problems.append(problem)
+    if (REPO / ".git").exists():  # a checkout (a device machine's copy of the tree has no git: nothing to size)
+        try:
+            report["tree_bytes"] = tracked_bytes()
+        except BundleError as exc:
+            notes.append(f"the size was not checked: {exc}")
+        else:
+            problem = size_problem(manifest["bytes"], report["tree_bytes"])
+            if problem:
+                problems.append(problem)
     return report
 
 

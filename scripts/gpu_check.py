@@ -3,7 +3,8 @@
     scripts/gpu_check.sh RESULTS_DIR                # on a GPU machine: installs .gpu/ offline, then runs this
     scripts/gpu_check.sh --rehearse RESULTS_DIR     # on a CPU: the same steps, tiny sizes (CI runs it)
 
-Options (after the script's name): ``--work DIR`` (models, demo runs, shapes; default a folder in the temporary
+Options (after the script's name): ``--installed`` (your own GPU machine, where ``make install`` installed the
+packages: no bundle), ``--work DIR`` (models, demo runs, shapes; default a folder in the temporary
 directory; Qwen3-8B's random weights take 16 GiB), ``--only versions,tests,demos,bench`` (a rerun of some steps),
 ``--budget-s S`` (benchmark runs that would start later than S seconds after the start are skipped and say so;
 default 420 on a GPU, none in a rehearsal).
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, help=f"start no benchmark run after this many seconds (default "
                                                    f"{GPU_BUDGET_S} on a GPU, none in a rehearsal)")
     ap.add_argument("--install-report", type=Path, help="the install step's report (scripts/gpu_check.sh)")
+    ap.add_argument("--installed", action="store_true",
+                    help="the packages are installed already (make install): scripts/gpu_check.sh installs no bundle")
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.probe:

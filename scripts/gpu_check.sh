@@ -7,20 +7,25 @@
 # Installs the bundle's wheels (make gpu-bundle) into a folder put first on PYTHONPATH with
 # `pip install --no-index --no-deps --target` (a rehearsal checks the bundle against its manifest instead), then
 # runs scripts/gpu_check.py: versions, the gpu-marked tests, every demo, the benchmarks; results in RESULTS_DIR
-# (gpu_results.json, gpu_results.md, gpu_check.log). Other options go to scripts/gpu_check.py (--work, --only,
-# --budget-s). Exit 0 when every step passed.
+# (gpu_results.json, gpu_results.md, gpu_check.log). --installed: a machine where the packages are installed
+# already (make install): no bundle. Other options go to scripts/gpu_check.py (--work, --only, --budget-s).
+# Exit 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-python3}
-rehearse=0
+rehearse=0 installed=0
 for arg in "$@"; do
     if [ "$arg" = "--rehearse" ]; then rehearse=1; fi
+    if [ "$arg" = "--installed" ]; then installed=1; fi  # your own GPU machine, packages installed: no bundle
 done
 site=${QLORA_GPU_SITE:-${TMPDIR:-/tmp}/qlora-gpu-site}
 report="$site.json"
 # nothing outside the machine can be reached: no hub look-ups, no waiting on them
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if [ "$rehearse" = 1 ]; then
+if [ "$installed" = 1 ]; then
+    rm -f "$report"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif [ "$rehearse" = 1 ]; then
     "$PYTHON" scripts/gpu_bundle.py install --rehearse --target "$site" --report "$report"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else

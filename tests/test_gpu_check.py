@@ -58,7 +58,7 @@ def test_the_rehearsal_runs_every_step_on_a_cpu_and_writes_the_results(tmp_path)
         assert d["status"] == "passed" and d["steps"] == 1, d
         assert d["runtime"].startswith("no CUDA device: training on CPU in float32 with adamw_torch"), d
     assert abs(demos[1]["first_loss"] - math.log(2)) < 1e-4 and abs(demos[2]["first_loss"] - 0.5) < 1e-4
-    assert demos[0]["loss_line"].startswith(check.FUSED_LOSS)
+    assert demos[0]["loss_line"].startswith(check.FUSED_LOSS) and demos[3]["loss_line"].startswith(check.FUSED_LOSS)
 
     runs = steps["bench"]["runs"]
     assert [(r["shape"], r["label"]) for r in runs] == [(r.shape, r.label) for r in shapes.PLAN]
@@ -172,3 +172,8 @@ def test_the_plan_groups_and_the_comparisons():
             {"shape": "s", "label": "sft ours", "status": "failed", "error": "x"}]
     assert shapes.comparisons(runs) == ["s dpo: ours 1.50x TRL's tokens/s"]
     assert doctest.testmod(shapes).failed == 0
+
+
+def test_the_memory_table_in_the_docs_is_the_computed_one():
+    memory = load(REPO / "benchmarks" / "fsdp_memory.py")
+    assert memory.one_gpu_table(2048, 16) in (REPO / "docs" / "gpu.md").read_text()
