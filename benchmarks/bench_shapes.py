@@ -352,7 +352,8 @@ def groups(plan: tuple[Run, ...], tiny: bool) -> list[list[Run]]:
 def measure(plan: tuple[Run, ...], work: Path, *, tiny: bool, sizes: Sizes, deadline: float | None = None,
             log=None, timeout_s: float = 600) -> list[dict]:
     """Every run of ``plan`` (fresh processes as ``groups`` says) -> one result each, in plan order: measured,
-    ``failed`` with the error, or ``skipped`` once ``deadline`` (``time.monotonic()``) has passed."""
+    ``failed`` with the error, ``skipped`` once ``deadline`` (``time.monotonic()``) has passed, or ``stopped`` when
+    its process outlived the deadline by 60 s."""
     work.mkdir(parents=True, exist_ok=True)
     results: dict[Run, dict] = {}
     builds: dict[str, dict] = {}
@@ -383,6 +384,8 @@ def measure(plan: tuple[Run, ...], work: Path, *, tiny: bool, sizes: Sizes, dead
                 r = json.loads(line[7:])
                 results[Run(**r.pop("run"))] = r
         for run in group:
+            if code == "timeout" and left is not None:  # stopped at the budget, not by a fault of its own
+                results.setdefault(run, {"status": "stopped", "error": "stopped 60 s past the check's time budget"})
             results.setdefault(run, {"status": "failed", "error": f"no result (exit {code}): "
                                      + " ".join(stderr.strip().splitlines()[-1:])[:500]})
     return [{"shape": run.shape, "label": run.label, **dataclasses.asdict(run), **results[run],

@@ -332,10 +332,10 @@ def step_bench(check: Check) -> dict:
         sizes=bench_shapes.TINY_SIZES if check.rehearse else bench_shapes.GPU_SIZES, deadline=check.deadline,
         log=lambda text: check.log(f"\n=== bench: {text}"))
     failed = [r for r in results if r["status"] == "failed"]
-    skipped = [r for r in results if r["status"] == "skipped"]
-    detail = (f"{len(results) - len(failed) - len(skipped)} of {len(results)} runs measured"
+    late = [r for r in results if r["status"] in ("skipped", "stopped")]
+    detail = (f"{len(results) - len(failed) - len(late)} of {len(results)} runs measured"
               + (f"; failed: {', '.join(r['shape'] + ' ' + r['label'] for r in failed)}" if failed else "")
-              + (f"; skipped (time budget): {len(skipped)}" if skipped else ""))
+              + (f"; not run or stopped for the time budget: {len(late)}" if late else ""))
     return {"status": "failed" if failed else "passed", "detail": detail, "runs": results}
 
 

@@ -177,3 +177,13 @@ def test_the_plan_groups_and_the_comparisons():
 def test_the_memory_table_in_the_docs_is_the_computed_one():
     memory = load(REPO / "benchmarks" / "fsdp_memory.py")
     assert memory.one_gpu_table(2048, 16) in (REPO / "docs" / "gpu.md").read_text()
+
+
+def test_runs_past_the_budget_are_skipped_and_say_so(tmp_path):
+    import time
+
+    results = shapes.measure(shapes.PLAN[:2], tmp_path, tiny=False, sizes=shapes.GPU_SIZES,
+                             deadline=time.monotonic() - 1)
+    assert [(r["label"], r["status"], r["error"]) for r in results] == [
+        ("sft ours", "skipped", "the check's time budget was spent"),
+        ("sft TRL", "skipped", "the check's time budget was spent")]
