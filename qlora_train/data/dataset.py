@@ -103,7 +103,10 @@ class DatasetReport:
             out.append(f"  dropped {n:>6} {reason}  e.g. {self.first_dropped[reason]}")
         share = self.trained_tokens / self.tokens if self.tokens else 0.0
         sides = " (both sides of each pair)" if self.objective == "preference" else ""
-        out.append(f"tokens {self.tokens}, trained {self.trained_tokens} ({share:.1%}){sides}")
+        if self.objective == "prompt":
+            out.append(f"prompt tokens {self.tokens} (none trained: training samples each prompt's completions)")
+        else:
+            out.append(f"tokens {self.tokens}, trained {self.trained_tokens} ({share:.1%}){sides}")
         if self.mixing_weights:
             out.append("mixing: " + ", ".join(
                 f"{src} w={self.mixing_weights[src]:.3f} {self.rows_per_source_before_mixing.get(src, 0)}"
@@ -115,6 +118,10 @@ class DatasetReport:
             if self.rows_turns_dropped or self.rows_token_fallback:
                 out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} rows, "
                            f"completions cut (data.max_response_length) in {sum(self.rows_token_fallback.values())}")
+        elif self.objective == "prompt":
+            if self.rows_turns_dropped:
+                out.append(f"truncation: middle exchanges dropped in {self.rows_turns_dropped} prompts "
+                           "(data.max_prompt_length)")
         elif self.objective == "preference":
             if self.rows_turns_dropped or self.rows_reasoning_trimmed or self.rows_token_fallback:
                 out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} pairs, "
@@ -255,7 +262,7 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
     report.trained_tokens = sum(cols["num_trained_tokens"])
     report.rows_turns_dropped = sum(1 for n in cols["dropped_turns"] if n)
     report.rows_reasoning_trimmed = sum(1 for n in cols["reasoning_trimmed_tokens"] if n)
-    cut = cols["token_fallback"] if "token_fallback" in cols else cols["cut_sides"]  # a pair's: its sides cut
+    cut = cols.get("token_fallback", cols.get("cut_sides", ()))  # a pair's: its sides cut; a prompt is never cut
     report.rows_token_fallback = dict(Counter(s for s in cut if s))
     report.straddling_tokens = sum(cols.get("straddling_tokens", ()))
     kept_counts = {name: Counter() for name in KEPT_PARSE_COUNTS}  # a count, or role -> count (unrendered_messages)
