@@ -49,6 +49,20 @@ class EmptyDatasetError(DataError):
     """Every row was dropped: nothing to train on."""
 
 
+class WrongRowsError(EmptyDatasetError):
+    """Every row was dropped for a reason that says the data is of another kind than the method trains on (chat
+    rows whose last turn is the assistant's, given to GRPO): a usage error, exit 2."""
+
+    exit_code = 2
+
+
+# a reason that, when it drops every row, means the rows are of another kind (-> WrongRowsError), and what to do
+WRONG_KIND = {DropReason.PROMPT_ENDS_WITH_ASSISTANT: (
+    "every prompt ends with an assistant turn: these are SFT conversations, and train.method: grpo samples that "
+    "turn itself; give it prompts (conversations ending with the user's turn, or a prompt column) or train these "
+    "rows with train.method: sft")}
+
+
 @dataclass
 class DatasetReport:
     objective: str = "sft"  # data.objective; with preference a row is a pair and its tokens are both sides'
@@ -532,6 +546,10 @@ def datasets_from_processed(processed: datasets.Dataset, cfg: DataConfig, tokeni
     report = summarize(processed, cfg)
     report.duplicates = report.dropped.get(DropReason.DUPLICATE, 0)
     if report.rows_kept == 0:
+        if len(report.dropped) == 1 and next(iter(report.dropped)) in WRONG_KIND:
+            reason = next(iter(report.dropped))
+            raise WrongRowsError(f"all {report.rows_in} rows were dropped ({reason}): {WRONG_KIND[reason]}; first: "
+                                 f"{report.first_dropped[reason]}")
         reasons = ", ".join(f"{r}: {n}" for r, n in report.dropped.items())
         raise EmptyDatasetError(f"all {report.rows_in} rows were dropped ({reasons}); first: "
                                 + "; ".join(report.first_dropped.values()))

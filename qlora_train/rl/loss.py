@@ -8,8 +8,10 @@ i's summed reward ``sum_f w_f r_if`` (a None left out of the sum; nan when every
   not divided with ``none``; a completion that no function scored gets 0; means and stds skip the unscored;
 - per token t of completion i: the ratio ``rho = exp(log pi(t) - log pi_old(t))`` (``pi_old`` the policy that sampled
   it; the same as ``pi``, detached, when ``rl.num_iterations`` is 1), the clipped surrogate ``-min(rho A_i,
-  clip(rho, 1 - epsilon, 1 + epsilon_high) A_i)``, plus ``beta (exp(ref - log pi) - (ref - log pi) - 1)`` (the k3
-  estimate of the KL to the reference) when ``rl.beta > 0``;
+  clip(rho, 1 - epsilon, 1 + epsilon_high) A_i)``, plus ``beta rho (exp(ref - log pi) - (ref - log pi) - 1)`` when
+  ``rl.beta > 0``: the k3 estimate of the KL to the reference, weighted by the ratio so that its gradient is the
+  unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's default ``use_bias_correction_kl``; the weight is 1 in value
+  on-policy, not in gradient);
 - the loss (``grpo_loss``) reduces the per-token terms over the completions' tokens (``mask``; a truncated one's
   are 0 under ``rl.mask_truncated``): ``grpo``, each completion's mean over its tokens, then the mean over the
   completions; ``dr_grpo``, their sum over ``completions x max_completion_length``; ``dapo``, their sum over the
@@ -97,7 +99,7 @@ def grpo_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps
-        per_token_kl = torch.exp(delta) - delta - 1
+        per_token_kl = (torch.exp(delta) - delta - 1) * ratio  # weighted by the ratio: unbiased (TRL's default)
         per_token = per_token + beta * per_token_kl
         kl = masked_mean(per_token_kl.detach(), mask)
     if loss_type == "grpo":
