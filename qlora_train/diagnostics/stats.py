@@ -109,8 +109,9 @@ def pair_stats(cols: dict[str, list]) -> dict:
 
 
 def prompt_stats(cols: dict[str, list], *, limit: int, max_length: int) -> dict:
-    """Prompt rows (``data.objective: prompt``, GRPO): the prompts' tokens against their limit (``data.max_prompt_length``:
-    ``max_length - rl.max_completion_length`` under ``train.method: grpo``), what the generation prompt adds to each,
+    """Prompt rows (``data.objective: prompt``, GRPO): the prompts' tokens against their limit
+    (``data.max_prompt_length``: ``max_length - rl.max_completion_length`` under ``train.method: grpo``), what the
+    generation prompt adds to each,
     the prompts truncated (middle exchanges dropped) or refused as ``too_long``.
 
     >>> s = prompt_stats({"drop_reason": ["", "", "too_long"], "num_tokens": [10, 30, 0], "num_tokens_before":

@@ -18,9 +18,10 @@ i's summed reward ``sum_f w_f r_if`` (a None left out of the sum; nan when every
   tokens of every micro-batch of the optimizer step (``normalizer``). ``grpo`` and ``dr_grpo`` are divided by the
   micro-batches of the step (``accumulation``); ``dapo``'s normalizer already spans them.
 
+    >>> # rewards 1, 0 (std 0.7071) and 1 beside an unscored one (no std: its group's advantages are 0)
     >>> adv = group_advantages(torch.tensor([[1.0], [0.0], [float("nan")], [1.0]]), torch.tensor([1.0]), 2, "group")
     >>> [round(a, 4) for a in adv.advantages.tolist()], adv.std_zero.tolist()
-    ([0.7071, -0.7071, 0.0, 0.0], [False, False, False, False])
+    ([0.707, -0.707, 0.0, 0.0], [False, False, False, False])
 """
 
 from __future__ import annotations

@@ -236,8 +236,9 @@ def normalize_answer(text: str) -> str:
 
 
 def final_answer(prompts, completions, *, column: str = "answer", **columns) -> list[float | None]:
-    """1.0 where a completion's final answer (``extract_answer``) equals its row's ``column`` (its own final answer:
-    a GSM8K solution's ``#### 72`` is 72) after ``normalize_answer``, else 0.0; None for a row without the column."""
+    """1.0 where a completion's final answer (``extract_answer``; where the row's is a number, that answer's last
+    number) equals its row's ``column`` (its own final answer: a GSM8K solution's ``#### 72`` is 72) after
+    ``normalize_answer``, else 0.0; None for a row without the column."""
     truths = columns.get(column)
     if truths is None:
         return [None] * len(completions)
@@ -246,8 +247,12 @@ def final_answer(prompts, completions, *, column: str = "answer", **columns) -> 
         if truth is None:
             out.append(None)
             continue
-        got = normalize_answer(extract_answer(completion_text(completion)))
-        out.append(1.0 if got == normalize_answer(extract_answer(str(truth))) else 0.0)
+        want = normalize_answer(extract_answer(str(truth)))
+        got = extract_answer(completion_text(completion))
+        if _NUMBER.fullmatch(want):  # a number: the answer's last number ("It is 4." -> 4)
+            numbers = _NUMBER.findall(got)
+            got = numbers[-1] if numbers else ""
+        out.append(1.0 if normalize_answer(got) == want else 0.0)
     return out
 
 
@@ -262,4 +267,4 @@ def matches(prompts, completions, *, pattern: str, full: bool = False, **columns
 def length_penalty(prompts, completions, *, completion_ids, max_tokens: int, **columns) -> list[float]:
     """0 for a completion of at most ``max_tokens`` tokens, else ``-(tokens - max_tokens) / max_tokens``, at least
     -1: longer than needed costs in proportion."""
-    return [-min(1.0, max(0, len(ids) - max_tokens) / max_tokens) for ids in completion_ids]
+    return [0.0 - min(1.0, max(0, len(ids) - max_tokens) / max_tokens) for ids in completion_ids]

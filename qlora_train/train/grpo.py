@@ -74,7 +74,7 @@ class RepeatedBlocks(Sampler):
     ``RepeatSampler``'s order. ``set_epoch`` draws a new order per epoch.
 
     >>> list(RepeatedBlocks(4, block=2, repeats=2, seed=0))
-    [2, 0, 2, 0, 1, 3, 1, 3]
+    [0, 1, 0, 1, 3, 2, 3, 2]
     """
 
     def __init__(self, n: int, *, block: int, repeats: int, seed: int):
