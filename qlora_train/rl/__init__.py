@@ -15,5 +15,7 @@ In the order a step uses them::
                             log-probs of the completions, equal to TRL 1.16's ``GRPOTrainer``
 
 The Trainer that drives them (``train.grpo``) computes the log-probs (the fused path: the output head only at
-completion positions, in chunks) and feeds the Trainer's loop. Nothing here imports the trainer.
+completion positions, in chunks) and feeds the Trainer's loop. Nothing here imports the trainer: this package lies
+below ``train`` (the train flow, ``train.run``, builds the GRPO trainer from these parts) and above the engine, the
+config and the tokenizer (tests/test_layers.py).
 """
