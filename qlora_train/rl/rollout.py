@@ -14,8 +14,8 @@ A completion ends when it samples one of ``stop`` (the template's end-of-turn id
 The draw: ``generate`` decodes greedily over scores that ``GumbelSampler`` makes one-hot at a token drawn from
 ``softmax(logits / temperature)`` restricted to the top-p nucleus (transformers' ``TopPLogitsWarper``): the Gumbel-max
 draw, ``argmax(logits / T + g)`` with ``g = -log(-log(u))``, is an exact sample of that distribution, far cheaper
-than ``torch.multinomial`` over a 150k vocabulary on a CPU (docs/rl.md#sampling), and it draws from its own ``torch.Generator`` seeded per
-step (``seed``): the same step samples the same completions, also after a resume.
+than ``torch.multinomial`` over a 150k vocabulary on a CPU (docs/rl.md#sampling), and it draws from its own
+``torch.Generator`` seeded per step (``seed``): the same step samples the same completions, also after a resume.
 """
 
 from __future__ import annotations
