@@ -179,6 +179,7 @@ class GRPOTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The step's prompt batches -> their rollout batches (new, or the last step's reused: see the module doc),
         each with ``num_items_in_batch``, the loss tokens of all of them (``dapo``'s normalizer)."""
+        self.model.train()  # the old and reference log-probs in training mode, as the policy's (and TRL's)
         batches = []
         for _ in range(num_batches):
             try:
