@@ -129,6 +129,23 @@ demo-kto: $(DEMO_KTO_RUN)
 $(DEMO_KTO_RUN): | $(DEMO_RUN)
 	qlora-train --config configs/quickstart-kto.yaml
 
+# GRPO on the bundled prompts (configs/data/quickstart-grpo.jsonl) from the SFT demo's adapter (the SFT demo runs first
+# only when its run has not finished): 100 steps of 2 prompts x 8 sampled completions, rewarded for opening with
+# <think>; the log's last line gives the reward mean of the first and last 10 steps (docs/rl.md#the-demo)
+DEMO_GRPO_RUN = outputs/quickstart-grpo/training_complete.json
+
+.PHONY: demo-grpo bench-grpo
+demo-grpo: $(DEMO_GRPO_RUN)
+	@echo "the GRPO demo's finished run is in outputs/quickstart-grpo (again from step 0: qlora-train --config configs/quickstart-grpo.yaml --overwrite)"
+
+$(DEMO_GRPO_RUN): | $(DEMO_RUN)
+	qlora-train --config configs/quickstart-grpo.yaml
+
+# a GRPO step, ours against TRL's GRPOTrainer + peft on the same 4-bit model, prompts and settings (2 prompts x 8
+# completions of 128 tokens; a fresh process per run): `make bench-grpo BENCH_GRPO_ARGS="--repeats 2"`
+bench-grpo: $(TINY)/config.json
+	$(PYTHON) benchmarks/bench_grpo.py --model $(TINY) $(BENCH_GRPO_ARGS)
+
 $(TINY_VL)/config.json:
 	$(PYTHON) -m qlora_train.tiny --vision --out $(TINY_VL)
 

@@ -33,11 +33,14 @@ SchemaName = Literal["auto", "messages", "sharegpt", "prompt_response", "alpaca"
                      "text", "completion"]
 SCHEMAS = get_args(SchemaName)
 MaskRule = Literal["train", "mask"]
-Objective = Literal["sft", "preference", "unpaired"]  # data.objective: what a row is
+Objective = Literal["sft", "preference", "unpaired", "prompt"]  # data.objective: what a row is
 RuleCheckMode = Literal["off", "sample", "all"]  # data.rule_check: rows also masked by the rule and compared
-TrainMethod = Literal["sft", "dpo", "orpo", "kto"]  # train.method; dpo and orpo train on pairs, kto on unpaired rows
+# train.method; dpo and orpo train on pairs, kto on unpaired rows, grpo on prompts (its completions sampled)
+TrainMethod = Literal["sft", "dpo", "orpo", "kto", "grpo"]
 # train.method -> the data.objective it trains on
-METHOD_OBJECTIVE = {"sft": "sft", "dpo": "preference", "orpo": "preference", "kto": "unpaired"}
+METHOD_OBJECTIVE = {"sft": "sft", "dpo": "preference", "orpo": "preference", "kto": "unpaired", "grpo": "prompt"}
+GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]  # rl.loss_type
+ScaleRewards = Literal["group", "batch", "none"]  # rl.scale_rewards
 DpoLoss = Literal["sigmoid", "robust", "ipo"]  # train.dpo_loss
 Distributed = Literal["ddp", "fsdp"]  # train.distributed
 QuantStorage = Literal["auto", "uint8", "bfloat16", "float16", "float32"]  # model.bnb_4bit_quant_storage
@@ -173,17 +176,20 @@ class DataConfig(_Section):
         "sft", description="What a row is: `sft`, a conversation (or template-free row) to imitate; `preference`, "
         "a pair of responses to one prompt (`chosen`/`rejected` in any of the formats of docs/preference.md), "
         "each side rendered and masked as SFT would, both sides sharing the prompt; `unpaired`, a prompt, one "
-        "completion and its `label` (KTO, docs/preference.md#kto-unpaired-rows), the completion trained. Applies to "
-        "every source; `train.method` sets it.",
+        "completion and its `label` (KTO, docs/preference.md#kto-unpaired-rows), the completion trained; `prompt`, a "
+        "prompt alone (a conversation ending with a user turn, or a `prompt` column) whose completions are sampled in "
+        "training (GRPO, docs/rl.md), its other columns handed to the reward functions. Applies to every source; "
+        "`train.method` sets it.",
     )
     min_score_margin: float | None = Field(
         None, description="With `objective: preference`: drop pairs whose `score_chosen - score_rejected` is below "
         "this (reason `below_score_margin`, also pairs without both scores).",
     )
     max_prompt_length: int | None = Field(
-        None, ge=1, description="With `objective: preference` or `unpaired`: the prompt's limit in tokens: middle "
-        "prompt exchanges dropped (for a pair, then its rendered reasoning trimmed) to fit; a prompt still over it is "
-        "`too_long`.",
+        None, ge=1, description="With `objective: preference`, `unpaired` or `prompt`: the prompt's limit in tokens: "
+        "middle prompt exchanges dropped (for a pair, then its rendered reasoning trimmed) to fit; a prompt still over "
+        "it is `too_long`. With `train.method: grpo` at most (and by default) `max_length - "
+        "rl.max_completion_length`.",
     )
     max_response_length: int | None = Field(
         None, ge=1, description="With `objective: preference` or `unpaired`: each response's (completion's) limit in "
@@ -379,10 +385,13 @@ class DataConfig(_Section):
         if self.min_score_margin is not None and self.objective != "preference":
             raise ValueError("min_score_margin: applies to preference pairs; set objective: preference (or unset "
                              "it)")
-        for key in ("max_prompt_length", "max_response_length"):
-            if getattr(self, key) is not None and self.objective == "sft":
-                raise ValueError(f"{key}: applies to preference pairs and unpaired rows; set objective: preference "
-                                 "or unpaired (or unset it)")
+        if self.max_prompt_length is not None and self.objective == "sft":
+            raise ValueError("max_prompt_length: applies to preference pairs, unpaired rows and prompts; set "
+                             "objective: preference, unpaired or prompt (or unset it)")
+        if self.max_response_length is not None and self.objective in ("sft", "prompt"):
+            raise ValueError("max_response_length: applies to preference pairs and unpaired rows (a sampled "
+                             "completion's limit is rl.max_completion_length); set objective: preference or unpaired "
+                             "(or unset it)")
 
 
 class ModelConfig(_Section):
@@ -407,9 +416,10 @@ class ModelConfig(_Section):
         "(docs/masking.md#seeing-and-declaring-the-layout). Baked into the template like chat_template_kwargs.",
     )
     adapter_path: str | None = Field(
-        None, description="A LoRA adapter directory (an SFT run's output) that preference training "
-        "(`train.method: dpo | orpo`) starts from: it is loaded as the trained adapter (its own LoRA settings, "
-        "not the `lora:` section), and for DPO once more, frozen, as the reference (docs/preference.md#training).",
+        None, description="A LoRA adapter directory (an SFT run's output) that preference or RL training "
+        "(`train.method: dpo | orpo | kto | grpo`) starts from: it is loaded as the trained adapter (its own LoRA "
+        "settings, not the `lora:` section), and for DPO, KTO and GRPO with `rl.beta` once more, frozen, as the "
+        "reference (docs/preference.md#training).",
     )
     load_in_4bit: bool = Field(True, description="Load the base in 4-bit nf4 with double quantisation.")
     load_in_8bit: bool = Field(False, description="Load the base in 8-bit instead.")
@@ -539,7 +549,8 @@ class TrainConfig(_Section):
         "`[2 x batch, length]` batch of chosen and rejected rows (docs/preference.md#training); `kto` (KTO, "
         "Ethayarajh et al.; needs a reference): unpaired rows, each a completion labelled desirable or not, the KL "
         "term estimated from the batch's prompts paired with other rows' completions "
-        "(docs/preference.md#kto-unpaired-rows).",
+        "(docs/preference.md#kto-unpaired-rows); `grpo` (GRPO, Shao et al.): prompts, each step's completions "
+        "sampled from the policy and scored by `rl.rewards`, the clipped surrogate of `rl.loss_type` (docs/rl.md).",
     )
     beta: float = Field(
         0.1, gt=0, description="dpo, kto: the temperature beta (how far the policy may move from the reference).",
@@ -601,12 +612,19 @@ class TrainConfig(_Section):
             raise ValueError("split_long: needs packing: true")
         if not self.packing and self.packing_length is not None:
             raise ValueError("packing_length: needs packing: true")
+        if self.method == "grpo" and (self.packing or self.group_by_length):
+            key = "packing" if self.packing else "group_by_length"
+            raise ValueError(f"{key}: not available with method: grpo (not supported yet: each prompt's sampled "
+                             f"completions are batched as padded rows beside it); set {key}: false")
         if self.method != "sft" and self.packing:
             raise ValueError(f"packing: method: {self.method} trains each pair as two padded rows (chosen and "
                              "rejected) and cannot pack them; set packing: false")
         if self.method != "sft" and self.group_by_length:
             raise ValueError(f"group_by_length: not available with method: {self.method} (pairs are batched as "
                              "they come); set group_by_length: false")
+        if self.method == "grpo" and self.distributed == "fsdp":
+            raise ValueError("distributed: fsdp with method: grpo is not supported yet (sampling a sharded model "
+                             "gathers every layer at each new token); train on one process")
         if self.fsdp_cpu_offload and self.distributed != "fsdp":
             raise ValueError("fsdp_cpu_offload: needs distributed: fsdp")
         if self.method == "kto" and self.per_device_train_batch_size < 2:
@@ -621,6 +639,74 @@ class TrainConfig(_Section):
         return self
 
 
+REWARD_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # rl.rewards[].function: package.module:name
+
+
+class RewardSpec(_Section):
+    """One reward function (``rl.rewards[]``)."""
+
+    function: str = Field(
+        description="`package.module:name` of a callable `f(prompts, completions, **columns) -> list[float | None]` "
+        "(TRL's convention: a prompt's messages, each completion as `[{role: assistant, content: text}]`, the row's "
+        "other columns by name, `completion_ids`); None leaves a completion out of this function's mean (counted). "
+        "Built-ins: `qlora_train.rl.rewards:final_answer`, `:matches`, `:length_penalty` (docs/rl.md#rewards).",
+    )
+    weight: float = Field(1.0, description="Its weight in the summed reward.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments it is called with besides the row's columns, e.g. "
+        "`{pattern: '^<think>'}` for `qlora_train.rl.rewards:matches`.",
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _importable_name(cls, value: str) -> str:
+        if not REWARD_FUNCTION.fullmatch(value):
+            raise ValueError(f"{value!r}: expected 'package.module:name', e.g. 'qlora_train.rl.rewards:matches'")
+        return value
+
+
+class RLConfig(_Section):
+    """Online RL (the ``rl:`` section): what ``train.method: grpo`` samples, how it scores and what it optimises
+    (docs/rl.md). Each step samples ``num_generations`` completions for each of ``train.per_device_train_batch_size``
+    prompts with the policy (the 4-bit base + the adapter being trained)."""
+
+    rewards: list[RewardSpec] = Field(default_factory=list, description="The reward functions, summed by weight.")
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (a group: advantages are "
+                                 "each completion's reward against its group's).")
+    max_completion_length: int = Field(
+        256, ge=1, description="Tokens a completion may have; one that has not ended by then (no end-of-turn token) "
+        "is truncated (counted; `mask_truncated`). The prompt gets `data.max_length` minus this.",
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the log-probs are of the same "
+                               "tempered distribution, as TRL's).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose "
+                         "probabilities reach top_p (1: all).")
+    mask_truncated: bool = Field(
+        False, description="Leave truncated completions (no end-of-turn token within max_completion_length) out "
+        "of the loss (TRL's `mask_truncated_completions`); they still count in the rewards and advantages.",
+    )
+    scale_rewards: ScaleRewards = Field(
+        "group", description="Advantage = reward minus its group's mean, divided by the group's std (`group`), "
+        "the micro-batch's std (`batch`) or nothing (`none`, Dr. GRPO).",
+    )
+    loss_type: GrpoLoss = Field(
+        "dapo", description="The clipped surrogate's reduction (TRL's): `grpo`, each completion's mean over its "
+        "tokens, then the mean over completions; `dr_grpo`, the sum over tokens / (completions x "
+        "max_completion_length); `dapo`, the sum over the tokens of the optimizer step's completions / their count.",
+    )
+    epsilon: float = Field(0.2, gt=0, description="Clipping: the ratio pi/pi_old is kept within [1 - epsilon, "
+                           "1 + epsilon_high].")
+    epsilon_high: float | None = Field(None, gt=0, description="The upper clip (default: epsilon; DAPO uses 0.28).")
+    beta: float = Field(
+        0.0, ge=0, description="Weight of the KL term to the reference (the base with the adapter off, or the "
+        "frozen `model.adapter_path`: as DPO's); 0 skips the reference pass.",
+    )
+    num_iterations: int = Field(
+        1, ge=1, description="Optimizer steps on each step's completions (mu in the GRPO paper): the old policy's "
+        "log-probs are kept from when they were sampled, so the ratio and its clip act from the second step.",
+    )
+
+
 class Config(_Section):
     """The whole YAML file."""
 
@@ -628,11 +714,13 @@ class Config(_Section):
     lora: LoraSettings = Field(default_factory=LoraSettings)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
         if self.model.adapter_path and self.train.method == "sft":
-            raise ValueError("model.adapter_path: starts preference training (train.method: dpo, orpo or kto); "
+            raise ValueError("model.adapter_path: starts preference or RL training (train.method: dpo, orpo, kto or "
+                             "grpo); "
                              "an SFT run starts a fresh adapter, remove the key")
         if self.train.distributed == "fsdp" and self.model.load_in_8bit:
             raise ValueError("model.load_in_8bit: FSDP cannot shard 8-bit weights; use load_in_4bit: true "
@@ -640,7 +728,8 @@ class Config(_Section):
         wanted = METHOD_OBJECTIVE[self.train.method]
         if wanted != "sft" and self.data.objective != wanted:
             if "objective" in self.data.model_fields_set:
-                what = "preference pairs" if wanted == "preference" else "unpaired rows (prompt, completion, label)"
+                what = {"preference": "preference pairs", "unpaired": "unpaired rows (prompt, completion, label)",
+                        "prompt": "prompts (its completions are sampled)"}[wanted]
                 raise ValueError(f"data.objective: train.method: {self.train.method} trains on {what}; set "
                                  f"data.objective: {wanted} (or leave it out)")
             self.data.objective = wanted  # train.method decides what a row is
@@ -648,13 +737,37 @@ class Config(_Section):
             self.data.check_objective_keys()
         except ValueError as err:
             raise ValueError(f"data.{err}") from None
+        if self.train.method == "grpo":
+            self._check_grpo()
+        elif "rl" in self.model_fields_set:
+            raise ValueError(f"rl: the rl section configures train.method: grpo (the method is "
+                             f"{self.train.method}); remove it")
         if self.data.objective != "sft" and (self.train.packing or self.train.group_by_length):
             key = "packing" if self.train.packing else "group_by_length"
-            how = ("preference pairs are batched as two whole padded rows each (chosen and rejected sharing a "
-                   "prompt)" if self.data.objective == "preference" else "unpaired rows are batched as whole padded "
-                   "rows (each beside the rows its KL term borrows a completion from)")
+            how = {"preference": "preference pairs are batched as two whole padded rows each (chosen and rejected "
+                                 "sharing a prompt)",
+                   "unpaired": "unpaired rows are batched as whole padded rows (each beside the rows its KL term "
+                               "borrows a completion from)",
+                   "prompt": "prompts are batched with their sampled completions as padded rows"}[self.data.objective]
             raise ValueError(f"train.{key}: {how}: set train.{key}: false for data.objective: {self.data.objective}")
         return self
+
+    def _check_grpo(self) -> None:
+        """``train.method: grpo``: at least one reward, and room for the prompt beside the completion: the prompt's
+        limit (``data.max_prompt_length``) is ``data.max_length - rl.max_completion_length``, or less when set."""
+        if not self.rl.rewards:
+            raise ValueError("rl.rewards: train.method: grpo needs at least one reward function, e.g. "
+                             "[{function: 'qlora_train.rl.rewards:matches', kwargs: {pattern: 'yes'}}]")
+        room = self.data.max_length - self.rl.max_completion_length
+        if room < 1:
+            raise ValueError(f"rl.max_completion_length: {self.rl.max_completion_length} leaves no room for the prompt "
+                             f"within data.max_length {self.data.max_length}: lower it or raise data.max_length")
+        if self.data.max_prompt_length is None:
+            self.data.max_prompt_length = room  # the prompt's limit, decided here once
+        elif self.data.max_prompt_length > room:
+            raise ValueError(f"data.max_prompt_length: {self.data.max_prompt_length} + rl.max_completion_length "
+                             f"{self.rl.max_completion_length} > data.max_length {self.data.max_length}: a prompt "
+                             f"and its completion must fit max_length; set at most {room} (or leave it out)")
 
     @property
     def packing_length(self) -> int:
@@ -853,7 +966,8 @@ def config_reference_markdown() -> str:
              "(`python -m qlora_train.config > docs/config.md`).", ""]
     sections = [("model", ModelConfig), ("lora", LoraSettings), ("data", DataConfig),
                 ("data.mixing", MixingConfig), ("data.row_budget", RowBudgetConfig), ("data.datasets[]", DatasetSource),
-                ("data.datasets[].handlers[]", RowHandlerSpec), ("train", TrainConfig)]
+                ("data.datasets[].handlers[]", RowHandlerSpec), ("train", TrainConfig), ("rl", RLConfig),
+                ("rl.rewards[]", RewardSpec)]
     for name, model in sections:
         lines += [f"## `{name}`", "", model.__doc__.strip(), "", "| key | type | default | meaning |",
                   "| --- | --- | --- | --- |"]

@@ -133,8 +133,8 @@ def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
             problems.append(f"train.packing: {name}: its rows' images (pixel values, image grids, 3D positions) "
                             "are fed per row, and packed sequences would mix them; set train.packing: false")
         if cfg.data.objective != "sft":
-            problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: preference "
-                            "and unpaired rows do not carry images; train.method: sft")
+            problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: preference, "
+                            "unpaired and prompt rows (GRPO) do not carry images; train.method: sft")
         if cfg.train.distributed == "fsdp":
             problems.append(f"train.distributed: fsdp with {name} is not supported yet; train on one process per "
                             "model (or DDP)")

@@ -157,6 +157,30 @@ def test_dpo_bench_target_fits_and_table_compares_with_trl(bench_dpo, capsys):
 
 
 @pytest.fixture(scope="module")
+def bench_grpo():
+    return load_bench("bench_grpo")
+
+
+def test_grpo_bench_prompts_reward_and_table(bench_grpo, capsys):
+    """Both trainers get the same prompts (system + question messages); the reward varies from completion to
+    completion; the table prints our peak and step time as shares of TRL's and the verdict on the 0.5x target."""
+    prompts = bench_grpo.messages(4)
+    assert prompts == bench_grpo.messages(4) and len({p[1]["content"] for p in prompts}) == 4
+    said = bench_grpo.latin(None, [[{"role": "assistant", "content": t}] for t in (" Hello", "你好", "7 is")])
+    assert said == [1.0, 0.0, 0.0]
+
+    def run(peak, wall):
+        return {"peak_gib": peak, "before_gib": 0.5, "cuda_peak_gib": None, "device": "cpu", "step_wall": wall,
+                "step_cpu": 2 * wall, "tokens": 2048, "reward": 0.5, "lora_dtype": "float32"}
+
+    bench_grpo.print_table({"ours": run(0.9, 6.0), "trl": run(3.0, 15.0)}, argparse.Namespace(steps=3, repeats=1))
+    out = capsys.readouterr().out
+    assert "  ours   0.90   0.40      6.00    12.00   2048  float32" in out
+    assert ("ours / TRL: peak memory 0.30x (0.40 vs 2.50 GiB over load: 16.0%) (meets the target <= 0.5x); step time "
+            "0.40x wall, 0.40x cpu") in out
+
+
+@pytest.fixture(scope="module")
 def mask_audit():
     yield load_bench("mask_audit")
     del sys.modules["mask_audit"]

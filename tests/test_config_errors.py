@@ -64,6 +64,24 @@ BAD = [
      "think_loss: answer_plus_think}", "data.think_loss: answer_plus_think trains reasoning, but think_mode: drop"),
     ("drop-think-but-cap-it", MODEL + "data: {datasets: [{path: DATA}], think_mode: drop, think_max_tokens: 64}",
      "data.think_max_tokens: caps reasoning, but think_mode: drop removes it (set 0)"),
+    # GRPO (train.method: grpo, the rl section)
+    ("grpo-without-rewards", GOOD + "train: {method: grpo}",
+     "rl.rewards: train.method: grpo needs at least one reward function"),
+    ("grpo-no-room-for-the-prompt", MODEL + "data: {datasets: [{path: DATA}], max_length: 256}\n"
+     "train: {method: grpo}\nrl: {rewards: [{function: 'a.b:c'}], max_completion_length: 256}",
+     "rl.max_completion_length: 256 leaves no room for the prompt within data.max_length 256"),
+    ("grpo-prompt-limit-too-large", MODEL + "data: {datasets: [{path: DATA}], max_length: 256, max_prompt_length: 200}"
+     "\ntrain: {method: grpo}\nrl: {rewards: [{function: 'a.b:c'}], max_completion_length: 64}",
+     "data.max_prompt_length: 200 + rl.max_completion_length 64 > data.max_length 256"),
+    ("grpo-reward-name", GOOD + "train: {method: grpo}\nrl: {rewards: [{function: rewards.py}]}",
+     "rl.rewards[0].function: 'rewards.py': expected 'package.module:name'"),
+    ("grpo-packing", GOOD + "train: {method: grpo, packing: true}\nrl: {rewards: [{function: 'a.b:c'}]}",
+     "train.packing: not available with method: grpo"),
+    ("grpo-fsdp", GOOD + "train: {method: grpo, distributed: fsdp}\nrl: {rewards: [{function: 'a.b:c'}]}",
+     "train.distributed: fsdp with method: grpo is not supported yet"),
+    ("rl-without-grpo", GOOD + "rl: {num_generations: 4}", "rl: the rl section configures train.method: grpo"),
+    ("one-generation", GOOD + "train: {method: grpo}\nrl: {rewards: [{function: 'a.b:c'}], num_generations: 1}",
+     "rl.num_generations: Input should be greater than or equal to 2"),
     # missing files
     ("no-datasets", MODEL, "data.datasets: name at least one data source"),
     ("dataset-not-found", MODEL + "data: {datasets: [{path: DATA}, {path: nope.jsonl}]}",

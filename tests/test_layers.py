@@ -22,6 +22,7 @@ LAYERS = [
     {"qlora_train.data"},
     {"qlora_train.vision"},  # which bases read images, their image processor (the tokenizer carries its rule)
     {"qlora_train.tokenizer"},
+    {"qlora_train.rl"},  # online RL apart from the Trainer: sampling, reward functions, GRPO's loss
     {"qlora_train.diagnostics", "qlora_train.train"},
     {"qlora_train.export"},  # loads the base as training did, reads the run's outputs
     {"qlora_train.cli", "qlora_train.tiny"},

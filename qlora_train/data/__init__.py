@@ -11,7 +11,8 @@ in, a finished example out). In the order the data flows::
                                    (regular files only, formats read, pixels from the header under Pillow's guard,
                                    verify, decode): bad_image; pixels read only by the collator (open_image: upright)
     pipeline.objective             data.objective -> its Objective, decided once: its pipeline and its row type
-                                   (processed.SFT_ROW, PAIR_ROW, UNPAIRED_ROW: the columns a processed row holds)
+                                   (processed.SFT_ROW, PAIR_ROW, UNPAIRED_ROW, PROMPT_ROW: the columns a processed
+                                   row holds)
     sft.process_sft_rows           SFT: parse.canonicalize_row (Messages marked by the LossPolicy, tools, a
                                    ParseReport) -> masking.render_example (with reasoning_history: expand, the
                                    extra examples) -> rule_check on a sample -> masking.finish_examples (one tokenizer
@@ -22,6 +23,9 @@ in, a finished example out). In the order the data flows::
                                    prompt exchanges dropped, reasoning trimmed, responses cut with max_response_length)
     unpaired.process_unpaired_rows KTO: unpaired.canonicalize_unpaired -> rule_check -> unpaired.fit_unpaired
                                    (masking.mask_response)
+    prompts.process_prompt_rows    GRPO: prompts.canonicalize_prompt (the prompt, its tools, the row's other columns
+                                   for the rewards) -> prompts.fit_prompt (masking.render_prompt: the render with the
+                                   generation prompt, nothing trained; middle exchanges dropped to fit)
     rows.Batch                     what every pipeline shares: a batch's rows, outputs, budgets (data.row_budget),
                                    refusals; the filters (min_chars / max_chars, the dedup hash)
     rule_check                     data.rule_check: a sample of rows also masked by the rule, token by token

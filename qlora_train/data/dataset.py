@@ -49,6 +49,20 @@ class EmptyDatasetError(DataError):
     """Every row was dropped: nothing to train on."""
 
 
+class WrongRowsError(EmptyDatasetError):
+    """Every row was dropped for a reason that says the data is of another kind than the method trains on (chat
+    rows whose last turn is the assistant's, given to GRPO): a usage error, exit 2."""
+
+    exit_code = 2
+
+
+# a reason that, when it drops every row, means the rows are of another kind (-> WrongRowsError), and what to do
+WRONG_KIND = {DropReason.PROMPT_ENDS_WITH_ASSISTANT: (
+    "every prompt ends with an assistant turn: these are SFT conversations, and train.method: grpo samples that "
+    "turn itself; give it prompts (conversations ending with the user's turn, or a prompt column) or train these "
+    "rows with train.method: sft")}
+
+
 @dataclass
 class DatasetReport:
     objective: str = "sft"  # data.objective; with preference a row is a pair and its tokens are both sides'
@@ -103,7 +117,10 @@ class DatasetReport:
             out.append(f"  dropped {n:>6} {reason}  e.g. {self.first_dropped[reason]}")
         share = self.trained_tokens / self.tokens if self.tokens else 0.0
         sides = " (both sides of each pair)" if self.objective == "preference" else ""
-        out.append(f"tokens {self.tokens}, trained {self.trained_tokens} ({share:.1%}){sides}")
+        if self.objective == "prompt":
+            out.append(f"prompt tokens {self.tokens} (none trained: training samples each prompt's completions)")
+        else:
+            out.append(f"tokens {self.tokens}, trained {self.trained_tokens} ({share:.1%}){sides}")
         if self.mixing_weights:
             out.append("mixing: " + ", ".join(
                 f"{src} w={self.mixing_weights[src]:.3f} {self.rows_per_source_before_mixing.get(src, 0)}"
@@ -115,6 +132,10 @@ class DatasetReport:
             if self.rows_turns_dropped or self.rows_token_fallback:
                 out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} rows, "
                            f"completions cut (data.max_response_length) in {sum(self.rows_token_fallback.values())}")
+        elif self.objective == "prompt":
+            if self.rows_turns_dropped:
+                out.append(f"truncation: middle exchanges dropped in {self.rows_turns_dropped} prompts "
+                           "(data.max_prompt_length)")
         elif self.objective == "preference":
             if self.rows_turns_dropped or self.rows_reasoning_trimmed or self.rows_token_fallback:
                 out.append(f"truncation: middle prompt exchanges dropped in {self.rows_turns_dropped} pairs, "
@@ -255,7 +276,7 @@ def summarize_columns(cols: dict[str, list]) -> DatasetReport:
     report.trained_tokens = sum(cols["num_trained_tokens"])
     report.rows_turns_dropped = sum(1 for n in cols["dropped_turns"] if n)
     report.rows_reasoning_trimmed = sum(1 for n in cols["reasoning_trimmed_tokens"] if n)
-    cut = cols["token_fallback"] if "token_fallback" in cols else cols["cut_sides"]  # a pair's: its sides cut
+    cut = cols.get("token_fallback", cols.get("cut_sides", ()))  # a pair's: its sides cut; a prompt is never cut
     report.rows_token_fallback = dict(Counter(s for s in cut if s))
     report.straddling_tokens = sum(cols.get("straddling_tokens", ()))
     kept_counts = {name: Counter() for name in KEPT_PARSE_COUNTS}  # a count, or role -> count (unrendered_messages)
@@ -525,6 +546,10 @@ def datasets_from_processed(processed: datasets.Dataset, cfg: DataConfig, tokeni
     report = summarize(processed, cfg)
     report.duplicates = report.dropped.get(DropReason.DUPLICATE, 0)
     if report.rows_kept == 0:
+        if len(report.dropped) == 1 and next(iter(report.dropped)) in WRONG_KIND:
+            reason = next(iter(report.dropped))
+            raise WrongRowsError(f"all {report.rows_in} rows were dropped ({reason}): {WRONG_KIND[reason]}; first: "
+                                 f"{report.first_dropped[reason]}")
         reasons = ", ".join(f"{r}: {n}" for r, n in report.dropped.items())
         raise EmptyDatasetError(f"all {report.rows_in} rows were dropped ({reasons}); first: "
                                 + "; ".join(report.first_dropped.values()))

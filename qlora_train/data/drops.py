@@ -44,6 +44,8 @@ class DropReason(EngineDropReason):
     PAIR_EMPTY_RESPONSE = "pair_empty_response"
     PAIR_BAD_RESPONSE = "pair_bad_response"
     BELOW_SCORE_MARGIN = "below_score_margin"  # data.min_score_margin
+    # prompt rows (data/prompts.py, GRPO): a prompt whose last turn is the model's leaves it nothing to sample
+    PROMPT_ENDS_WITH_ASSISTANT = "prompt_ends_with_assistant"
 
 
 KNOWN_DROP_REASONS = frozenset(v for c in DropReason.__mro__ for k, v in vars(c).items() if k.isupper())

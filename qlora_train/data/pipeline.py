@@ -7,7 +7,8 @@ both masks of a refused row):
 
 - ``sft``: ``sft.process_sft_rows``, ``processed.SFT_ROW``;
 - ``preference`` (DPO, ORPO): ``pairs.process_pair_rows``, ``processed.PAIR_ROW``;
-- ``unpaired`` (KTO): ``unpaired.process_unpaired_rows``, ``processed.UNPAIRED_ROW``.
+- ``unpaired`` (KTO): ``unpaired.process_unpaired_rows``, ``processed.UNPAIRED_ROW``;
+- ``prompt`` (GRPO): ``prompts.process_prompt_rows``, ``processed.PROMPT_ROW``.
 
 A new objective is one pipeline module, its row type, an entry of ``OBJECTIVES`` and its loss.
 ``process_rows(batch, tokenizer, cfg)`` runs the objective's pipeline.
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 from qlora_train.config import DataConfig
 from qlora_train.data.pairs import canonicalize_pair, process_pair_rows
 from qlora_train.data.parse import canonicalize_row
-from qlora_train.data.processed import PAIR_ROW, SFT_ROW, UNPAIRED_ROW, RowType
+from qlora_train.data.processed import PAIR_ROW, PROMPT_ROW, SFT_ROW, UNPAIRED_ROW, RowType
+from qlora_train.data.prompts import canonicalize_prompt, process_prompt_rows
 from qlora_train.data.sft import process_sft_rows
 from qlora_train.data.unpaired import canonicalize_unpaired, process_unpaired_rows
 from qlora_train.masking import SIDES, LossPolicy, mark_side, pair_policy
@@ -57,10 +59,17 @@ def _unpaired_conversations(row, tokenizer, cfg: DataConfig) -> list[Conversatio
     return [("", mark_side(unpaired.prompt, unpaired.completion, side_policy), unpaired.tools, side_policy)]
 
 
+def _prompt_conversations(row, tokenizer, cfg: DataConfig) -> list[Conversation]:
+    prompt = canonicalize_prompt(row, cfg, tokenizer=tokenizer)
+    policy = LossPolicy.of(cfg)
+    return [("", policy.mark([{**m, "train": False} for m in prompt.prompt]), prompt.tools, policy)]
+
+
 OBJECTIVES = {o.name: o for o in (
     Objective("sft", SFT_ROW, process_sft_rows, _chat_conversations),
     Objective("preference", PAIR_ROW, process_pair_rows, _pair_conversations),
     Objective("unpaired", UNPAIRED_ROW, process_unpaired_rows, _unpaired_conversations),
+    Objective("prompt", PROMPT_ROW, process_prompt_rows, _prompt_conversations),
 )}
 
 

@@ -11,7 +11,10 @@ refused rows a ``drop_reason``) and ``dataset`` adds to it (where the row came f
   ``num_tokens*`` / ``num_trained_tokens`` / ``reasoning_trimmed_tokens`` count both sides together,
   ``dropped_turns`` the prompt exchanges dropped, ``cut_sides`` the sides whose response was cut;
 - ``UNPAIRED_ROW`` (``unpaired``, KTO): one sequence (the completion trained), ``prompt_length`` the tokens before
-  the completion, its label ``desirable``; ``token_fallback`` is ``right`` where the completion was cut.
+  the completion, its label ``desirable``; ``token_fallback`` is ``right`` where the completion was cut;
+- ``PROMPT_ROW`` (``prompt``, GRPO): the prompt's ids (rendered with the generation prompt; nothing trained: the
+  completions are sampled in training), its messages and the row's other columns as JSON (the reward functions'
+  arguments), and its ``location`` (fed to training, so that a reward that fails names its row).
 
 ``ROW_TYPES`` maps ``data.objective`` to its row type: the one place the objective decides what a row holds. Every
 other column set is derived from a row type: ``model_columns`` (what the model is fed), ``report_columns`` (what the
@@ -195,7 +198,17 @@ UNPAIRED_ROW = RowType("unpaired", (
     _c("token_fallback", "string", REPORT, STATS),  # "right" where the completion was cut
     *_PARSED, *_WHERE,
 ))
-ROW_TYPES = {t.objective: t for t in (SFT_ROW, PAIR_ROW, UNPAIRED_ROW)}  # data.objective -> its row type
+PROMPT_ROW = RowType("prompt", (
+    _c("input_ids", "int32", MODEL, KEPT, depth=1),  # the prompt rendered with the generation prompt (none trained)
+    _c("prompt", "string", MODEL, KEPT),  # its messages (JSON): the reward functions' `prompts`
+    _c("reward_columns", "string", MODEL, KEPT),  # the row's other columns (JSON), passed to them by name
+    _c("generation_prompt_tokens", "int64", STATS),  # the last ids, what the generation prompt writes
+    *_REFUSAL, *_COUNTS, *_PARSED,
+    _c("source", "string", STATS, KEPT, written_by="dataset"),
+    _c("location", "string", MODEL, KEPT, written_by="dataset"),  # file:line: a reward's error names the row
+    _c("domain", "string", KEPT, written_by="dataset"),
+))
+ROW_TYPES = {t.objective: t for t in (SFT_ROW, PAIR_ROW, UNPAIRED_ROW, PROMPT_ROW)}  # data.objective -> its row type
 
 
 def arrow_lists(values: list[list[int]], dtype: str):

@@ -56,6 +56,7 @@ class Sample:
     mask_by: str = ""  # a row refused as mask_disagrees: whose mask this is ("by the layout", "chosen by the rule")
     label: str = ""  # an unpaired preference row (KTO): "desirable" or "undesirable"; prompt_length its prompt's
     images: tuple[ImageRun, ...] = ()  # its images' runs of tokens, in order (a vision-language model's rows)
+    generation_prompt: int = 0  # a prompt row (GRPO): its last tokens, what the generation prompt writes
 
     @property
     def name(self) -> str:
@@ -166,6 +167,14 @@ def load_samples(raw, processed, tokenizer, indices: list[int], data: DataConfig
                     p["cut_sides"].replace(",", " and ") + " response") if p["cut_sides"] else ""),
             ) for side in SIDES]
             continue
+        if "generation_prompt_tokens" in p and not p["drop_reason"]:  # a kept prompt (GRPO): nothing trained
+            ids = p["input_ids"]
+            out.append(Sample(index=i, location=r["location"], source=r["source"], input_ids=ids,
+                              labels=[IGNORE_INDEX] * len(ids), pieces=token_pieces(ids, tokenizer),
+                              num_tokens_before=p["num_tokens_before"],
+                              truncation=truncation_summary(p["dropped_turns"], 0, ""),
+                              generation_prompt=p["generation_prompt_tokens"]))
+            continue
         extras = list(zip(p.get("expanded_input_ids") or [], p.get("expanded_labels") or []))
         refs = p.get("images") or []
         sources = image_sources(r["row"] or "", refs, _source_config(r, data or DataConfig())) if refs else []
@@ -225,6 +234,12 @@ def sample_summary(sample: Sample) -> str:
         return (f"the mask {sample.mask_by}: tokens {len(sample.input_ids)}, trained {sample.num_trained} (the row is "
                 "refused as mask_disagrees: the two masks differ; the rule's, where it cannot mask the whole row, is "
                 "of the render through the turn that differs)")
+    if sample.generation_prompt:
+        written = "".join(sample.pieces[len(sample.pieces) - sample.generation_prompt:])
+        truncation = sample.truncation.replace("middle turns", "middle exchanges")
+        return (f"prompt: tokens {sample.num_tokens_before} before truncation, {len(sample.input_ids)} after, none "
+                f"trained (its completions are sampled in training, after it); the last {sample.generation_prompt} "
+                f"are the generation prompt's {written!r}, prompt too; truncation: {truncation}")
     if sample.side:
         return (f"{sample.side}: tokens {len(sample.input_ids)}, the first {sample.prompt_length} shared with the "
                 f"other side (the prompt, never trained); trained {sample.num_trained}; truncation of the pair: "

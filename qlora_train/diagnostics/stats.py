@@ -108,6 +108,36 @@ def pair_stats(cols: dict[str, list]) -> dict:
     }
 
 
+def prompt_stats(cols: dict[str, list], *, limit: int, max_length: int) -> dict:
+    """Prompt rows (``data.objective: prompt``, GRPO): the prompts' tokens against their limit
+    (``data.max_prompt_length``: ``max_length - rl.max_completion_length`` under ``train.method: grpo``), what the
+    generation prompt adds to each,
+    the prompts truncated (middle exchanges dropped) or refused as ``too_long``.
+
+    >>> s = prompt_stats({"drop_reason": ["", "", "too_long"], "num_tokens": [10, 30, 0], "num_tokens_before":
+    ...                   [10, 40, 80], "dropped_turns": [0, 1, 0], "generation_prompt_tokens": [3, 3, 0]},
+    ...                  limit=32, max_length=64)
+    >>> s["prompt_tokens"]["max"], s["truncated_prompts"], s["too_long"], round(s["share_over_limit"], 3)
+    (30, 1, 1, 0.667)
+    """
+    kept = [i for i, r in enumerate(cols["drop_reason"]) if not r]
+    too_long = sum(1 for r in cols["drop_reason"] if r == DropReason.TOO_LONG)
+    truncated = sum(1 for i in kept if cols["dropped_turns"][i])
+    measured = len(kept) + too_long
+    return {
+        "prompts_kept": len(kept),
+        "limit": limit,
+        "completion_room": max_length - limit,
+        "prompt_tokens": percentiles([cols["num_tokens"][i] for i in kept]),
+        "prompt_tokens_before_truncation": percentiles([n for n in cols["num_tokens_before"] if n > 0]),
+        "generation_prompt_tokens": percentiles([cols["generation_prompt_tokens"][i] for i in kept]),
+        "truncated_prompts": truncated,
+        "exchanges_dropped": int(sum(cols["dropped_turns"][i] for i in kept)),
+        "too_long": too_long,
+        "share_over_limit": _share(truncated + too_long, measured),
+    }
+
+
 def share_percentiles(values) -> dict[str, float | None]:
     """Nearest-rank percentiles, max and mean of shares (floats): ``[0.5, 0.25]`` -> ``{"p25": 0.25, "p50":
     0.25, …, "max": 0.5, "mean": 0.375}``."""
@@ -153,9 +183,10 @@ def image_stats(cols: dict[str, list], *, max_length: int) -> dict | None:
 
 
 def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int, int] | None = None,
-                pairs: bool = False) -> dict:
+                pairs: bool = False, prompt_limit: int | None = None) -> dict:
     """Statistics of one group of processed rows (its row type's ``stats_columns``); with ``pairs`` (preference
-    rows) also ``pairs`` (``pair_stats``), whose over-``max_length`` share the length advice reads."""
+    rows) also ``pairs`` (``pair_stats``), whose over-``max_length`` share the length advice reads; prompt rows (GRPO)
+    also ``prompts`` (``prompt_stats`` against ``prompt_limit``, default ``max_length``)."""
     report = summarize_columns(cols)
     kept = np.array([not r for r in cols["drop_reason"]], dtype=bool)
     before = np.asarray(cols["num_tokens_before"], dtype=np.int64)
@@ -165,6 +196,8 @@ def group_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[int
     fallback = Counter(s for s in cols.get("token_fallback", ()) if s)
     tools = list((tool_tokens or {}).values())
     extra = {"pairs": pair_stats(cols)} if pairs else {}
+    if "generation_prompt_tokens" in cols:  # prompt rows (GRPO): lengths against the prompt's limit
+        extra["prompts"] = prompt_stats(cols, limit=prompt_limit or max_length, max_length=max_length)
     if "desirable" in cols:  # unpaired rows (KTO): the kept rows by label
         extra["labels"] = {"desirable": report.desirable_rows, "undesirable": report.rows_kept - report.desirable_rows}
     images = image_stats(cols, max_length=max_length)
@@ -384,12 +417,20 @@ def advice(overall: dict, *, max_length: int, data: DataConfig | None = None, ma
                        f"{pairs['truncated_pairs']} truncated, {pairs['too_long']} refused as too_long): raise "
                        f"data.max_length ({_pair_lengths_seen(pairs, overall['first_dropped'])}) "
                        "or the per-side limits, or pre-filter long pairs")
+    prompts = overall.get("prompts")
+    if prompts:  # a prompt's limit is not max_length: its completion is sampled into the rest
+        if prompts["share_over_limit"] > AT_MAX_SHARE:
+            out.append(f"{prompts['share_over_limit']:.0%} of prompts are over their limit of {prompts['limit']} "
+                       f"tokens (more than {AT_MAX_SHARE:.0%}: {prompts['truncated_prompts']} truncated, "
+                       f"{prompts['too_long']} refused as too_long; p95 before truncation "
+                       f"{prompts['prompt_tokens_before_truncation']['p95']}): raise data.max_length or lower "
+                       "rl.max_completion_length")
     elif at_max > AT_MAX_SHARE:
         out.append(f"{at_max:.0%} of rows reach max_length={max_length} (more than {AT_MAX_SHARE:.0%}): raise "
                    f"data.max_length (p95 before truncation is {overall['tokens_before_truncation']['p95']}) "
                    "or pre-filter long rows")
     under = overall["share_under_25pct_max_length"]
-    if under > UNDER_QUARTER_SHARE and not pairs:
+    if under > UNDER_QUARTER_SHARE and not pairs and not prompts:
         p99 = overall["tokens_before_truncation"]["p99"] or 0
         suggestion = max(64, math.ceil(p99 / 64) * 64)
         out.append(f"{under:.0%} of rows use under 25% of max_length={max_length}: lower data.max_length "
@@ -430,9 +471,10 @@ def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[i
     """
     tool_tokens = tool_tokens or {}
     pairs = "chosen_tokens" in cols
+    limit = data.max_prompt_length if data is not None and data.max_prompt_length else max_length
     sources: dict[str, dict] = {}
     labels = cols["source"]
-    overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens, pairs=pairs)
+    overall = group_stats(cols, max_length=max_length, tool_tokens=tool_tokens, pairs=pairs, prompt_limit=limit)
     distinct = list(dict.fromkeys(labels))  # first-seen order
     for label in distinct:
         if len(distinct) == 1:  # one source: its rows are all rows, its statistics the overall ones
@@ -441,7 +483,8 @@ def compute_stats(cols: dict[str, list], *, max_length: int, tool_tokens: dict[i
         idx = [i for i, s in enumerate(labels) if s == label]
         sub = {k: [v[i] for i in idx] for k, v in cols.items()}
         sub_tools = {j: tool_tokens[i] for j, i in enumerate(idx) if i in tool_tokens}
-        sources[label] = group_stats(sub, max_length=max_length, tool_tokens=sub_tools, pairs=pairs)
+        sources[label] = group_stats(sub, max_length=max_length, tool_tokens=sub_tools, pairs=pairs,
+                                     prompt_limit=limit)
     return {"max_length": max_length, "overall": overall, "sources": sources, "markers": markers or {},
             "advice": advice(overall, max_length=max_length, data=data, markers=markers)}
 
@@ -523,6 +566,21 @@ def pair_lines(p: dict, max_length: int) -> list[str]:
     ]
 
 
+def prompt_lines(p: dict, max_length: int) -> list[str]:
+    """The ``prompts`` section (``prompt_stats``) as readable lines."""
+    return [
+        f"prompts kept {p['prompts_kept']}; their limit {p['limit']} tokens (data.max_prompt_length; under "
+        f"train.method: grpo max_length={max_length} less rl.max_completion_length), {p['completion_room']} left for "
+        "the completion:",
+        f"  prompt tokens (kept)     {_pct(p['prompt_tokens'])}",
+        f"  before truncation        {_pct(p['prompt_tokens_before_truncation'])}",
+        f"  of it generation prompt  {_pct(p['generation_prompt_tokens'])}",
+        f"prompts over the limit: {p['share_over_limit']:.1%}; truncated {p['truncated_prompts']} prompts (middle "
+        f"exchanges dropped: {p['exchanges_dropped']}); refused as too_long {p['too_long']}",
+        "trained tokens: none from the data (each prompt's completions are sampled in training)",
+    ]
+
+
 def stats_lines(stats: dict) -> list[str]:
     """Human-readable report of ``compute_stats`` output."""
     lines = []
@@ -538,6 +596,9 @@ def stats_lines(stats: dict) -> list[str]:
               for reason, n in s["dropped"].items()],
             *([labels_line(s["labels"]["desirable"], s["labels"]["undesirable"])] if "labels" in s else ()),
         ]
+        if "prompts" in s:  # a prompt's limit is its own, and nothing of it is trained
+            lines += [*prompt_lines(s["prompts"], stats["max_length"]), *parse_lines(s["parse"])]
+            continue
         if "pairs" in s:  # the SFT length lines would count both sides of a pair as one row's length
             lines += [*pair_lines(s["pairs"], stats["max_length"]),
                       f"trained tokens (both sides): {s['trained_tokens']['total']} "

@@ -20,7 +20,7 @@ import copy
 import logging
 from typing import NamedTuple
 
-from qlora_train.masking import template_layout
+from qlora_train.masking import end_of_turn_tokens
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +33,14 @@ class StopTokens(NamedTuple):
 
 
 def stop_tokens(tokenizer) -> StopTokens:
-    """The template's end markers (``TemplateLayout.end_markers``, answer's first) as token ids, then the
+    """The template's end markers as token ids (``masking.end_of_turn_tokens``, answer's first), then the
     tokenizer's eos.
 
     A marker made of several tokens ends with its last one (``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``
     -> ``<|END_OF_TURN_TOKEN|>``) when that is an added token; a marker of ordinary text has no id to stop
     at and is returned in ``strings``.
     """
-    added = set(tokenizer.get_added_vocab().values())
-    ids, strings = [], []
-    for marker in template_layout(tokenizer).end_markers:
-        encoded = tokenizer.encode(marker, add_special_tokens=False)
-        if len(encoded) == 1 or encoded and encoded[-1] in added:
-            ids.append(encoded[-1])
-        else:
-            strings.append(marker)
+    ids, strings = (list(part) for part in end_of_turn_tokens(tokenizer))
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     if strings:

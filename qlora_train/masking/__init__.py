@@ -39,6 +39,9 @@ tokenized alone, so the model's first token starts exactly there. A token is tra
                  composition of render, encode, projection and labels;
 - ``pair``       a prompt and its responses: ``mask_pair`` / ``mask_response``, the pair's sides (``SIDES``,
                  ``mark_side``, ``pair_policy``) and its shared prompt (``shared_prompt_length``);
+- ``generation`` what sampling a turn needs: the prompt rendered with the generation prompt and tokenized as at
+                 inference (``render_prompt``: none of it trained), the ids a generated turn ends with
+                 (``end_of_turn_tokens``);
 - ``expand``     ``reasoning_history: expand``: prefix examples for reasoning the full render drops;
 - ``messages``   the canonical ``Message``, the engine's ``DropReason`` (``data.drops.DropReason`` extends it)
                  and ``RowRejected``;
@@ -102,6 +105,7 @@ from qlora_train.masking.example import (
     text_example,
     token_example,
 )
+from qlora_train.masking.generation import EndOfTurn, RenderedPrompt, end_of_turn_tokens, render_prompt
 from qlora_train.masking.images import ImageRule, expand_images, expanded_text, image_rule, set_image_rule
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, tool_block
 from qlora_train.masking.layout_declaration import (
@@ -132,6 +136,8 @@ __all__ = [
     "mask_conversation", "mask_pair", "mask_response", "MaskedConversation", "MaskedPair", "MaskedResponse",
     # ... its batch form: each conversation rendered inside its row's budget, all finished in one tokenizer call
     "render_example", "finish_examples", "RenderedExample", "text_example", "token_example",
+    # a prompt for sampling (GRPO): rendered with the generation prompt, its ids; where a sampled turn ends
+    "render_prompt", "RenderedPrompt", "end_of_turn_tokens", "EndOfTurn",
     # what goes in: canonical messages, the loss policy, a pair's sides
     "Message", "LossPolicy", "DEFAULT_POLICY", "SIDES", "mark_side", "pair_policy",
     # images in messages (masking.images): where they sit, the processor's rule for their tokens

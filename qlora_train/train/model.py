@@ -169,6 +169,11 @@ def trainable_token_indices(model, ids: Sequence[int]) -> list[int] | dict[str, 
     return {names[embedding]: list(ids), names[head]: list(ids)}
 
 
+def needs_reference(cfg: Config) -> bool:
+    """Whether training compares the policy with a reference model: DPO, KTO, and GRPO with ``rl.beta`` > 0."""
+    return cfg.train.method in ("dpo", "kto") or (cfg.train.method == "grpo" and cfg.rl.beta > 0)
+
+
 def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOKENS):
     """Base model (quantised as configured) prepared for k-bit training, wrapped in a fresh peft LoRA adapter, or
     in the one ``model.adapter_path`` names (``start_from_adapter``); with ``new_tokens``, the embeddings fitted to
@@ -195,7 +200,7 @@ def load_model(cfg: Config, runtime: Runtime, new_tokens: NewTokens = NO_NEW_TOK
     if tower is not None:  # peft's k-bit preparation upcasts every 16-bit weight: the tower stays as loaded
         model.get_submodule(tower).to(runtime.compute_dtype)
     if cfg.model.adapter_path:
-        model = start_from_adapter(model, cfg.model.adapter_path, with_reference=cfg.train.method in ("dpo", "kto"))
+        model = start_from_adapter(model, cfg.model.adapter_path, with_reference=needs_reference(cfg))
     else:
         tokens = trainable_token_indices(model, new_tokens.ids) if new_tokens else None
         lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,

@@ -46,7 +46,7 @@ from qlora_train.errors import ConfigError
 from qlora_train.masking import IGNORE_INDEX
 from qlora_train.train.fused_loss import fused_loss_blocker, inner_causal_lm, whole
 from qlora_train.train.loss import CHUNK_TOKENS, trained_positions
-from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps, sequence_logps
+from qlora_train.train.preference_loss import PreferenceObjective, SequenceLogps, sequence_logps, token_logps
 
 TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model / from_pretrained make
 REFERENCE_ADAPTER = "reference"
@@ -106,14 +106,19 @@ def use_pair_forward(model) -> None:
 
 
 def pair_forward(causal_lm, input_ids=None, attention_mask=None, *, labels, logps_chunk_tokens: int,
-                 **unused) -> SequenceLogps:
+                 logps_temperature: float | None = None, **unused) -> SequenceLogps | torch.Tensor:
     """The decoder once on a pair batch, then ``sequence_logps`` on its last hidden states and the head's weight:
-    per-row log-probs of the trained tokens, no logits. What peft's forward adds besides is ``None`` here."""
+    per-row log-probs of the trained tokens, no logits. With ``logps_temperature`` (GRPO), ``token_logps`` instead:
+    each trained token's log-prob ``[batch, seq]`` under the logits divided by it. What peft's forward adds besides
+    is ``None`` here."""
     extra = sorted(k for k, v in unused.items() if v is not None)
     if extra:
         raise TypeError(f"the pair forward takes input_ids, attention_mask and labels only, not {', '.join(extra)}")
     outputs = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return sequence_logps(outputs[0], whole(causal_lm.lm_head.weight), labels, chunk_tokens=logps_chunk_tokens)
+    weight = whole(causal_lm.lm_head.weight)
+    if logps_temperature is not None:
+        return token_logps(outputs[0], weight, labels, temperature=logps_temperature, chunk_tokens=logps_chunk_tokens)
+    return sequence_logps(outputs[0], weight, labels, chunk_tokens=logps_chunk_tokens)
 
 
 def pair_logps(model, batch: dict, *, chunk_tokens: int = CHUNK_TOKENS) -> SequenceLogps:

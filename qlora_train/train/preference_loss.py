@@ -107,6 +107,25 @@ def sequence_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     return SequenceLogps(sums, trained.sum(dim=1))
 
 
+def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """As ``sequence_logps``, per token: ``[batch, seq]`` float32, at position t the log-prob of ``labels[t]`` given
+    the tokens before it under ``softmax(logits / temperature)`` where ``labels[t]`` is trained, 0 elsewhere (and at
+    t = 0); differentiable in ``hidden`` and ``weight``. The logits are divided by ``temperature`` by dividing the
+    hidden states (the head has no bias), as GRPO scores its sampled tokens (TRL's ``temperature``)."""
+    targets = trained_positions(labels).to(hidden.device)
+    trained = targets != IGNORE_INDEX
+    h, t = hidden[trained], targets[trained]
+    if temperature != 1.0:
+        h = h / temperature
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        values = TokenLogProbs.apply(h, weight, t, chunk_tokens)
+    else:
+        values = chunked_token_logps(h, weight, t, chunk_tokens, head_dtype(h, weight))
+    predicted = F.pad(trained[:, :-1], (1, 0), value=False)  # position t + 1 is the token position t predicts
+    return torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device).masked_scatter(predicted, values)
+
+
 def chunked_token_logps(hidden, weight, targets, chunk_tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """``hidden [n, h]``, ``targets [n]`` -> ``log softmax(hidden @ weight.T)[targets]`` ``[n]`` float32, one chunk
     of logits at a time (in ``dtype``, upcast to float32, as the SFT loss computes them)."""

@@ -70,6 +70,8 @@ def run_fingerprint(cfg) -> dict:
             model[key] = portable_path(model[key])
     identity = {"model": model, "lora": cfg.lora.model_dump(mode="json"), "data": data_identity(cfg),
                 "train": cfg.train.model_dump(mode="json", exclude=set(UNFINGERPRINTED_TRAIN))}
+    if cfg.train.method == "grpo":  # what is sampled, scored and optimised (other methods' fingerprints unchanged)
+        identity["rl"] = cfg.rl.model_dump(mode="json")
     text = json.dumps(identity, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return {"format": FORMAT, "fingerprint": hashlib.blake2b(text.encode(), digest_size=16).hexdigest(),
             "config": identity}

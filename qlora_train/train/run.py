@@ -128,6 +128,10 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
     """Pad-only collator (pairs: both sides of each pair in one batch), or with packing the one whose attention
     fits the model's implementation: flash-attention (CUDA) reads restarting position ids, SDPA a boolean 4D mask,
     eager an additive one."""
+    if cfg.train.method == "grpo":
+        from qlora_train.train.grpo import PromptCollator
+
+        return PromptCollator()
     if cfg.train.method == "kto":
         return UnpairedCollator(tokenizer.pad_token_id, max_length=cfg.data.max_length)
     if cfg.train.method != "sft":
@@ -152,7 +156,15 @@ def check_rows_fit_method(cfg: Config, dataset) -> None:
     columns = set(dataset.column_names)
     pairs = {f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")} <= columns
     unpaired = "desirable" in columns
+    prompts = "reward_columns" in columns
     method = cfg.train.method
+    if method == "grpo" and not prompts:
+        what = "preference pairs" if pairs else "unpaired rows" if unpaired else "chat rows"
+        raise ConfigError([f"train.method: grpo samples completions for prompts, but the data gave {what} "
+                           "(data.prepared_path holds rows prepared for another method: prepare them again)"])
+    if prompts and method != "grpo":
+        raise ConfigError([f"train.method: {method} does not train on prompts alone (the data gave prompt rows: "
+                           "data.prepared_path was prepared for train.method: grpo)"])
     if method == "kto" and not unpaired:
         raise ConfigError([f"train.method: kto trains on unpaired rows (prompt, completion, label), but the data gave "
                            f"{'preference pairs' if pairs else 'chat rows'}; use unpaired rows or another method"])
@@ -166,6 +178,19 @@ def check_rows_fit_method(cfg: Config, dataset) -> None:
     if method == "sft" and unpaired:
         raise ConfigError(["train.method: sft trains on chat rows, but the data gave unpaired preference rows; "
                            "set train.method: kto"])
+
+
+def rl_rewards(cfg: Config, args) -> list:
+    """``train.method: grpo``: ``rl.rewards`` imported (``RewardError`` naming the one that cannot be), on one
+    process (several are not supported yet); other methods: none."""
+    if cfg.train.method != "grpo":
+        return []
+    if args.world_size > 1:
+        raise ConfigError(["train.method: grpo runs on one process (several, each sampling its own prompts, are not "
+                           "supported yet): run it without torchrun / accelerate launch"])
+    from qlora_train.rl.rewards import load_rewards
+
+    return load_rewards(cfg.rl.rewards)
 
 
 def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None,
@@ -194,6 +219,15 @@ def method_line(cfg: Config) -> str:
     ``dpo from the adapter in outputs/quickstart; reference: that adapter, frozen``."""
     t, m = cfg.train, cfg.model
     start = f"from the adapter in {m.adapter_path}" if m.adapter_path else "from a new adapter on the base"
+    if t.method == "grpo":
+        rl = cfg.rl
+        sampling = (f"{rl.num_generations} completions of at most {rl.max_completion_length} tokens per prompt "
+                    f"(temperature {rl.temperature}, top_p {rl.top_p}), loss {rl.loss_type}")
+        if rl.beta == 0:
+            return f"grpo {start}; {sampling}; no reference model (rl.beta: 0)"
+        reference = ("reference: that adapter, frozen (loaded a second time beside the trained copy)"
+                     if m.adapter_path else "reference: the base (the adapter switched off)")
+        return f"grpo {start}; {sampling}; {reference}, KL weight rl.beta {rl.beta}"
     if t.method == "orpo":
         reference = "no reference model (ORPO)"
     elif m.adapter_path:
@@ -246,10 +280,18 @@ def save_final_outputs(trainer, tokenizer, cfg: Config, out: Path, main: bool) -
     write_atomic(staging / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     losses = [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h]
     write_atomic(staging / "loss_history.json", json.dumps(losses, indent=1))
+    rewards = [{"step": h["step"], "reward": h["reward"]} for h in trainer.state.log_history if "reward" in h]
+    if rewards:  # GRPO: the summed reward of each logged step's completions
+        write_atomic(staging / "reward_history.json", json.dumps(rewards, indent=1))
     mark(out, published=publish(staging, out))  # what --overwrite removes of this run besides its checkpoints
     write_atomic(out / COMPLETE_MARKER, json.dumps(
         {"global_step": trainer.state.global_step, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
-    if len(losses) >= 2:
+    if rewards:  # GRPO's loss is ~0 by construction (advantages are centred): the reward says how it went
+        n = min(10, len(rewards))
+        first, last = (sum(r["reward"] for r in part) / n for part in (rewards[:n], rewards[-n:]))
+        log.info("reward %.3f (mean of the first %d logged steps) -> %.3f (the last %d, to step %d)", first, n, last,
+                 n, rewards[-1]["step"])
+    elif len(losses) >= 2:
         log.info("loss %.4f (step %d) -> %.4f (step %d)", losses[0]["loss"], losses[0]["step"],
                  losses[-1]["loss"], losses[-1]["step"])
     log.info("adapter, tokenizer and config written to %s", out)
@@ -295,6 +337,7 @@ def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: boo
     has_eval = cfg.data.eval_fraction > 0 or bool(cfg.data.eval_datasets)
     check_distributed_setup(cfg, runtime)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
+    rewards = rl_rewards(cfg, args)  # rl.rewards imported before anything loads
     fingerprint = run_fingerprint(cfg)
     refusal = lock.claim(run_inputs(cfg)) if main else None  # the folder ours (output_dir) and this run's alone
     start = agree(Decision("refuse", refusal) if refusal else decide(
@@ -308,6 +351,10 @@ def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: boo
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
     tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)
     check_new_tokens(cfg.train.distributed, new_tokens)
+    if cfg.train.method == "grpo":
+        from qlora_train.train.grpo import check_end_of_turn
+
+        end_ids = check_end_of_turn(tokenizer)  # a sampled turn must be seen to end
 
     with args.main_process_first(desc="preprocessing"):  # or reading data.prepared_path
         data = training_data(cfg, tokenizer)
@@ -322,6 +369,14 @@ def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: boo
     trainer_class, trainer_kwargs = Trainer, {}
     if cfg.train.method == "sft":
         log.info(use_fused_loss(model, cfg.train.fused_loss))
+    elif cfg.train.method == "grpo":
+        from qlora_train.train.grpo import GRPOTrainer
+        from qlora_train.train.preference import check_preference_head
+
+        check_preference_head(model)
+        trainer_class, trainer_kwargs = GRPOTrainer, {"rl": cfg.rl, "rewards": rewards, "end_ids": end_ids}
+        log.info("loss: %s clipped surrogate on the sampled tokens' log-probs, chunked (rl.loss_type)",
+                 cfg.rl.loss_type)
     else:
         from qlora_train.train.preference import PreferenceTrainer, check_preference_head
         from qlora_train.train.preference_loss import PreferenceObjective

@@ -395,8 +395,8 @@ def test_the_summary_says_where_a_preference_run_starts_and_its_reference():
     ("{method: orpo, group_by_length: true}", "", "train.group_by_length: not available with method: orpo"),
     ("{method: dpo, dpo_loss: ipo, label_smoothing: 0.1}", "",
      "train.label_smoothing: applies to method: dpo with dpo_loss: sigmoid or robust only"),
-    ("{method: ppo}", "", "train.method: Input should be 'sft', 'dpo', 'orpo' or 'kto'"),
-    ("{method: sft}", ", adapter_path: ADAPTER", "model.adapter_path: starts preference training"),
+    ("{method: ppo}", "", "train.method: Input should be 'sft', 'dpo', 'orpo', 'kto' or 'grpo'"),
+    ("{method: sft}", ", adapter_path: ADAPTER", "model.adapter_path: starts preference or RL training"),
 ], ids=["packing", "group-by-length", "label-smoothing-ipo", "unknown-method", "adapter-path-sft"])
 def test_preference_config_errors_name_the_fix(tmp_path, train, model, message):
     (tmp_path / "d.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')

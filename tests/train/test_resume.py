@@ -208,6 +208,18 @@ def test_model_lora_and_data_keys_are_in_the_fingerprint():
     assert run_fingerprint(other) == run_fingerprint(base)  # how rows are computed, not what they are
 
 
+def test_grpos_rl_section_is_in_its_fingerprint_and_not_in_other_methods():
+    def grpo(**rl) -> Config:
+        return Config(model={"name_or_path": "org/m"}, data={"datasets": [{"path": "d.jsonl"}], "max_length": 64},
+                      train={"output_dir": "outputs/a", "method": "grpo"},
+                      rl={"rewards": [{"function": "a.b:c"}], "max_completion_length": 16, **rl})
+
+    base = run_fingerprint(grpo())
+    assert base["config"]["rl"]["num_generations"] == 8
+    assert run_fingerprint(grpo(num_generations=4))["fingerprint"] != base["fingerprint"]
+    assert "rl" not in run_fingerprint(config("d.jsonl"))["config"]  # SFT's fingerprint as it was
+
+
 # --- through the CLI: a refusal is one line, exit 2, before anything loads ---
 
 
