@@ -35,7 +35,6 @@ import json
 import math
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -53,8 +52,8 @@ from bench_train import (  # noqa: E402
     keep_best,
     memory_limit_gib,
     peak,
-    resident_kib,
     step_timer,
+    train_measured,
 )
 
 TARGET = (2048, 2)  # the issue's point: 2,048-token sides, batch 2 (4 rows of 2,048 tokens a step)
@@ -100,7 +99,6 @@ def pairs(side: int, n: int, seed: int = 0) -> list[dict]:
 
 def child(args) -> None:
     """One run: load, build the trainer, train ``args.steps`` steps, print a JSON line of what was measured."""
-    import torch
     from transformers import AutoTokenizer, set_seed
 
     from qlora_train.config import Config
@@ -121,18 +119,10 @@ def child(args) -> None:
         times = step_timer()
         trainer = (build_ours if args.method == "ours" else build_trl)(cfg, runtime, data, tokenizer, times)
         model = trainer.model
-        rss_before = resident_kib()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        trainer.train()
-    timed = slice(1, None) if args.steps > 1 else slice(None)
+        measured = train_measured(trainer, times, args.steps)
     trainable = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
     print("RESULT " + json.dumps({
-        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "before_gib": rss_before / 2**20,
-        "cuda_peak_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "step_wall": min(times.wall[timed]), "step_cpu": min(times.cpu[timed]),
+        **measured,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "lora_dtype": ",".join(trainable),
     }), flush=True)

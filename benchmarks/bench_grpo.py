@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_dpo import lora_config  # noqa: E402
-from bench_train import GIB, VOCAB, ensure_model, keep_best, peak, resident_kib  # noqa: E402
+from bench_train import VOCAB, ensure_model, keep_best, peak, train_measured  # noqa: E402
 
 METHODS = ("ours", "trl")
 PROMPTS = 2  # per step
@@ -100,7 +99,6 @@ def step_clock():
 
 def child(args) -> None:
     """One run: load, build the trainer, train ``args.steps`` steps, print a JSON line of what was measured."""
-    import torch
     from transformers import AutoTokenizer, set_seed
 
     from qlora_train.config import Config
@@ -123,20 +121,12 @@ def child(args) -> None:
         build = build_ours if args.method == "ours" else build_trl
         trainer = build(cfg, runtime, messages(PROMPTS * args.steps), tokenizer, clock)
         model = trainer.model
-        rss_before = resident_kib()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        trainer.train()
-    timed = slice(1, None) if args.steps > 1 else slice(None)
+        measured = train_measured(trainer, clock, args.steps)
     trainable = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
     logs = [h for h in trainer.state.log_history if "reward" in h]
     lengths = [h.get("completions/mean_length") for h in logs]
     print("RESULT " + json.dumps({
-        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "before_gib": rss_before / 2**20,
-        "cuda_peak_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "step_wall": min(clock.wall[timed]), "step_cpu": min(clock.cpu[timed]),
+        **measured,
         "tokens": PROMPTS * GENERATIONS * (lengths[0] or 0),
         "reward": logs[0]["reward"] if logs else None,
         "lora_dtype": ",".join(trainable),

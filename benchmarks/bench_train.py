@@ -114,7 +114,6 @@ def keep_best(cell: dict, key, r: dict) -> None:
 
 def child(args) -> None:
     """One run: load, train ``args.steps`` steps, print a JSON line of what was measured."""
-    import torch
     from transformers import Trainer, set_seed
 
     from qlora_train.config import Config
@@ -139,19 +138,30 @@ def child(args) -> None:
         trainer = Trainer(model=model, args=training_arguments(cfg, runtime, has_eval=False),
                           data_collator=PadCollator(pad_token_id=0),
                           train_dataset=rows(args.seq, args.batch * args.steps), callbacks=[times])
-        rss_before = resident_kib()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        trainer.train()
-    timed = slice(1, None) if args.steps > 1 else slice(None)
+        measured = train_measured(trainer, times, args.steps)
     print("RESULT " + json.dumps({
+        **measured, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    }), flush=True)
+
+
+def train_measured(trainer, times, steps: int) -> dict:
+    """``trainer.train()`` measured, as every training benchmark here reports it: the process's peak RSS and its RSS
+    before training (GiB), CUDA's peak allocation, the device, and the fastest step after the first (``times``: a
+    step timer's ``wall`` and ``cpu`` lists)."""
+    import torch
+
+    rss_before = resident_kib()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    timed = slice(1, None) if steps > 1 else slice(None)
+    return {
         "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "before_gib": rss_before / 2**20,
         "cuda_peak_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "step_wall": min(times.wall[timed]), "step_cpu": min(times.cpu[timed]),
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-    }), flush=True)
+    }
 
 
 def resident_kib() -> int:
