@@ -25,7 +25,7 @@ the format may be declared with the fields of ``CallFormat``).
     >>> parse_calls('Let me add.\\n<tool_call>\\n{"name": "add", "arguments": {"a": 1}}\\n</tool_call>', f)
     ParsedCalls(content='Let me add.', calls=({'name': 'add', 'arguments': {'a': 1}},), error=None)
     >>> parse_calls('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>', f).error
-    'call 1: its JSON does not parse (Expecting \\',\\' delimiter at 38)'
+    "call 1: its JSON does not parse (Expecting ',' delimiter at 36)"
 """
 
 from __future__ import annotations
@@ -328,7 +328,7 @@ def _json_format(renders, start, as_string, end_markers) -> CallFormat | None:
     name_key, arguments_key = _holds(spans["one"][2], _NAMES[0])
     befores = [renders[k][start[k]:spans[k][0]] for k in renders]
     afters = [_cut_at_end(renders[k][spans[k][1]:], end_markers) for k in ("one", "bare")]
-    two, (s2, e2, value2) = renders["two"], spans["two"]
+    two, (_, e2, value2) = renders["two"], spans["two"]
     if _holds(value2, _NAMES[1]) is None:  # one value a call: the second call has an opener of its own
         second = _json_value_around(two, two.find(_NAMES[1], e2), e2)
         if second is None:
