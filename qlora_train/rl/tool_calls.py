@@ -71,6 +71,8 @@ class CallFormat:
     key_close: str = ""  # name_xml: between an argument's name and its value
     value_close: str = ""  # name_xml: after its value
     arguments_as_string: bool = False  # the template takes arguments as a JSON string (DeepSeek)
+    lead: str = ""  # what the template writes before the first call's opener in a turn without content (DeepSeek's
+    # calls_begin): not content
 
     def __post_init__(self):
         if self.kind not in CALL_KINDS:
@@ -104,15 +106,19 @@ def parse_calls(text: str, fmt: CallFormat) -> ParsedCalls:
     if not starts:
         return ParsedCalls(text, ())
     content = text[:starts[0]].rstrip() if opener else ""
+    lead = fmt.lead.strip()
+    content = content[:-len(lead)].rstrip() if lead and content.endswith(lead) else content
     calls: list[dict] = []
+    closer = fmt.suffix.strip()
     for start in starts:
         at = start + len(opener) if opener else len(text) - len(text.lstrip())
+        if closer and text.startswith(closer, _skip_space(text, at)):  # an empty call block: no call
+            continue
         reader = {"json": _read_json, "name_json": _read_name_json, "name_xml": _read_name_xml}[fmt.kind]
         try:
             found, at = reader(text, at, fmt)
         except _Malformed as exc:
             return ParsedCalls(content, tuple(calls), f"call {len(calls) + 1}: {exc}")
-        closer = fmt.suffix.strip()
         if closer:
             at = _skip_space(text, at)
             if not text.startswith(closer, at):
@@ -189,7 +195,10 @@ def _read_json(text: str, at: int, fmt: CallFormat) -> tuple[list[dict], int]:
             raise _Malformed(f"no {fmt.name_key!r} key in {json.dumps(element)[:60]}")
         if not NAME.fullmatch(call[fmt.name_key]):
             raise _Malformed(f"{call[fmt.name_key]!r} is not a function name")
-        calls.append({"name": call[fmt.name_key], "arguments": _arguments(call.get(fmt.arguments_key, {}))})
+        found = {"name": call[fmt.name_key], "arguments": _arguments(call.get(fmt.arguments_key, {}))}
+        if isinstance(call.get("id"), str):  # a call id the model writes (Mistral's): the one its result answers
+            found["id"] = call["id"]
+        calls.append(found)
     if not calls:
         raise _Malformed("an empty list of calls")
     return calls, at
@@ -341,7 +350,8 @@ def _json_format(renders, start, as_string, end_markers) -> CallFormat | None:
     suffix = os.path.commonprefix(afters)
     if len(befores) == 4:  # the text between two calls: the closer, then the opener
         suffix = os.path.commonprefix([suffix, befores[-1]])
-    return CallFormat("json", prefix=_distinct_tail(prefix, renders, start), suffix=suffix.strip(), name_key=name_key,
+    opener = _distinct_tail(prefix, renders, start)
+    return CallFormat("json", prefix=opener, lead=_lead(befores[:2], opener), suffix=suffix.strip(), name_key=name_key,
                       arguments_key=arguments_key, arguments_as_string=as_string)
 
 
@@ -383,8 +393,8 @@ def _name_json(renders, start, as_string, end_markers, middle: str) -> CallForma
         closers.append(tail[:name2])
     prefix = _distinct_tail(_common_suffix(befores), renders, start)
     suffix = os.path.commonprefix(closers)
-    return CallFormat("name_json", prefix=prefix, middle=middle.strip(), suffix=suffix.strip(),
-                      arguments_as_string=as_string)
+    return CallFormat("name_json", prefix=prefix, lead=_lead(befores[:2], prefix), middle=middle.strip(),
+                      suffix=suffix.strip(), arguments_as_string=as_string)
 
 
 def _name_xml(renders, start, end_markers, after: str, key_at: int, value_at: int) -> CallFormat | None:
@@ -403,8 +413,8 @@ def _name_xml(renders, start, end_markers, after: str, key_at: int, value_at: in
     split = max(between.rfind("\n"), between.rfind(">"))
     middle, key_open = (between[:split + 1], between[split + 1:]) if split >= 0 and between[split + 1:].strip() \
         else ("", between)
-    return CallFormat("name_xml", prefix=prefix, middle=middle.strip(), suffix=suffix.strip(),
-                      key_open=key_open.strip(), key_close=after[key_at + 1:value_at].strip(),
+    return CallFormat("name_xml", prefix=prefix, lead=_lead(befores[:2], prefix), middle=middle.strip(),
+                      suffix=suffix.strip(), key_open=key_open.strip(), key_close=after[key_at + 1:value_at].strip(),
                       value_close=value_close.strip())
 
 
@@ -421,13 +431,20 @@ def _distinct_tail(prefix: str, renders: dict, start: dict) -> str:
     return prefix
 
 
+def _lead(befores: list[str], opener: str) -> str:
+    """What the template writes before the first call's opener in a turn without content."""
+    bare = befores[1].strip()
+    return bare[:-len(opener)].strip() if opener and bare.endswith(opener) else ""
+
+
 def _reads_back(generated: str, fmt: CallFormat) -> bool:
     try:
         parsed = parse_calls(generated, fmt)
     except ValueError:
         return False
     want = [{"name": n, "arguments": {"x": v}} for n, v in zip(_NAMES, _VALUES, strict=True) if n in generated]
-    return parsed.error is None and list(parsed.calls) == want
+    got = [{"name": c["name"], "arguments": c["arguments"]} for c in parsed.calls]
+    return parsed.error is None and got == want
 
 
 def call_format(tokenizer, declared: dict | None = None, *, template_name: str = "the model's") -> CallFormat:
