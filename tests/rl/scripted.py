@@ -38,8 +38,11 @@ def conversation(*, reasoning: bool = False) -> list[dict]:
 def _trained_text(messages, i, tokenizer, tools) -> str:
     marked = [{**m, "train": k == i} for k, m in enumerate(messages)]
     masked = mask_conversation(marked, tokenizer, tools=tools, policy=LossPolicy())
-    return tokenizer.decode([t for t in masked.labels if t != IGNORE_INDEX], skip_special_tokens=False,
+    text = tokenizer.decode([t for t in masked.labels if t != IGNORE_INDEX], skip_special_tokens=False,
                             clean_up_tokenization_spaces=False)
+    layout = template_layout(tokenizer)
+    # markers as plain text: the last trained token may run past the end marker (']\n'); the turn ends at it
+    return text.rstrip() if any(text.rstrip().endswith(m) for m in layout.end_markers if m) else text
 
 
 def script_turns(messages: list[dict], tokenizer, tools) -> list[str]:
