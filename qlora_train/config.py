@@ -705,6 +705,36 @@ class RLConfig(_Section):
         1, ge=1, description="Optimizer steps on each step's completions (mu in the GRPO paper): the old policy's "
         "log-probs are kept from when they were sampled, so the ratio and its clip act from the second step.",
     )
+    tools: list[str] = Field(
+        default_factory=list, description="Tools the model may call, each `package.module:name` of a Python "
+        "function with type hints and a Google-style docstring (its JSON schema, transformers' `get_json_schema`, is "
+        "given to the chat template as `tools`): each rollout becomes a multi-turn agent rollout (docs/rl.md#tools). "
+        "Built-in: `qlora_train.rl.calculator:calculate`.",
+    )
+    max_turns: int = Field(4, ge=1, description="With `tools`: completions per rollout; one still calling at the "
+                           "last ends there (counted).")
+    tool_timeout_s: float = Field(10.0, gt=0, description="With `tools`: seconds a call may run; past it the model "
+                                  "reads an error (counted).")
+    tool_max_chars: int = Field(2000, ge=1, description="With `tools`: characters of a call's output the model reads "
+                                "(the rest cut, said so).")
+    tool_call_format: dict[str, Any] | None = Field(
+        None, description="With `tools`: how the template writes a call, where the probe cannot read it: {kind: "
+        "json | name_json | name_xml, prefix, suffix, middle, name_key, arguments_key, key_open, key_close, "
+        "value_close} (qlora_train.rl.tool_calls.CallFormat), checked against the template's own render.",
+    )
+    malformed_call_reward: float | None = Field(
+        None, description="With `tools`: the reward of a rollout whose call does not parse (it ends there, counted); "
+        "unset: its rewards as the reward functions compute them.",
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _importable_tools(cls, value: list[str]) -> list[str]:
+        for i, name in enumerate(value):
+            if not REWARD_FUNCTION.fullmatch(name):
+                raise ValueError(f"[{i}] {name!r}: expected 'package.module:name', e.g. "
+                                 "'qlora_train.rl.calculator:calculate'")
+        return value
 
 
 class Config(_Section):

@@ -222,3 +222,20 @@ def agent_rollout(prompt: list[dict], policy: Policy, tokenizer, *, tools: Seque
         difference = f"the template refuses the rebuilt messages: {type(exc).__name__}: {exc}"[:300]
     return AgentRollout(ids, tuple(segments), messages, stop, calls, errors, parse_error, difference is not None,
                         difference)
+
+
+def marked_text(rollout: AgentRollout, tokenizer) -> str:
+    """The rollout's text with each segment marked (what ``--debug-samples`` and the training log show): the
+    prompt as it is, each completion between ``[generated]`` and ``[/generated]`` (trained), each tool turn's glue
+    between ``[tool]`` and ``[/tool]`` (never trained)."""
+    out = []
+    for s in rollout.segments:
+        text = tokenizer.decode(rollout.input_ids[s.start:s.end], skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+        out.append(text if s.kind == "prompt" else f"[{s.kind}]{text}[/{s.kind}]")
+    status = f"stop: {rollout.stop}, {rollout.turns} turns, {rollout.calls} calls"
+    status += f", tool errors {rollout.tool_errors}" if rollout.tool_errors else ""
+    status += f", parse error: {rollout.parse_error}" if rollout.parse_error else ""
+    status += f"; differs from the template's render {rollout.difference}" if rollout.render_differs else \
+        "; equal to the template's render"
+    return "".join(out) + "\n(" + status + ")"

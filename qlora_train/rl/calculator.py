@@ -43,3 +43,15 @@ def calculate(expression: str) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)
+
+
+def tool_result_read(prompts, completions, **columns) -> list[float]:
+    """The demo's reward for using a tool: 1 for a rollout in which a call parsed and its tool returned a result
+    (a tool message that is not an error), else 0. ``completions`` are the rollouts' messages after the prompt.
+
+    >>> tool_result_read(None, [[{"role": "assistant", "content": ""}, {"role": "tool", "content": "84"}],
+    ...                         [{"role": "assistant", "content": "84"}]])
+    [1.0, 0.0]
+    """
+    return [float(any(isinstance(m, dict) and m.get("role") == "tool" and not str(m.get("content", "")).startswith(
+        "error:") for m in completion)) if isinstance(completion, list) else 0.0 for completion in completions]
