@@ -722,6 +722,12 @@ class RLConfig(_Section):
         "json | name_json | name_xml, prefix, suffix, middle, name_key, arguments_key, key_open, key_close, "
         "value_close} (qlora_train.rl.tool_calls.CallFormat), checked against the template's own render.",
     )
+    guided_first_call: bool = Field(
+        False, description="With `tools`: the first completion of each rollout drawn restricted to the shape of a "
+        "call to the first tool (its fixed text forced, the argument's value drawn by the model from digits, "
+        "operators and spaces): a demo device for a model that cannot write a call yet (make demo-agent's random "
+        "tiny model); those draws are off-policy (docs/rl.md#the-agent-demo).",
+    )
     malformed_call_reward: float | None = Field(
         None, description="With `tools`: the reward of a rollout whose call does not parse (it ends there, counted); "
         "unset: its rewards as the reward functions compute them.",

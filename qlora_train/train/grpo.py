@@ -47,6 +47,7 @@ from qlora_train.config import RLConfig
 from qlora_train.errors import ConfigError, UsageError
 from qlora_train.masking import IGNORE_INDEX, end_of_turn_tokens
 from qlora_train.rl.agent import AgentLimits, AgentRollout, agent_rollout, marked_text
+from qlora_train.rl.guide import CallGuide
 from qlora_train.rl.loss import group_advantages, grpo_loss, nanstd
 from qlora_train.rl.rewards import RewardFunction, score
 from qlora_train.rl.rollout import Rollout, Sampling, sample
@@ -133,6 +134,10 @@ def rollout_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], 
     >>> b = rollout_batch([[5], [6, 7]], [[8, 9], [1]], [True, False], pad_id=0, device="cpu")
     >>> b["input_ids"].tolist(), b["attention_mask"].tolist(), b["completion_mask"].tolist()
     ([[0, 5, 8, 9], [6, 7, 1, 0]], [[0, 1, 1, 1], [1, 1, 0, 0]], [[1, 1], [0, 0]])
+    >>> # an agent rollout: a completion (8), a tool turn (3, 4: attended to, not trained), a completion (9)
+    >>> b = rollout_batch([[5]], [[8, 3, 4, 9]], [True], pad_id=0, device="cpu", trained=[[1, 0, 0, 1]])
+    >>> b["attention_mask"].tolist(), b["completion_mask"].tolist()
+    ([[1, 1, 1, 1, 1]], [[1, 0, 0, 1]])
     """
     n, p, c = len(prompt_ids), max(map(len, prompt_ids)), max(1, max(map(len, completion_ids)))
     ids = torch.full((n, p + c), pad_id, dtype=torch.long)
@@ -178,6 +183,10 @@ class GRPOTrainer(Trainer):
                  chunk_tokens: int = GRPO_CHUNK_TOKENS, tools: list | None = None, call_format=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tools, self.call_format = tools or [], call_format
+        self.guide = None
+        if self.tools and rl.guided_first_call:
+            end = self.processing_class.decode([end_ids[0]])
+            self.guide = CallGuide.for_tool(self.processing_class, call_format, self.tools[0], end=end)
         self._shown_rollouts: set[str] = set()
         use_pair_forward(self.model)
         self.rl, self.rewards, self.chunk_tokens = rl, rewards, chunk_tokens
@@ -279,15 +288,22 @@ class GRPOTrainer(Trainer):
         limits = AgentLimits(self.rl.max_turns, self.rl.tool_timeout_s, self.rl.tool_max_chars)
         draws, seconds = [0], [0.0]
 
-        def policy(ids: list[int]) -> list[int]:
-            draws[0] += 1
-            drawn = sample(model, [ids], one, stop=self.stop_ids, end=self.end_ids, pad_id=tok.pad_token_id,
-                           seed=(seed + 7_919 * draws[0]) % 2**63)
-            seconds[0] += drawn.seconds
-            return drawn.completion_ids[0]
+        def policy_of_a_rollout():
+            turns = [0]
 
-        agents = [agent_rollout(json.loads(p), policy, tok, tools=self.tools, call_format=self.call_format,
-                                limits=limits)
+            def policy(ids: list[int]) -> list[int]:
+                draws[0] += 1
+                turns[0] += 1
+                guide = self.guide.at(len(ids)) if self.guide is not None and turns[0] == 1 else None
+                drawn = sample(model, [ids], one, stop=self.stop_ids, end=self.end_ids, pad_id=tok.pad_token_id,
+                               seed=(seed + 7_919 * draws[0]) % 2**63, guide=guide)
+                seconds[0] += drawn.seconds
+                return drawn.completion_ids[0]
+
+            return policy
+
+        agents = [agent_rollout(json.loads(p), policy_of_a_rollout(), tok, tools=self.tools,
+                                call_format=self.call_format, limits=limits)
                   for p in prompts["prompt"] for _ in range(self.rl.num_generations)]
         rollout = Rollout([r.input_ids[:r.prompt_length] for r in agents],
                           [r.input_ids[r.prompt_length:] for r in agents],
@@ -305,11 +321,15 @@ class GRPOTrainer(Trainer):
             totals = self._metrics[mode][key]
             totals[0] += value * n
             totals[1] += n
+        shown = None
         for kind, wanted in (("first", lambda r: True), ("first with a call that got a result",
-                                                         lambda r: r.calls > 0)):
+                                                         lambda r: r.calls > sum(r.tool_errors.values()))):
             match = next((r for r in agents if wanted(r)), None)
             if match is not None and kind not in self._shown_rollouts:
                 self._shown_rollouts.add(kind)
+                if match is shown:
+                    continue
+                shown = match
                 log.info("agent rollout (%s, step %d):\n%s", kind, self.state.global_step,
                          marked_text(match, self.processing_class))
 

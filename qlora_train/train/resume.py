@@ -58,7 +58,8 @@ Action = Literal["start", "resume", "refuse"]
 # --- the fingerprint ---
 
 
-AGENT_KEYS = ("tools", "max_turns", "tool_timeout_s", "tool_max_chars", "tool_call_format", "malformed_call_reward")
+AGENT_KEYS = ("tools", "max_turns", "tool_timeout_s", "tool_max_chars", "tool_call_format", "malformed_call_reward",
+              "guided_first_call")
 
 
 def run_fingerprint(cfg) -> dict:
