@@ -274,6 +274,12 @@ class DataConfig(_Section):
         default_factory=lambda: list(DEFAULT_TOOLS_COLUMNS),
         description="Columns searched, in order, for tool schemas (list, dict or JSON string).",
     )
+    prompt_tools: list[str] = Field(
+        default_factory=list, description="With `objective: prompt`: tools (`package.module:name`) every prompt is "
+        "rendered with, their schemas given to the template as `tools`, so `max_prompt_length` counts them and a "
+        "prompt the template refuses with them is dropped (`template_error`); a row with its own tools is refused "
+        "(`tools_beside_rl_tools`). `train.method: grpo` sets it from `rl.tools` (docs/rl.md#tools).",
+    )
     image_columns: list[str] = Field(
         default_factory=lambda: ["images", "image"], description="Row columns of images (a list, or one image), "
         "used in order by the `<image>` placeholders and the content parts `{type: image}` without a reference "
@@ -385,6 +391,9 @@ class DataConfig(_Section):
         if self.min_score_margin is not None and self.objective != "preference":
             raise ValueError("min_score_margin: applies to preference pairs; set objective: preference (or unset "
                              "it)")
+        if self.prompt_tools and self.objective != "prompt":
+            raise ValueError("prompt_tools: applies to prompt rows (train.method: grpo sets it from rl.tools); unset "
+                             "it")
         if self.max_prompt_length is not None and self.objective == "sft":
             raise ValueError("max_prompt_length: applies to preference pairs, unpaired rows and prompts; set "
                              "objective: preference, unpaired or prompt (or unset it)")
@@ -798,6 +807,11 @@ class Config(_Section):
         if room < 1:
             raise ValueError(f"rl.max_completion_length: {self.rl.max_completion_length} leaves no room for the prompt "
                              f"within data.max_length {self.data.max_length}: lower it or raise data.max_length")
+        if self.rl.tools and not self.data.prompt_tools:
+            self.data.prompt_tools = list(self.rl.tools)  # the prompts rendered with the rollouts' tools, once
+        elif self.data.prompt_tools != self.rl.tools:
+            raise ValueError(f"data.prompt_tools: {self.data.prompt_tools} differs from rl.tools {self.rl.tools}: "
+                             "the prompts must be rendered with the tools the rollouts run; leave it out")
         if self.data.max_prompt_length is None:
             self.data.max_prompt_length = room  # the prompt's limit, decided here once
         elif self.data.max_prompt_length > room:

@@ -2,7 +2,8 @@
 
 ``agent_rollout(prompt, policy, tokenizer, tools=..., call_format=...)`` runs one rollout::
 
-    ids = render_prompt(prompt).input_ids                  the prompt, as at inference (masking.render_prompt)
+    ids = render_prompt(prompt).input_ids                  the prompt, as at inference (masking.render_prompt; in
+                                                           training, the prepared prompt row's ids: data.prompts)
     loop, at most max_turns times:
         completion = policy(ids)                           sampled ids, kept unchanged: never decoded and re-encoded
         ids += completion                                  trained (its end-of-turn marker included)
@@ -173,12 +174,16 @@ def _difference(rollout: str, render: str, ended_with: str | None) -> str | None
 
 
 def agent_rollout(prompt: list[dict], policy: Policy, tokenizer, *, tools: Sequence[Tool], call_format: CallFormat,
-                  limits: AgentLimits = AgentLimits(), layout: TemplateLayout | None = None) -> AgentRollout:
-    """A prompt (messages ending with a user turn) and a policy -> its ``AgentRollout`` (see the module doc)."""
+                  limits: AgentLimits = AgentLimits(), layout: TemplateLayout | None = None,
+                  prompt_ids: list[int] | None = None) -> AgentRollout:
+    """A prompt (messages ending with a user turn) and a policy -> its ``AgentRollout`` (see the module doc).
+    ``prompt_ids``: the prompt's ids as the data prepared them (``data.prompts``: rendered with the same tools'
+    schemas, ``data.prompt_tools``); else rendered here."""
     layout = template_layout(tokenizer) if layout is None else layout
     schemas = [t.schema for t in tools] or None
     by_name = {t.name: t for t in tools}
-    ids = list(render_prompt(prompt, tokenizer, tools=schemas, layout=layout).input_ids)
+    ids = list(render_prompt(prompt, tokenizer, tools=schemas, layout=layout).input_ids if prompt_ids is None
+               else prompt_ids)
     segments = [Segment("prompt", 0, len(ids))]
     messages = [dict(m) for m in prompt]
     stop, calls, errors, parse_error = "max_turns", 0, {}, None

@@ -302,9 +302,11 @@ class GRPOTrainer(Trainer):
 
             return policy
 
+        # each rollout starts from its prompt row's prepared ids: rendered with rl.tools' schemas (data.prompt_tools)
         agents = [agent_rollout(json.loads(p), policy_of_a_rollout(), tok, tools=self.tools,
-                                call_format=self.call_format, limits=limits)
-                  for p in prompts["prompt"] for _ in range(self.rl.num_generations)]
+                                call_format=self.call_format, limits=limits, prompt_ids=list(ids))
+                  for p, ids in zip(prompts["prompt"], prompts["prompt_ids"], strict=True)
+                  for _ in range(self.rl.num_generations)]
         rollout = Rollout([r.input_ids[:r.prompt_length] for r in agents],
                           [r.input_ids[r.prompt_length:] for r in agents],
                           [r.stop != "truncated" for r in agents], seconds[0])
