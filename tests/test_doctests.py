@@ -27,7 +27,7 @@ MODULES = [
     "qlora_train.train.collator", "qlora_train.train.preference_loss", "qlora_train.train.distributed",
     "qlora_train.train.global_batches",
     "qlora_train.tokenizer",
-    "qlora_train.diagnostics.images", "qlora_train.diagnostics.stats",
+    "qlora_train.diagnostics.images", "qlora_train.diagnostics.stats", "qlora_train.diagnostics.rollouts",
 ]
 
 
