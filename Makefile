@@ -141,6 +141,7 @@ DEMO_AGENT_RUN = outputs/quickstart-agent/training_complete.json
 .PHONY: demo-agent
 demo-agent: $(DEMO_AGENT_RUN)
 	@echo "the agent demo's finished run is in outputs/quickstart-agent (again from step 0: qlora-train --config configs/quickstart-agent.yaml --overwrite)"
+	@echo "a prompt row and a scripted example rollout, its generated and tool tokens marked: qlora-train --config configs/quickstart-agent.yaml --debug-samples 2"
 
 $(DEMO_AGENT_RUN): | $(TINY)/config.json
 	qlora-train --config configs/quickstart-agent.yaml
