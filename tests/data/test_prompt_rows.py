@@ -179,3 +179,17 @@ def test_the_data_fingerprint_without_tools_is_unchanged():
     cfg = Config.model_validate({"model": {"name_or_path": "x"}, "data": {"max_length": 512},
                                  "train": {"method": "grpo"}, "rl": {"rewards": [{"function": "a.b:c"}]}})
     assert "prompt_tools" not in data_identity(cfg)
+
+
+def test_agent_rows_that_all_bring_their_own_tools_are_a_usage_error(qwen3_tok, tmp_path):
+    from qlora_train.rl.tools import ToolError
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "tools": [WEATHER]}) for i in range(2)))
+    cfg = DataConfig(objective="prompt", datasets=[DatasetSource(path=str(path))], prompt_tools=[CALCULATOR])
+    with pytest.raises(WrongRowsError) as exc:
+        build_datasets(cfg, qwen3_tok)
+    assert str(exc.value).startswith("all 2 rows were dropped (tools_beside_rl_tools): every prompt row gives tools "
+                                     "of its own")
+    with pytest.raises(ToolError, match=r"rl.tools\[0\]"):  # named once, before any row is read
+        build_datasets(cfg.model_copy(update={"prompt_tools": ["qlora_train.rl.calculator:nope"]}), qwen3_tok)
