@@ -134,6 +134,18 @@ $(DEMO_KTO_RUN): | $(DEMO_RUN)
 # <think>; the log's last line gives the reward mean of the first and last 10 steps (docs/rl.md#the-demo)
 DEMO_GRPO_RUN = outputs/quickstart-grpo/training_complete.json
 
+# the GRPO agent demo: the tiny model with the calculator tool on bundled arithmetic prompts, multi-turn rollouts
+# (docs/rl.md#the-agent-demo); trained only where its own finished run is not there
+DEMO_AGENT_RUN = outputs/quickstart-agent/training_complete.json
+
+.PHONY: demo-agent
+demo-agent: $(DEMO_AGENT_RUN)
+	@echo "the agent demo's finished run is in outputs/quickstart-agent (again from step 0: qlora-train --config configs/quickstart-agent.yaml --overwrite)"
+	@echo "a prompt row and a scripted example rollout, its generated and tool tokens marked: qlora-train --config configs/quickstart-agent.yaml --debug-samples 2"
+
+$(DEMO_AGENT_RUN): | $(TINY)/config.json
+	qlora-train --config configs/quickstart-agent.yaml
+
 .PHONY: demo-grpo bench-grpo
 demo-grpo: $(DEMO_GRPO_RUN)
 	@echo "the GRPO demo's finished run is in outputs/quickstart-grpo (again from step 0: qlora-train --config configs/quickstart-grpo.yaml --overwrite)"

@@ -274,6 +274,12 @@ class DataConfig(_Section):
         default_factory=lambda: list(DEFAULT_TOOLS_COLUMNS),
         description="Columns searched, in order, for tool schemas (list, dict or JSON string).",
     )
+    prompt_tools: list[str] = Field(
+        default_factory=list, description="With `objective: prompt`: tools (`package.module:name`) every prompt is "
+        "rendered with, their schemas given to the template as `tools`, so `max_prompt_length` counts them and a "
+        "prompt the template refuses with them is dropped (`template_error`); a row with its own tools is refused "
+        "(`tools_beside_rl_tools`). `train.method: grpo` sets it from `rl.tools` (docs/rl.md#tools).",
+    )
     image_columns: list[str] = Field(
         default_factory=lambda: ["images", "image"], description="Row columns of images (a list, or one image), "
         "used in order by the `<image>` placeholders and the content parts `{type: image}` without a reference "
@@ -385,6 +391,9 @@ class DataConfig(_Section):
         if self.min_score_margin is not None and self.objective != "preference":
             raise ValueError("min_score_margin: applies to preference pairs; set objective: preference (or unset "
                              "it)")
+        if self.prompt_tools and self.objective != "prompt":
+            raise ValueError("prompt_tools: applies to prompt rows (train.method: grpo sets it from rl.tools); unset "
+                             "it")
         if self.max_prompt_length is not None and self.objective == "sft":
             raise ValueError("max_prompt_length: applies to preference pairs, unpaired rows and prompts; set "
                              "objective: preference, unpaired or prompt (or unset it)")
@@ -705,6 +714,42 @@ class RLConfig(_Section):
         1, ge=1, description="Optimizer steps on each step's completions (mu in the GRPO paper): the old policy's "
         "log-probs are kept from when they were sampled, so the ratio and its clip act from the second step.",
     )
+    tools: list[str] = Field(
+        default_factory=list, description="Tools the model may call, each `package.module:name` of a Python "
+        "function with type hints and a Google-style docstring (its JSON schema, transformers' `get_json_schema`, is "
+        "given to the chat template as `tools`): each rollout becomes a multi-turn agent rollout (docs/rl.md#tools). "
+        "Built-in: `qlora_train.rl.calculator:calculate`.",
+    )
+    max_turns: int = Field(4, ge=1, description="With `tools`: completions per rollout; one still calling at the "
+                           "last ends there (counted).")
+    tool_timeout_s: float = Field(10.0, gt=0, description="With `tools`: seconds a call may run; past it the model "
+                                  "reads an error (counted).")
+    tool_max_chars: int = Field(2000, ge=1, description="With `tools`: characters of a call's output the model reads "
+                                "(the rest cut, said so).")
+    tool_call_format: dict[str, Any] | None = Field(
+        None, description="With `tools`: how the template writes a call, where the probe cannot read it: {kind: "
+        "json | name_json | name_xml, prefix, suffix, middle, name_key, arguments_key, key_open, key_close, "
+        "value_close} (qlora_train.rl.tool_calls.CallFormat), checked against the template's own render.",
+    )
+    guided_first_call: bool = Field(
+        False, description="With `tools`: the first completion of each rollout drawn restricted to the shape of a "
+        "call to the first tool (its fixed text forced, the argument's value drawn by the model from digits, "
+        "operators and spaces): a demo device for a model that cannot write a call yet (make demo-agent's random "
+        "tiny model); those draws are off-policy (docs/rl.md#the-agent-demo).",
+    )
+    malformed_call_reward: float | None = Field(
+        None, description="With `tools`: the reward of a rollout whose call does not parse (it ends there, counted); "
+        "unset: its rewards as the reward functions compute them.",
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _importable_tools(cls, value: list[str]) -> list[str]:
+        for i, name in enumerate(value):
+            if not REWARD_FUNCTION.fullmatch(name):
+                raise ValueError(f"[{i}] {name!r}: expected 'package.module:name', e.g. "
+                                 "'qlora_train.rl.calculator:calculate'")
+        return value
 
 
 class Config(_Section):
@@ -762,6 +807,11 @@ class Config(_Section):
         if room < 1:
             raise ValueError(f"rl.max_completion_length: {self.rl.max_completion_length} leaves no room for the prompt "
                              f"within data.max_length {self.data.max_length}: lower it or raise data.max_length")
+        if self.rl.tools and not self.data.prompt_tools:
+            self.data.prompt_tools = list(self.rl.tools)  # the prompts rendered with the rollouts' tools, once
+        elif self.data.prompt_tools != self.rl.tools:
+            raise ValueError(f"data.prompt_tools: {self.data.prompt_tools} differs from rl.tools {self.rl.tools}: "
+                             "the prompts must be rendered with the tools the rollouts run; leave it out")
         if self.data.max_prompt_length is None:
             self.data.max_prompt_length = room  # the prompt's limit, decided here once
         elif self.data.max_prompt_length > room:

@@ -21,12 +21,13 @@ MODULES = [
     "qlora_train.data.rows", "qlora_train.data.packing", "qlora_train.data.prepared", "qlora_train.data.pairs",
     "qlora_train.data.prepared_checks", "qlora_train.data.images", "qlora_train.output_dir",
     "qlora_train.data.unpaired", "qlora_train.data.prompts", "qlora_train.rl.rewards", "qlora_train.rl.loss",
+    "qlora_train.rl.tool_calls", "qlora_train.rl.tools", "qlora_train.rl.calculator",
     "qlora_train.train.grpo",
     "qlora_train.data.truncate", "qlora_train.data.rule_check", "qlora_train.data.sources", "qlora_train.terminal",
     "qlora_train.train.collator", "qlora_train.train.preference_loss", "qlora_train.train.distributed",
     "qlora_train.train.global_batches",
     "qlora_train.tokenizer",
-    "qlora_train.diagnostics.images", "qlora_train.diagnostics.stats",
+    "qlora_train.diagnostics.images", "qlora_train.diagnostics.stats", "qlora_train.diagnostics.rollouts",
 ]
 
 

@@ -53,6 +53,7 @@ def calls(where: Path) -> list[str]:
     ("demo-dpo", ["quickstart", "quickstart-dpo"], "DPO"),
     ("demo-kto", ["quickstart", "quickstart-kto"], "KTO"),
     ("demo-grpo", ["quickstart", "quickstart-grpo"], "GRPO"),
+    ("demo-agent", ["quickstart-agent"], "agent"),
     ("demo-vl", ["quickstart-vl"], "vision-language"),
 ])
 def test_a_demo_run_again_says_where_its_finished_run_is(scratch, target, runs, name):

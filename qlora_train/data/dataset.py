@@ -60,7 +60,9 @@ class WrongRowsError(EmptyDatasetError):
 WRONG_KIND = {DropReason.PROMPT_ENDS_WITH_ASSISTANT: (
     "every prompt ends with an assistant turn: these are SFT conversations, and train.method: grpo samples that "
     "turn itself; give it prompts (conversations ending with the user's turn, or a prompt column) or train these "
-    "rows with train.method: sft")}
+    "rows with train.method: sft"), DropReason.TOOLS_BESIDE_RL_TOOLS: (
+    "every prompt row gives tools of its own, but with rl.tools every prompt is rendered with rl.tools' schemas (the "
+    "tools its rollouts can run): drop the rows' tools column (data.tools_columns), or train without rl.tools")}
 
 
 @dataclass
@@ -380,6 +382,10 @@ def load_and_process(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, data
     Every drop is decided here (duplicates too, with ``data.dedup``), so training and
     the diagnostics see the same rows.
     """
+    if cfg.prompt_tools:  # imported before any row is read: a tool that does not import is named once (ToolError)
+        from qlora_train.data.prompts import tool_schemas
+
+        tool_schemas(tuple(cfg.prompt_tools))
     raw, processed = load_and_process_sources(cfg.datasets, cfg, tokenizer)
     if cfg.dedup:
         processed, _ = mark_duplicates(processed)

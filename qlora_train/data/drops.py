@@ -46,6 +46,8 @@ class DropReason(EngineDropReason):
     BELOW_SCORE_MARGIN = "below_score_margin"  # data.min_score_margin
     # prompt rows (data/prompts.py, GRPO): a prompt whose last turn is the model's leaves it nothing to sample
     PROMPT_ENDS_WITH_ASSISTANT = "prompt_ends_with_assistant"
+    # with rl.tools every prompt is rendered with their schemas: a row's own tools are not the tools its rollouts run
+    TOOLS_BESIDE_RL_TOOLS = "tools_beside_rl_tools"
 
 
 KNOWN_DROP_REASONS = frozenset(v for c in DropReason.__mro__ for k, v in vars(c).items() if k.isupper())

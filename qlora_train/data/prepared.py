@@ -104,7 +104,9 @@ def portable_path(path: str) -> str:
 
 def data_identity(cfg: Config) -> dict:
     """The data config as the fingerprint compares it (``UNFINGERPRINTED`` keys out, portable source paths)."""
-    data = cfg.data.model_dump(mode="json", exclude=set(UNFINGERPRINTED))
+    # data.prompt_tools only when set: a config without it keeps the fingerprint it had before it existed
+    data = cfg.data.model_dump(mode="json", exclude=set(UNFINGERPRINTED) | (set() if cfg.data.prompt_tools
+                                                                              else {"prompt_tools"}))
     for section in ("datasets", "eval_datasets"):
         for src in data[section]:
             src["path"] = ([portable_path(p) for p in src["path"]] if isinstance(src["path"], list)

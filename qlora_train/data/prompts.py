@@ -16,9 +16,12 @@ A prompt row is one of (after ``data.field_mappings``):
 
 Either way it must end with a user turn or a tool result: a conversation ending with an assistant turn is refused as
 ``prompt_ends_with_assistant`` (there is nothing left for the model to write). A row's ``system`` column opens the
-prompt, ``data.tools_columns`` give its tools, images are refused (``bad_image``: not supported yet). Every other
-column is kept, by its own name, for the reward functions (``columns``: TRL passes a row's columns but ``prompt``,
-``completion`` and ``completion_ids``; so does this, and leaves out the message list a conversation's prompt was
+prompt, ``data.tools_columns`` give its tools (with ``rl.tools``, ``data.prompt_tools``: every prompt has their
+schemas as its tools, so its length counts them, and a row with tools of its own is refused,
+``tools_beside_rl_tools``: the model would be shown tools its rollouts cannot run), images are refused
+(``bad_image``: not supported yet). Every other column is kept, by its own name, for the reward functions
+(``columns``: TRL passes a row's columns but ``prompt``, ``completion`` and ``completion_ids``; so does this, and
+leaves out the message list a conversation's prompt was
 read from); a column named like an argument of the reward call
 (``prompts``, ``completions``, ``completion_ids``, ``trainer_state``) refuses the row (``bad_row``), which would
 otherwise be lost or break every call.
@@ -31,6 +34,7 @@ kept, as a pair's prompt); one still over it is ``too_long``.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -107,7 +111,24 @@ def canonicalize_prompt(row: dict, cfg: DataConfig | None = None, *, tokenizer=N
                           f"{sorted(row)[:8]} (data.field_mappings names other columns, e.g. {{prompt: problem}})")
     prompt = with_row_system(prompt, mapped, cfg, report)
     check_prompt_row(prompt)
-    return CanonicalPrompt(prompt, row_tools(mapped, cfg, report), columns, form, report=report)
+    tools = row_tools(mapped, cfg, report)
+    if cfg.prompt_tools:  # an agent run: every prompt is rendered with the tools its rollouts run, decided here
+        if tools is not None:
+            column = next((c for c in cfg.tools_columns if mapped.get(c) not in (None, "", [])), "tools")
+            raise RowRejected(DropReason.TOOLS_BESIDE_RL_TOOLS, f"column '{column}': the row gives its own tools, but "
+                              "with rl.tools every prompt is rendered with rl.tools' schemas (the tools its rollouts "
+                              "can run): drop the column, or leave rl.tools out to sample plain completions")
+        tools = tool_schemas(tuple(cfg.prompt_tools))
+    return CanonicalPrompt(prompt, tools, columns, form, report=report)
+
+
+@functools.lru_cache(maxsize=4)
+def tool_schemas(specs: tuple[str, ...]) -> list[dict]:
+    """``data.prompt_tools`` (``rl.tools``) -> their JSON schemas (``rl.tools.load_tools``), read once per
+    process."""
+    from qlora_train.rl.tools import load_tools
+
+    return [tool.schema for tool in load_tools(specs)]
 
 
 def check_prompt_row(prompt: list[Message]) -> None:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -99,9 +100,11 @@ def stats_report(raw, processed, tokenizer, cfg: Config, *, out_dir: Path, strea
 
 
 def debug_report(raw, processed, tokenizer, opts: DebugOptions, *, out_dir: Path, stream: TextIO,
-                 data: DataConfig | None = None) -> list:
+                 data: DataConfig | None = None, rollout: Callable[[dict], str] | None = None) -> list:
     """Print ``opts.samples`` samples; write ``debug_samples.html``. Returns the samples. With ``data`` (the run's
-    data config), a row refused as ``mask_disagrees`` is shown with both its masks."""
+    data config), a row refused as ``mask_disagrees`` is shown with both its masks. With ``rollout`` (an agent
+    config: ``agent_rollouts``), each kept prompt row is followed by what it returns for the row's processed
+    columns."""
     indices = select_indices(processed["drop_reason"], opts.samples, seed=opts.seed, refused=opts.refused)
     samples = load_samples(raw, processed, tokenizer, indices, data)
     color = use_color(stream)
@@ -110,6 +113,8 @@ def debug_report(raw, processed, tokenizer, opts: DebugOptions, *, out_dir: Path
           + legend(color=color), file=stream)
     for sample in samples:
         print(format_sample(sample, color=color, show_tokens=opts.tokens), file=stream)
+        if rollout is not None and sample.generation_prompt:
+            print(visible(rollout(processed[sample.index])), file=stream)
     if not samples:
         print(f"no {what} rows to show" + ("" if opts.refused else "; --debug-refused shows refused rows"),
               file=stream)
@@ -137,5 +142,30 @@ def diagnose(cfg: Config, *, stats: bool, debug: DebugOptions, out_dir: str | Pa
         result["stats"] = stats_report(raw, processed, tokenizer, cfg, out_dir=out, stream=stream,
                                        new_tokens=new_tokens)
     if debug.samples:
-        result["samples"] = debug_report(raw, processed, tokenizer, debug, out_dir=out, stream=stream, data=cfg.data)
+        result["samples"] = debug_report(raw, processed, tokenizer, debug, out_dir=out, stream=stream, data=cfg.data,
+                                         rollout=agent_rollouts(cfg, tokenizer))
     return result
+
+
+def agent_rollouts(cfg: Config, tokenizer) -> Callable[[dict], str] | None:
+    """With ``rl.tools`` (GRPO): a processed prompt row -> its scripted example rollout, marked
+    (``diagnostics.rollouts``); the tools imported and the template's call format read as training does at start
+    (``ToolError``, ``CallFormatError`` where they cannot be). None without tools."""
+    if cfg.train.method != "grpo" or not cfg.rl.tools:
+        return None
+    from qlora_train.diagnostics.rollouts import example_rollout, format_example_rollout
+    from qlora_train.rl.agent import AgentLimits
+    from qlora_train.train.run import rl_call_format, rl_tools
+
+    tools, fmt = rl_tools(cfg), rl_call_format(cfg, tokenizer)
+    limits = AgentLimits(cfg.rl.max_turns, cfg.rl.tool_timeout_s, cfg.rl.tool_max_chars)
+
+    def shown(row: dict) -> str:
+        try:
+            rollout = example_rollout(json.loads(row["prompt"]), list(row["input_ids"]), tokenizer, tools=tools,
+                                      call_format=fmt, limits=limits)
+        except Exception as exc:  # a diagnostic: say why there is no example, show the rest
+            return f"example rollout: not built ({type(exc).__name__}: {exc})"
+        return format_example_rollout(rollout, tokenizer, tool=tools[0].name)
+
+    return shown

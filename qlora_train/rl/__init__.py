@@ -14,6 +14,16 @@ In the order a step uses them::
     loss.grpo_loss          the clipped surrogate (``rl.loss_type``: grpo, dr_grpo, dapo) and the KL term on per-token
                             log-probs of the completions, equal to TRL 1.16's ``GRPOTrainer``
 
+With ``rl.tools`` each rollout is multi-turn (docs/rl.md#tools)::
+
+    tools.load_tools        ``rl.tools``: each ``package.module:name`` imported, its schema by ``get_json_schema``;
+                            ``call_tool`` runs a call under a time and an output limit, errors returned to the model
+    tool_calls.call_format  how the template writes a call, probed from renders of known calls (or declared:
+                            ``rl.tool_call_format``); ``parse_calls`` reads a completion's calls
+    agent.agent_rollout     prompt ids, sampled ids unchanged, the template's glue around each tool result tokenized
+                            on its own; trained: the generated ids only; checked against the template's render
+    guide.CallGuide         ``rl.guided_first_call``: a demo's first completion drawn restricted to a call's shape
+
 The Trainer that drives them (``train.grpo``) computes the log-probs (the fused path: the output head only at
 completion positions, in chunks) and feeds the Trainer's loop. Nothing here imports the trainer: this package lies
 below ``train`` (the train flow, ``train.run``, builds the GRPO trainer from these parts) and above the engine, the

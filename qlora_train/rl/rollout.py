@@ -72,8 +72,9 @@ class GumbelSampler:
 
 
 def sample(model, prompts: list[list[int]], sampling: Sampling, *, stop: tuple[int, ...], end: tuple[int, ...],
-           pad_id: int, seed: int) -> Rollout:
-    """``prompts`` (ids) -> their ``Rollout`` (see the module doc); ``model`` is left in the mode it was in."""
+           pad_id: int, seed: int, guide=None) -> Rollout:
+    """``prompts`` (ids) -> their ``Rollout`` (see the module doc); ``model`` is left in the mode it was in.
+    ``guide``: a logits processor that restricts which tokens may be drawn before the draw (``rl.guide``)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
@@ -94,7 +95,8 @@ def sample(model, prompts: list[list[int]], sampling: Sampling, *, stop: tuple[i
     try:
         with torch.no_grad():
             out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                 generation_config=config, logits_processor=LogitsProcessorList([processor]))
+                                 generation_config=config,
+                                 logits_processor=LogitsProcessorList([p for p in (guide, processor) if p]))
     finally:
         model.train(training)
     seconds = time.perf_counter() - start

@@ -33,6 +33,7 @@ share without an end-of-turn token), ``clip_ratio/low_mean``, ``/high_mean``, ``
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections import defaultdict
@@ -45,10 +46,14 @@ from transformers import Trainer
 from qlora_train.config import RLConfig
 from qlora_train.errors import ConfigError, UsageError
 from qlora_train.masking import IGNORE_INDEX, end_of_turn_tokens
+from qlora_train.rl.agent import AgentLimits, AgentRollout, agent_rollout, marked_text
+from qlora_train.rl.guide import CallGuide
 from qlora_train.rl.loss import group_advantages, grpo_loss, nanstd
 from qlora_train.rl.rewards import RewardFunction, score
-from qlora_train.rl.rollout import Sampling, sample
+from qlora_train.rl.rollout import Rollout, Sampling, sample
 from qlora_train.train.preference import reference_model, use_pair_forward
+
+log = logging.getLogger(__name__)
 
 ROLLOUTS_FILE = "rollouts.pt"  # a checkpoint's completions still to be reused (rl.num_iterations > 1)
 # completion tokens per chunk of the output head in GRPO's log-prob passes: a quarter of the SFT loss's (one chunk's
@@ -121,13 +126,18 @@ def completion_logps(model, batch: dict, *, temperature: float, chunk_tokens: in
 
 
 def rollout_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], loss_rows: list[bool], *,
-                  pad_id: int, device) -> dict[str, torch.Tensor]:
+                  pad_id: int, device, trained: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """Prompts and completions (ids) -> ``input_ids`` (prompts left-padded to the longest, completions right-padded),
-    ``attention_mask`` and ``completion_mask`` (a completion's tokens where ``loss_rows``, else 0).
+    ``attention_mask`` and ``completion_mask`` (a completion's tokens where ``loss_rows``, else 0; of an agent
+    rollout, where ``trained`` is 1: its generated ids, not its tool turns').
 
     >>> b = rollout_batch([[5], [6, 7]], [[8, 9], [1]], [True, False], pad_id=0, device="cpu")
     >>> b["input_ids"].tolist(), b["attention_mask"].tolist(), b["completion_mask"].tolist()
     ([[0, 5, 8, 9], [6, 7, 1, 0]], [[0, 1, 1, 1], [1, 1, 0, 0]], [[1, 1], [0, 0]])
+    >>> # an agent rollout: a completion (8), a tool turn (3, 4: attended to, not trained), a completion (9)
+    >>> b = rollout_batch([[5]], [[8, 3, 4, 9]], [True], pad_id=0, device="cpu", trained=[[1, 0, 0, 1]])
+    >>> b["attention_mask"].tolist(), b["completion_mask"].tolist()
+    ([[1, 1, 1, 1, 1]], [[1, 0, 0, 1]])
     """
     n, p, c = len(prompt_ids), max(map(len, prompt_ids)), max(1, max(map(len, completion_ids)))
     ids = torch.full((n, p + c), pad_id, dtype=torch.long)
@@ -139,8 +149,28 @@ def rollout_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], 
         if loss_rows[i]:
             attention[i, p:p + len(completion)] = 1
     completion_mask = attention[:, p:].clone()
+    if trained is not None:
+        for i, mask in enumerate(trained):
+            completion_mask[i, :len(mask)] *= torch.tensor(mask, dtype=torch.long)
     return {"input_ids": ids.to(device), "attention_mask": attention.to(device),
             "completion_mask": completion_mask.to(device)}
+
+
+def malformed_call_rewards(values: torch.Tensor, weights: torch.Tensor, malformed: list[bool],
+                           reward: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rl.malformed_call_reward``: the rewards ``[N, F]`` and weights ``[F]`` with one more column, weight 1,
+    holding ``reward`` at each rollout whose call did not parse (its other rewards left out), nan elsewhere.
+
+    >>> v, w = malformed_call_rewards(torch.tensor([[1.0], [0.5]]), torch.tensor([2.0]), [False, True], -1.0)
+    >>> v.tolist(), w.tolist()
+    ([[1.0, nan], [nan, -1.0]], [2.0, 1.0])
+    """
+    rows = torch.tensor(malformed, dtype=torch.bool, device=values.device)
+    column = torch.full((values.shape[0], 1), float("nan"), dtype=values.dtype, device=values.device)
+    column[rows] = reward
+    values = values.clone()
+    values[rows] = float("nan")
+    return torch.cat([values, column], dim=1), torch.cat([weights, weights.new_ones(1)])
 
 
 class GRPOTrainer(Trainer):
@@ -150,8 +180,14 @@ class GRPOTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, rl: RLConfig, rewards: list[RewardFunction], end_ids: tuple[int, ...],
-                 chunk_tokens: int = GRPO_CHUNK_TOKENS, **kwargs):
+                 chunk_tokens: int = GRPO_CHUNK_TOKENS, tools: list | None = None, call_format=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.tools, self.call_format = tools or [], call_format
+        self.guide = None
+        if self.tools and rl.guided_first_call:
+            end = self.processing_class.decode([end_ids[0]])
+            self.guide = CallGuide.for_tool(self.processing_class, call_format, self.tools[0], end=end)
+        self._shown_rollouts: set[str] = set()
         use_pair_forward(self.model)
         self.rl, self.rewards, self.chunk_tokens = rl, rewards, chunk_tokens
         tok = self.processing_class
@@ -200,24 +236,35 @@ class GRPOTrainer(Trainer):
         metrics recorded under ``mode``."""
         model = self.accelerator.unwrap_model(self.model)
         tok, g = self.processing_class, self.rl.num_generations
-        rollout = sample(model, prompts["prompt_ids"], self.sampling, stop=self.stop_ids, end=self.end_ids,
-                         pad_id=tok.pad_token_id, seed=seed)
-        texts = tok.batch_decode([ids[:-1] if ended else ids for ids, ended in zip(rollout.completion_ids,
-                                                                                  rollout.ended, strict=True)],
-                                 skip_special_tokens=True)
         repeat = lambda values: [v for v in values for _ in range(g)]  # noqa: E731
-        scores = score(self.rewards, [json.loads(p) for p in repeat(prompts["prompt"])],
-                       [[{"role": "assistant", "content": t}] for t in texts],
+        agents, trained = None, None
+        if self.tools:
+            rollout, agents = self.roll_out_agents(model, prompts, seed=seed)
+            completions = [r.messages[len(json.loads(p)):] for r, p in zip(agents, repeat(prompts["prompt"]),
+                                                                           strict=True)]
+            generated = [[t for c in r.completions for t in c] for r in agents]
+            trained = [r.trained[r.prompt_length:] for r in agents]
+        else:
+            rollout = sample(model, prompts["prompt_ids"], self.sampling, stop=self.stop_ids, end=self.end_ids,
+                             pad_id=tok.pad_token_id, seed=seed)
+            texts = tok.batch_decode([ids[:-1] if ended else ids for ids, ended in zip(rollout.completion_ids,
+                                                                                      rollout.ended, strict=True)],
+                                     skip_special_tokens=True)
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+            generated = rollout.completion_ids
+        scores = score(self.rewards, [json.loads(p) for p in repeat(prompts["prompt"])], completions,
                        [json.loads(c) for c in repeat(prompts["reward_columns"])],
-                       completion_ids=rollout.completion_ids, rows=repeat(prompts["location"]),
-                       trainer_state=self.state)
+                       completion_ids=generated, rows=repeat(prompts["location"]), trainer_state=self.state)
         device = self.args.device
         values = torch.tensor(scores.values, dtype=torch.float32, device=device)
         weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32, device=device)
+        if agents is not None and self.rl.malformed_call_reward is not None:
+            values, weights = malformed_call_rewards(values, weights, [r.stop == "parse_error" for r in agents],
+                                                     self.rl.malformed_call_reward)
         adv = group_advantages(values, weights, g, self.rl.scale_rewards)
         loss_rows = [ended or not self.rl.mask_truncated for ended in rollout.ended]
         batch = rollout_batch(rollout.prompt_ids, rollout.completion_ids, loss_rows, pad_id=tok.pad_token_id,
-                              device=device)
+                              device=device, trained=trained)
         batch.update(advantages=adv.advantages, location=prompts["location"])
         with torch.no_grad(), self.accelerator.autocast():
             if self.rl.num_iterations > 1:
@@ -227,8 +274,66 @@ class GRPOTrainer(Trainer):
                 with reference_model(model):
                     batch["ref_logps"] = completion_logps(model, batch, temperature=self.rl.temperature,
                                                           chunk_tokens=self.chunk_tokens)
-        self._record_rollout(mode, rollout, scores, values, adv)
+        self._record_rollout(mode, rollout, scores, values[:, :len(self.rewards)], adv)
+        if agents is not None:
+            self._record_agents(mode, agents)
         return batch
+
+    def roll_out_agents(self, model, prompts: dict, *, seed: int) -> tuple[Rollout, list[AgentRollout]]:
+        """Each prompt's ``num_generations`` agent rollouts (``rl.agent``), one completion sampled at a time with
+        ``rl.rollout.sample`` (each draw seeded from ``seed`` and its place) -> a ``Rollout`` of everything after
+        each prompt (its completions and tool turns) and the agent rollouts themselves."""
+        tok = self.processing_class
+        one = Sampling(1, self.rl.max_completion_length, self.rl.temperature, self.rl.top_p)
+        limits = AgentLimits(self.rl.max_turns, self.rl.tool_timeout_s, self.rl.tool_max_chars)
+        draws, seconds = [0], [0.0]
+
+        def policy_of_a_rollout():
+            turns = [0]
+
+            def policy(ids: list[int]) -> list[int]:
+                draws[0] += 1
+                turns[0] += 1
+                guide = self.guide.at(len(ids)) if self.guide is not None and turns[0] == 1 else None
+                drawn = sample(model, [ids], one, stop=self.stop_ids, end=self.end_ids, pad_id=tok.pad_token_id,
+                               seed=(seed + 7_919 * draws[0]) % 2**63, guide=guide)
+                seconds[0] += drawn.seconds
+                return drawn.completion_ids[0]
+
+            return policy
+
+        # each rollout starts from its prompt row's prepared ids: rendered with rl.tools' schemas (data.prompt_tools)
+        agents = [agent_rollout(json.loads(p), policy_of_a_rollout(), tok, tools=self.tools,
+                                call_format=self.call_format, limits=limits, prompt_ids=list(ids))
+                  for p, ids in zip(prompts["prompt"], prompts["prompt_ids"], strict=True)
+                  for _ in range(self.rl.num_generations)]
+        rollout = Rollout([r.input_ids[:r.prompt_length] for r in agents],
+                          [r.input_ids[r.prompt_length:] for r in agents],
+                          [r.stop != "truncated" for r in agents], seconds[0])
+        return rollout, agents
+
+    def _record_agents(self, mode: str, agents: list[AgentRollout]) -> None:
+        n = len(agents)
+        record = {"agent/turns": sum(r.turns for r in agents) / n, "agent/calls": sum(r.calls for r in agents) / n,
+                  "agent/tool_errors": sum(sum(r.tool_errors.values()) for r in agents) / n,
+                  "agent/parse_errors": sum(r.stop == "parse_error" for r in agents) / n,
+                  "agent/max_turns": sum(r.stop == "max_turns" for r in agents) / n,
+                  "agent/render_differs": sum(r.render_differs for r in agents) / n}
+        for key, value in record.items():
+            totals = self._metrics[mode][key]
+            totals[0] += value * n
+            totals[1] += n
+        shown = None
+        for kind, wanted in (("first", lambda r: True), ("first with a call that got a result",
+                                                         lambda r: r.calls > sum(r.tool_errors.values()))):
+            match = next((r for r in agents if wanted(r)), None)
+            if match is not None and kind not in self._shown_rollouts:
+                self._shown_rollouts.add(kind)
+                if match is shown:
+                    continue
+                shown = match
+                log.info("agent rollout (%s, step %d):\n%s", kind, self.state.global_step,
+                         marked_text(match, self.processing_class))
 
     def _record_rollout(self, mode: str, rollout, scores, values: torch.Tensor, adv) -> None:
         n = len(rollout.completion_ids)

@@ -58,6 +58,10 @@ Action = Literal["start", "resume", "refuse"]
 # --- the fingerprint ---
 
 
+AGENT_KEYS = ("tools", "max_turns", "tool_timeout_s", "tool_max_chars", "tool_call_format", "malformed_call_reward",
+              "guided_first_call")
+
+
 def run_fingerprint(cfg) -> dict:
     """``Config`` -> ``{"format", "fingerprint": hex, "config": {...}}``: the resolved config minus what does not
     change the trained weights (``UNFINGERPRINTED_TRAIN``; the data keys the prepared data's fingerprint leaves
@@ -71,7 +75,8 @@ def run_fingerprint(cfg) -> dict:
     identity = {"model": model, "lora": cfg.lora.model_dump(mode="json"), "data": data_identity(cfg),
                 "train": cfg.train.model_dump(mode="json", exclude=set(UNFINGERPRINTED_TRAIN))}
     if cfg.train.method == "grpo":  # what is sampled, scored and optimised (other methods' fingerprints unchanged)
-        identity["rl"] = cfg.rl.model_dump(mode="json")
+        # the agent keys only with tools: a GRPO run without them keeps the fingerprint it had before they existed
+        identity["rl"] = cfg.rl.model_dump(mode="json", exclude=None if cfg.rl.tools else set(AGENT_KEYS))
     text = json.dumps(identity, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return {"format": FORMAT, "fingerprint": hashlib.blake2b(text.encode(), digest_size=16).hexdigest(),
             "config": identity}

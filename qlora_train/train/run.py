@@ -193,6 +193,27 @@ def rl_rewards(cfg: Config, args) -> list:
     return load_rewards(cfg.rl.rewards)
 
 
+def rl_tools(cfg: Config) -> list:
+    """``rl.tools`` imported, their schemas read (``ToolError`` naming the one that cannot be); none without."""
+    if cfg.train.method != "grpo" or not cfg.rl.tools:
+        return []
+    from qlora_train.rl.tools import load_tools
+
+    return load_tools(cfg.rl.tools)
+
+
+def rl_call_format(cfg: Config, tokenizer):
+    """How the template writes a tool call (``rl.tool_call_format`` or the probe's): ``CallFormatError`` naming the
+    template and the option when it cannot be read."""
+    from qlora_train.rl.tool_calls import call_format
+
+    m = cfg.model
+    name = "the tokenizer's own" if m.chat_template in (None, "tokenizer") else f"the {m.chat_template!r}"
+    fmt = call_format(tokenizer, cfg.rl.tool_call_format, template_name=name)
+    log.info("tool calls: read as %s (rl.tools: %s)", fmt.kind, ", ".join(cfg.rl.tools))
+    return fmt
+
+
 def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None,
                   new_tokens: NewTokens = NO_NEW_TOKENS, vision: VisionBase | None = None) -> list[str]:
     trainable, total = count_parameters(model)
@@ -338,6 +359,7 @@ def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: boo
     check_distributed_setup(cfg, runtime)
     args = training_arguments(cfg, runtime, has_eval=has_eval)  # config errors before loading
     rewards = rl_rewards(cfg, args)  # rl.rewards imported before anything loads
+    tools = rl_tools(cfg)  # rl.tools too
     fingerprint = run_fingerprint(cfg)
     refusal = lock.claim(run_inputs(cfg)) if main else None  # the folder ours (output_dir) and this run's alone
     start = agree(Decision("refuse", refusal) if refusal else decide(
@@ -355,6 +377,7 @@ def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: boo
         from qlora_train.train.grpo import check_end_of_turn
 
         end_ids = check_end_of_turn(tokenizer)  # a sampled turn must be seen to end
+        call_format = rl_call_format(cfg, tokenizer) if tools else None  # the template's calls must be readable
 
     with args.main_process_first(desc="preprocessing"):  # or reading data.prepared_path
         data = training_data(cfg, tokenizer)
@@ -374,7 +397,8 @@ def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: boo
         from qlora_train.train.preference import check_preference_head
 
         check_preference_head(model)
-        trainer_class, trainer_kwargs = GRPOTrainer, {"rl": cfg.rl, "rewards": rewards, "end_ids": end_ids}
+        trainer_class, trainer_kwargs = GRPOTrainer, {"rl": cfg.rl, "rewards": rewards, "end_ids": end_ids,
+                                                      "tools": tools, "call_format": call_format}
         log.info("loss: %s clipped surrogate on the sampled tokens' log-probs, chunked (rl.loss_type)",
                  cfg.rl.loss_type)
     else:

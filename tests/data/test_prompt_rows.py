@@ -124,3 +124,72 @@ def test_rows_that_all_end_with_an_assistant_turn_are_a_usage_error(qwen3_tok, t
     assert exc.value.exit_code == 2 and "\n" not in str(exc.value)
     assert str(exc.value).startswith("all 3 rows were dropped (prompt_ends_with_assistant): every prompt ends with "
                                      "an assistant turn: these are SFT conversations")
+
+
+# --- an agent run (rl.tools): every prompt rendered with the tools' schemas where prompt rows are prepared ---
+
+CALCULATOR = "qlora_train.rl.calculator:calculate"
+
+
+def test_agent_prompts_are_rendered_with_the_tools_schemas_and_counted_by_their_limit(qwen3_tok):
+    from qlora_train.data.prompts import tool_schemas
+
+    [schema] = tool_schemas((CALCULATOR,))
+    user = [{"role": "user", "content": "What is 6 * 7?"}]
+    bare, with_tools = render_prompt(user, qwen3_tok), render_prompt(user, qwen3_tok, tools=[schema])
+    assert with_tools.num_tokens > bare.num_tokens + 50  # the schema is in the system turn
+    rows = [{"prompt": "What is 6 * 7?"}, {"prompt": "What is 6 * 7?", "tools": [WEATHER]}]
+    out = process_rows(rows, qwen3_tok, DataConfig(objective="prompt", prompt_tools=[CALCULATOR]))
+    assert out["drop_reason"] == ["", DropReason.TOOLS_BESIDE_RL_TOOLS]
+    assert out["input_ids"][0] == with_tools.input_ids and out["num_tokens"][0] == with_tools.num_tokens
+    assert "column 'tools': the row gives its own tools" in out["drop_detail"][1]
+    # the limit counts the schemas: a prompt that fits without them is too long with them
+    out = process_rows(rows[:1], qwen3_tok, DataConfig(objective="prompt", prompt_tools=[CALCULATOR],
+                                                       max_prompt_length=with_tools.num_tokens - 1))
+    assert out["drop_reason"] == [DropReason.TOO_LONG]
+
+
+def test_an_agent_prompt_the_template_refuses_with_the_tools_is_dropped_and_counted(qwen3_tok):
+    import copy
+
+    tok = copy.deepcopy(qwen3_tok)
+    tok.chat_template = ("{% if tools %}{{ raise_exception('no tools here') }}{% endif %}"
+                         + qwen3_tok.chat_template)
+    out = process_rows([{"prompt": "Hi"}], tok, DataConfig(objective="prompt", prompt_tools=[CALCULATOR]))
+    assert out["drop_reason"] == [DropReason.TEMPLATE_ERROR] and "no tools here" in out["drop_detail"][0]
+    assert process_rows([{"prompt": "Hi"}], tok, DataConfig(objective="prompt"))["drop_reason"] == [""]
+
+
+def test_grpo_with_tools_decides_the_prompts_tools_once():
+    def cfg(**data):
+        return Config.model_validate({"model": {"name_or_path": "x"}, "data": {"max_length": 512, **data},
+                                      "train": {"method": "grpo"},
+                                      "rl": {"rewards": [{"function": "a.b:c"}], "tools": [CALCULATOR]}})
+
+    assert cfg().data.prompt_tools == [CALCULATOR]
+    with pytest.raises(ValueError, match="data.prompt_tools: .* differs from rl.tools"):
+        cfg(prompt_tools=["a.b:other"])
+    with pytest.raises(ValueError, match="prompt_tools: applies to prompt rows"):
+        DataConfig(objective="sft", prompt_tools=[CALCULATOR])
+
+
+def test_the_data_fingerprint_without_tools_is_unchanged():
+    from qlora_train.data.prepared import data_identity
+
+    cfg = Config.model_validate({"model": {"name_or_path": "x"}, "data": {"max_length": 512},
+                                 "train": {"method": "grpo"}, "rl": {"rewards": [{"function": "a.b:c"}]}})
+    assert "prompt_tools" not in data_identity(cfg)
+
+
+def test_agent_rows_that_all_bring_their_own_tools_are_a_usage_error(qwen3_tok, tmp_path):
+    from qlora_train.rl.tools import ToolError
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "tools": [WEATHER]}) for i in range(2)))
+    cfg = DataConfig(objective="prompt", datasets=[DatasetSource(path=str(path))], prompt_tools=[CALCULATOR])
+    with pytest.raises(WrongRowsError) as exc:
+        build_datasets(cfg, qwen3_tok)
+    assert str(exc.value).startswith("all 2 rows were dropped (tools_beside_rl_tools): every prompt row gives tools "
+                                     "of its own")
+    with pytest.raises(ToolError, match=r"rl.tools\[0\]"):  # named once, before any row is read
+        build_datasets(cfg.model_copy(update={"prompt_tools": ["qlora_train.rl.calculator:nope"]}), qwen3_tok)
