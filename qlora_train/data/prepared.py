@@ -107,6 +107,10 @@ def data_identity(cfg: Config) -> dict:
     # data.prompt_tools only when set: a config without it keeps the fingerprint it had before it existed
     data = cfg.data.model_dump(mode="json", exclude=set(UNFINGERPRINTED) | (set() if cfg.data.prompt_tools
                                                                               else {"prompt_tools"}))
+    if cfg.data.prompt_tools:  # what the prompts are rendered with: the schemas (a changed docstring changes them)
+        from qlora_train.data.prompts import tool_schemas
+
+        data["prompt_tools"] = {"names": data["prompt_tools"], "schemas": tool_schemas(tuple(cfg.data.prompt_tools))}
     for section in ("datasets", "eval_datasets"):
         for src in data[section]:
             src["path"] = ([portable_path(p) for p in src["path"]] if isinstance(src["path"], list)

@@ -181,6 +181,23 @@ def test_the_data_fingerprint_without_tools_is_unchanged():
     assert "prompt_tools" not in data_identity(cfg)
 
 
+def test_the_data_fingerprint_follows_the_tools_schemas(monkeypatch):
+    """Prepared prompts hold the tools' schemas: a tool whose docstring changes its schema is a new fingerprint."""
+    import qlora_train.data.prompts as prompts
+    from qlora_train.data.prepared import data_identity
+
+    cfg = Config.model_validate({"model": {"name_or_path": "x"}, "data": {"max_length": 512},
+                                 "train": {"method": "grpo"},
+                                 "rl": {"rewards": [{"function": "a.b:c"}], "tools": [CALCULATOR]}})
+    before = data_identity(cfg)
+    assert before["prompt_tools"]["names"] == [CALCULATOR]
+    assert before["prompt_tools"]["schemas"][0]["function"]["name"] == "calculate"
+    changed = [{**s, "function": {**s["function"], "description": "another"}}
+               for s in before["prompt_tools"]["schemas"]]
+    monkeypatch.setattr(prompts, "tool_schemas", lambda specs: changed)
+    assert data_identity(cfg) != before
+
+
 def test_agent_rows_that_all_bring_their_own_tools_are_a_usage_error(qwen3_tok, tmp_path):
     from qlora_train.rl.tools import ToolError
 
