@@ -1,6 +1,7 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
-TINY_VL ?= .cache/tiny-qwen2.5-vl
+VL     ?= qwen2.5-vl
+TINY_VL ?= .cache/tiny-$(VL)
 
 .PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo gpu-bundle demo demo-dpo demo-kto demo-vl docs vocab audit audit-pairs
 
@@ -147,15 +148,18 @@ bench-grpo: $(TINY)/config.json
 	$(PYTHON) benchmarks/bench_grpo.py --model $(TINY) $(BENCH_GRPO_ARGS)
 
 $(TINY_VL)/config.json:
-	$(PYTHON) -m qlora_train.tiny --vision --out $(TINY_VL)
+	$(PYTHON) -m qlora_train.tiny --vision $(VL) --out $(TINY_VL)
 
-# vision-language SFT on the bundled rows with drawn images (configs/data/quickstart-vl.jsonl, 0-2 images a row): the
-# tiny Qwen2.5-VL's language model in 4-bit + LoRA, its vision tower frozen (docs/vision.md); trained only where its
-# finished run is not there (again from step 0: qlora-train --config configs/quickstart-vl.yaml --overwrite)
-DEMO_VL_RUN = outputs/quickstart-vl/training_complete.json
+# vision-language SFT on the bundled rows with drawn images (configs/data/quickstart-vl.jsonl, 0-2 images a row): a
+# tiny model of the family VL (qwen2-vl, qwen2.5-vl (the default), qwen3-vl: `make demo-vl VL=qwen3-vl`), its
+# language model in 4-bit + LoRA, its vision tower frozen (docs/vision.md); trained only where its finished run is
+# not there (again from step 0: the same qlora-train line with --overwrite)
+DEMO_VL_OUT = outputs/quickstart-vl$(if $(filter qwen2.5-vl,$(VL)),,-$(VL))
+DEMO_VL_CMD = qlora-train --config configs/quickstart-vl.yaml --set model.name_or_path=$(TINY_VL) \
+	--set model.chat_template=$(VL) --set train.output_dir=$(DEMO_VL_OUT)
 
-demo-vl: $(DEMO_VL_RUN)
-	@echo "the vision-language demo's finished run is in outputs/quickstart-vl (again from step 0: qlora-train --config configs/quickstart-vl.yaml --overwrite)"
+demo-vl: $(DEMO_VL_OUT)/training_complete.json
+	@echo "the vision-language demo's finished run ($(VL)) is in $(DEMO_VL_OUT) (again from step 0: $(DEMO_VL_CMD) --overwrite)"
 
-$(DEMO_VL_RUN): | $(TINY_VL)/config.json
-	qlora-train --config configs/quickstart-vl.yaml
+$(DEMO_VL_OUT)/training_complete.json: | $(TINY_VL)/config.json
+	$(DEMO_VL_CMD)

@@ -1,11 +1,14 @@
 """Vision-language bases: whether ``model.name_or_path`` reads images, its image processor, and the rule that the
 processor's expansion of an image follows (``masking.ImageRule``), set on the tokenizer where it is loaded.
 
-A base is vision-language when its config has a ``vision_config``. This trainer reads images for the
-Qwen2-VL-style models (``SUPPORTED``: one ``<|image_pad|>`` per merged patch, ``image_grid_thw`` beside the pixels);
-another vision-language base (Gemma 3, Qwen3.5, ...) trains on text rows as before, and a row with images for it
-is refused (``bad_image``), which training then turns into one ``ConfigError`` naming the model type
-(``check_images_readable``).
+A base is vision-language when its config has a ``vision_config``. ``FAMILIES`` is the one place that names the
+families whose images this trainer reads (each with its ``model_type``, vision tower, image token and shipped chat
+template; ``python -m qlora_train.tiny --vision FAMILY`` builds a tiny one of each): today the Qwen2-VL-style models
+(one ``<|image_pad|>`` per merged patch, ``image_grid_thw`` beside the pixels). Another vision-language base (Gemma
+3, Qwen3.5, ...) trains on text rows as before; a config that asks it for images (``data.image_dir``,
+``data.image_root``, ``lora.train_vision``) is refused before any data loads, and a row with images for it is refused
+(``bad_image``), which training then turns into one ``ConfigError`` naming the model type
+(``check_images_readable``). Both name the supported families.
 
     >>> vision_base(ModelConfig(name_or_path=".cache/tiny-qwen2.5-vl"))
     VisionBase(model_type='qwen2_5_vl', tower='model.visual')
@@ -25,9 +28,44 @@ from qlora_train.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
-# model types whose images this trainer reads -> the vision tower's module path in the transformers model
-SUPPORTED = {"qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual"}
-IMAGE_TOKEN = "<|image_pad|>"  # what their templates write for an image and their processors repeat
+IMAGE_TOKEN = "<|image_pad|>"  # what the Qwen-VL templates write for an image and their processors repeat
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """A vision-language family whose images this trainer reads: its name (``--vision FAMILY``, the docs), the
+    ``model_type`` of its ``config.json``, its vision tower's module path, the token its template writes for an image
+    and its processor repeats, and the chat template we ship for it (``model.chat_template``)."""
+
+    name: str  # "qwen2.5-vl"
+    model_type: str  # "qwen2_5_vl"
+    tower: str  # "model.visual"
+    chat_template: str  # a shipped template (qlora_train/templates)
+    image_token: str = IMAGE_TOKEN
+    examples: str = ""
+
+
+FAMILIES = (
+    VisionFamily("qwen2-vl", "qwen2_vl", "model.visual", "qwen2-vl", examples="Qwen2-VL-2B/7B/72B-Instruct"),
+    VisionFamily("qwen2.5-vl", "qwen2_5_vl", "model.visual", "qwen2.5-vl",
+                 examples="Qwen2.5-VL-3B/7B/32B/72B-Instruct"),
+    VisionFamily("qwen3-vl", "qwen3_vl", "model.visual", "qwen3-vl", examples="Qwen3-VL-2B/4B/8B/32B-Instruct"),
+)
+FAMILY_BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
+SUPPORTED = {f.model_type: f.tower for f in FAMILIES}  # model type -> its vision tower's module path
+
+
+def family_named(name: str) -> VisionFamily:
+    """A family by its name or its ``model_type``; ``ValueError`` naming the supported ones."""
+    for f in FAMILIES:
+        if name in (f.name, f.model_type):
+            return f
+    raise ValueError(f"unknown vision-language family {name!r}: supported: {supported_families()}")
+
+
+def supported_families() -> str:
+    """The supported families as errors name them: ``qwen2-vl (qwen2_vl), ...``."""
+    return ", ".join(f"{f.name} ({f.model_type})" for f in FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -41,6 +79,10 @@ class VisionBase:
     @property
     def supported(self) -> bool:
         return self.tower is not None
+
+    @property
+    def family(self) -> VisionFamily | None:
+        return FAMILY_BY_MODEL_TYPE.get(self.model_type)
 
 
 def model_config_dict(cfg: ModelConfig) -> dict | None:
@@ -106,27 +148,36 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
     if not base.supported:
         log.info("%s is a %s vision-language model: this trainer reads images for %s only; it trains on text "
                  "rows, and a row with images is refused (bad_image)", cfg.name_or_path, base.model_type,
-                 ", ".join(SUPPORTED))
+                 supported_families())
         return None
-    if IMAGE_TOKEN not in tokenizer.get_added_vocab():
+    token = base.family.image_token
+    if token not in tokenizer.get_added_vocab():
         raise ModelLoadError(f"{cfg.name_or_path} is a {base.model_type} model, but its tokenizer has no "
-                             f"{IMAGE_TOKEN} token")
+                             f"{token} token")
     processor = load_image_processor(cfg, processor_path)
     if not hasattr(processor, "merge_size") or not hasattr(processor, "get_number_of_image_patches"):
         raise ConfigError([f"model.name_or_path: the image processor of {cfg.name_or_path} "
                            f"({type(processor).__name__}) is not a Qwen2-VL-style one (merge_size, image_grid_thw); "
-                           f"supported: {', '.join(SUPPORTED)}"])
-    return ImageRule.of(processor, tokenizer, IMAGE_TOKEN)
+                           f"supported: {supported_families()}"])
+    return ImageRule.of(processor, tokenizer, token)
 
 
 def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
     """What training a supported vision-language base refuses, before any data or weight loads (``ConfigError``
     naming the key): packing (images' pixels and 3D positions are per row), preference and unpaired objectives
-    (not supported yet), FSDP (not supported yet), and ``lora.train_vision`` on a text-only base."""
+    (not supported yet), FSDP (not supported yet), ``lora.train_vision`` on a text-only base, and images asked of a
+    vision-language base whose family is not supported (``FAMILIES``)."""
     problems = []
     if cfg.lora.train_vision and (base is None or not base.supported):
         what = "a text-only model" if base is None else f"a {base.model_type} model, whose images are not read"
-        problems.append(f"lora.train_vision: {cfg.model.name_or_path} is {what}: there is no vision tower to train")
+        problems.append(f"lora.train_vision: {cfg.model.name_or_path} is {what}: there is no vision tower to train"
+                        + ("" if base is None else f"; images are read for {supported_families()}"))
+    if base is not None and not base.supported:
+        for key in ("image_dir", "image_root"):
+            if getattr(cfg.data, key):
+                problems.append(f"data.{key}: {cfg.model.name_or_path} is a {base.model_type} vision-language "
+                                f"model, whose images this trainer does not read; supported families: "
+                                f"{supported_families()} (its text rows train without data.{key})")
     if base is not None and base.supported:
         name = f"{cfg.model.name_or_path} is a vision-language model ({base.model_type})"
         if cfg.train.packing:
@@ -157,6 +208,5 @@ def check_images_readable(cfg: ModelConfig, base: VisionBase | None, image_rows:
     if base is None or base.supported or not image_rows:
         return
     raise ConfigError([f"model.name_or_path: {cfg.name_or_path} is a {base.model_type} vision-language model; "
-                       f"this trainer reads images for {', '.join(SUPPORTED)} only (one {IMAGE_TOKEN} per merged "
-                       f"patch), so the {image_rows} rows with images were refused (bad_image); use a supported "
-                       "model or rows without images"])
+                       f"this trainer reads images for {supported_families()} only, so the {image_rows} rows "
+                       "with images were refused (bad_image); use a supported model or rows without images"])

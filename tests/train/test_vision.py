@@ -154,11 +154,47 @@ def test_train_vision_needs_a_vision_tower(tmp_path):
 def test_image_rows_of_an_unsupported_vision_base_are_a_config_error(tmp_path):
     cfg = config_for(tmp_path, {"model_type": "gemma3", "vision_config": {"hidden_size": 8}})
     base = vision_base(cfg.model)
-    with pytest.raises(ConfigError, match="is a gemma3 vision-language model; this trainer reads images for "
-                                          "qwen2_vl, qwen2_5_vl, qwen3_vl only"):
+    with pytest.raises(ConfigError, match=re.escape("is a gemma3 vision-language model; this trainer reads images "
+                                                    "for qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), qwen3-vl "
+                                                    "(qwen3_vl) only")):
         check_images_readable(cfg.model, base, 3)
     check_images_readable(cfg.model, base, 0)  # text rows: it trains on them
     check_images_readable(cfg.model, None, 3)  # a text model: counted drops
+
+
+@pytest.mark.parametrize("override, key", [
+    ("data.image_dir=/data/images", "data.image_dir"),
+    ("data.image_root=/data", "data.image_root"),
+    ("lora.train_vision=true", "lora.train_vision"),
+])
+def test_an_unsupported_family_asked_for_images_is_refused_at_config_time(tmp_path, override, key):
+    """Gemma 3 (not a family whose images are read) asked for images: one config error naming the key and the
+    supported families, before any data loads; its text rows alone still train (no such key set)."""
+    gemma = {"model_type": "gemma3", "vision_config": {"hidden_size": 8}}
+    cfg = config_for(tmp_path, gemma, override)
+    with pytest.raises(ConfigError) as exc:
+        check_vision_training(cfg, vision_base(cfg.model))
+    (problem,) = exc.value.problems
+    assert problem.startswith(f"{key}: ") and "gemma3" in problem
+    assert "qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), qwen3-vl (qwen3_vl)" in problem
+    plain = config_for(tmp_path / "b", gemma)
+    check_vision_training(plain, vision_base(plain.model))
+
+
+def test_family_registry_names_each_family_once():
+    from qlora_train.chat_templates import resolve_chat_template
+    from qlora_train.tiny import main
+    from qlora_train.vision import FAMILIES, SUPPORTED, family_named
+
+    assert [f.name for f in FAMILIES] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+    assert SUPPORTED == {f.model_type: "model.visual" for f in FAMILIES}
+    for f in FAMILIES:
+        assert family_named(f.model_type) is family_named(f.name) is f
+        assert "<|vision_start|><|image_pad|><|vision_end|>" in resolve_chat_template(f.chat_template)
+    with pytest.raises(ValueError, match=r"unknown vision-language family 'gemma3': supported: qwen2-vl \(qwen2_vl\)"):
+        family_named("gemma3")
+    with pytest.raises(SystemExit):  # argparse: invalid choice, the families listed
+        main(["--vision", "gemma3"])
 
 
 # --- the tiny Qwen2.5-VL ---------------------------------------------------------------------------------------
@@ -273,6 +309,24 @@ def test_trains_the_bundled_image_rows_from_the_config(tiny_vl_dir, tmp_path, ca
     assert adapter["exclude_modules"] == r"model\.visual\..*"
     saved = AutoImageProcessor.from_pretrained(out)  # beside the adapter, so that the output serves
     assert saved.to_dict()["size"] == {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}  # the tiny one's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
+def test_each_family_trains_the_bundled_image_rows(family, tmp_path):
+    """A tiny model of each other family (``tiny --vision FAMILY``: its config written in code, its template, its
+    image processor) trains the demo's rows: its tower not quantised and frozen, the loss falling."""
+    from qlora_train.cli import main
+    from qlora_train.tiny import build_tiny_vl
+
+    model = build_tiny_vl(family, tmp_path / family)
+    path = write_vl_config(tmp_path, model, data_path=DEMO_ROWS, max_samples=8, max_steps=4)
+    assert main(["--config", str(path), "--set", f"model.chat_template={family}"]) == 0
+    out = tmp_path / "out"
+    assert json.loads((out / "dataset_report.json").read_text())["rows_kept"] == 8
+    losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert json.loads((out / "adapter_config.json").read_text())["exclude_modules"] == r"model\.visual\..*"
 
 
 @pytest.mark.slow
