@@ -3,7 +3,7 @@ TINY   ?= .cache/tiny-qwen3
 VL     ?= qwen2.5-vl
 TINY_VL ?= .cache/tiny-$(VL)
 
-.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo gpu-bundle demo demo-dpo demo-kto demo-vl docs vocab audit audit-pairs
+.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo gpu-bundle demo demo-dpo demo-kto demo-vl demo-vl-dpo docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -163,3 +163,17 @@ demo-vl: $(DEMO_VL_OUT)/training_complete.json
 
 $(DEMO_VL_OUT)/training_complete.json: | $(TINY_VL)/config.json
 	$(DEMO_VL_CMD)
+
+# vision-language DPO on the bundled pairs in RLAIF-V's layout (configs/data/quickstart-vl-dpo.jsonl: an image, a
+# question, chosen, rejected): the tiny model of the family VL (default qwen2.5-vl) from a fresh adapter, so the
+# first loss is log 2; trained only where its finished run is not there (again from step 0: the same line with
+# --overwrite)
+DEMO_VL_DPO_OUT = outputs/quickstart-vl-dpo$(if $(filter qwen2.5-vl,$(VL)),,-$(VL))
+DEMO_VL_DPO_CMD = qlora-train --config configs/quickstart-vl-dpo.yaml --set model.name_or_path=$(TINY_VL) \
+	--set model.chat_template=$(VL) --set train.output_dir=$(DEMO_VL_DPO_OUT)
+
+demo-vl-dpo: $(DEMO_VL_DPO_OUT)/training_complete.json
+	@echo "the vision-language DPO demo's finished run ($(VL)) is in $(DEMO_VL_DPO_OUT) (again from step 0: $(DEMO_VL_DPO_CMD) --overwrite)"
+
+$(DEMO_VL_DPO_OUT)/training_complete.json: | $(TINY_VL)/config.json
+	$(DEMO_VL_DPO_CMD)

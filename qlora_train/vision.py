@@ -164,9 +164,9 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
 
 def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
     """What training a supported vision-language base refuses, before any data or weight loads (``ConfigError``
-    naming the key): packing (images' pixels and 3D positions are per row), preference and unpaired objectives
-    (not supported yet), FSDP (not supported yet), ``lora.train_vision`` on a text-only base, and images asked of a
-    vision-language base whose family is not supported (``FAMILIES``)."""
+    naming the key): packing (images' pixels and 3D positions are per row), unpaired and prompt objectives (KTO,
+    GRPO: not supported yet), FSDP (not supported yet), ``lora.train_vision`` on a text-only base, and images asked
+    of a vision-language base whose family is not supported (``FAMILIES``)."""
     problems = []
     if cfg.lora.train_vision and (base is None or not base.supported):
         what = "a text-only model" if base is None else f"a {base.model_type} model, whose images are not read"
@@ -183,9 +183,9 @@ def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
         if cfg.train.packing:
             problems.append(f"train.packing: {name}: its rows' images (pixel values, image grids, 3D positions) "
                             "are fed per row, and packed sequences would mix them; set train.packing: false")
-        if cfg.data.objective != "sft":
-            problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: preference, "
-                            "unpaired and prompt rows (GRPO) do not carry images; train.method: sft")
+        if cfg.data.objective not in ("sft", "preference"):
+            problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: unpaired rows "
+                            "(KTO) and prompt rows (GRPO) do not carry images; train.method: sft, dpo or orpo")
         if cfg.train.distributed == "fsdp":
             problems.append(f"train.distributed: fsdp with {name} is not supported yet; train on one process per "
                             "model (or DDP)")

@@ -189,6 +189,7 @@ PAIR_ROW = RowType("preference", (
     *_PARSED,
     _c("chosen_tokens", "int64", STATS),  # each side's length (after truncation)
     _c("rejected_tokens", "int64", STATS),
+    *_IMAGES,  # the shared prompt's images (each side's tokens hold them: num_image_tokens a side)
     *_WHERE,
 ))
 UNPAIRED_ROW = RowType("unpaired", (

@@ -182,6 +182,10 @@ class PairCollator:
     makes them) -> one padded ``[2B, width]`` batch: the B chosen rows first, then the B rejected rows in the same
     order, so that row i and row B + i are one pair. Padding as ``PadCollator``'s (labels with -100).
 
+    With an image ``rule`` (a vision-language model), a pair's ``images`` (its prompt's) go with both its rows:
+    ``ImageCollator``'s batch, each side's image tokens checked against them and fed their pixels (chosen rows'
+    images first, then rejected rows').
+
     >>> b = PairCollator(0, 4)([{"chosen_input_ids": [5, 6, 7], "chosen_labels": [-100, 6, 7],
     ...                          "rejected_input_ids": [5, 8], "rejected_labels": [-100, 8]}])
     >>> b["input_ids"].tolist(), b["labels"].tolist()
@@ -190,11 +194,16 @@ class PairCollator:
 
     pad_token_id: int
     pad_to_multiple_of: int = 8
+    rule: Any = None  # masking.ImageRule of a vision-language model
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
+        rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"],
+                 "images": list(f.get("images") or ())}
                 for side in SIDES for f in features]  # every chosen row, then every rejected
-        return PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
+        if self.rule is None:
+            return PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
+        return ImageCollator(self.pad_token_id, self.rule, self.pad_to_multiple_of, self.max_pixels)(rows)
 
 
 @dataclass

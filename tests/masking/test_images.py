@@ -46,34 +46,6 @@ def vision(vl_tok):
     return vl_tok, proc
 
 
-# each family's processor class (transformers), by the family's name (vision.FAMILIES)
-PROCESSORS = {"qwen2-vl": "Qwen2VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor", "qwen3-vl": "Qwen3VLProcessor"}
-
-
-@pytest.fixture(scope="module", params=sorted(PROCESSORS))
-def family_vision(request, vl_tok):
-    """(tokenizer, processor) of one family: the real Qwen vocabulary with the family's shipped template and its
-    tiny model's image rule (``tiny.tiny_image_processor``: Qwen3-VL's 16-pixel patches, the others' 14)."""
-    import copy
-
-    import transformers
-
-    from qlora_train.data import get_chat_template
-    from qlora_train.masking import set_image_rule
-    from qlora_train.tiny import tiny_image_processor
-    from qlora_train.vision import family_named
-
-    family = family_named(request.param)
-    tok = get_chat_template(copy.deepcopy(vl_tok), family.chat_template)
-    set_image_rule(tok, ImageRule.of(tiny_image_processor(family.name), tok, family.image_token))
-    cls = getattr(transformers, PROCESSORS[family.name])
-    mp = pytest.MonkeyPatch()  # no video processor (it needs torchvision): images only
-    mp.setattr(cls, "check_argument_for_proper_class", lambda self, name, arg: None)
-    proc = cls(image_processor=image_rule(tok).image_processor, tokenizer=tok)
-    mp.undo()
-    return tok, proc
-
-
 def image(w: int, h: int, ref: str = "") -> dict:
     return {"ref": ref or f"/img/{w}x{h}.png", "width": w, "height": h}
 

@@ -19,6 +19,7 @@ from qlora_train.vision import VisionBase, check_images_readable, check_vision_t
 from tests.vision_rows import IMAGE_TOKEN_ID, feed_rows, processed_rows, write_images, write_vl_config
 
 DEMO_ROWS = Path(__file__).resolve().parents[2] / "configs" / "data" / "quickstart-vl.jsonl"
+DEMO_PAIRS = DEMO_ROWS.with_name("quickstart-vl-dpo.jsonl")  # RLAIF-V's layout: image, question, chosen, rejected
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,30 @@ def test_image_collator_reads_one_image_at_a_time_with_the_pixels_of_one_call(im
         assert open_image(red).tobytes() == im.convert("RGB").tobytes()
 
 
+def test_pair_collator_feeds_both_sides_the_prompts_images(image_rule, images):
+    """A pair's images (its prompt's) go with its chosen row and its rejected row: the chosen rows' pixels, then the
+    rejected rows'; each side's image tokens checked against them."""
+    from qlora_train.train.collator import PairCollator
+
+    red, blue = images["red"]["ref"], images["blue"]["ref"]  # 4 and 12 tokens
+    pairs = [{"chosen_input_ids": [1, *[IMG] * 4, 2, 3], "chosen_labels": [IGNORE_INDEX] * 6 + [3],
+              "rejected_input_ids": [1, *[IMG] * 4, 2, 4, 5], "rejected_labels": [IGNORE_INDEX] * 6 + [4, 5],
+              "images": [red]},
+             {"chosen_input_ids": [1, *[IMG] * 12, 6], "chosen_labels": [IGNORE_INDEX] * 13 + [6],
+              "rejected_input_ids": [1, *[IMG] * 12, 7], "rejected_labels": [IGNORE_INDEX] * 13 + [7],
+              "images": [blue]}]
+    batch = PairCollator(0, rule=image_rule)(pairs)
+    plain = PairCollator(0)(pairs)
+    for key in ("input_ids", "attention_mask", "labels"):
+        assert torch.equal(batch[key], plain[key])
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 6, 8]] * 2  # chosen rows' images, then rejected's
+    assert batch["mm_token_type_ids"].sum(dim=1).tolist() == [4, 12, 4, 12]
+    assert set(plain) == {"input_ids", "attention_mask", "labels"}  # a text model's pairs: no pixel inputs
+    broken = [dict(pairs[0], rejected_input_ids=[1, *[IMG] * 3, 2, 4, 5, 5])]
+    with pytest.raises(DataError, match="batch row 1: its ids hold 3 image tokens"):
+        PairCollator(0, rule=image_rule)(broken)
+
+
 def test_image_collator_text_batch_is_pad_collators(image_rule):
     rows = [row([1, 2, 3], []), row([4, 5], [])]
     batch = ImageCollator(0, image_rule)(rows)
@@ -132,7 +157,7 @@ QWEN_VL = {"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}
 
 @pytest.mark.parametrize("override, key", [
     ("train.packing=true", "train.packing"),
-    ("train.method=dpo", "data.objective"),
+    ("train.method=kto", "data.objective"),
     ("train.distributed=fsdp", "train.distributed"),
 ])
 def test_vision_base_refuses_what_it_cannot_train(tmp_path, override, key):
@@ -327,6 +352,60 @@ def test_each_family_trains_the_bundled_image_rows(family, tmp_path):
     losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert json.loads((out / "adapter_config.json").read_text())["exclude_modules"] == r"model\.visual\..*"
+
+
+def image_pair_rows(tokenizer, n: int) -> list[dict]:
+    """The first ``n`` of the DPO demo's pairs (RLAIF-V's layout, images beside them), as the pipeline feeds them."""
+    from qlora_train.config import DataConfig
+    from qlora_train.data.pairs import canonicalize_pair, fit_pair
+
+    cfg = DataConfig(image_dir=str(DEMO_PAIRS.parent))
+    rows = [json.loads(line) for line in DEMO_PAIRS.read_text().splitlines()[:n]]
+    return [fit_pair(canonicalize_pair(r, cfg, tokenizer=tokenizer), tokenizer, max_length=256).example for r in rows]
+
+
+@pytest.mark.slow
+def test_pair_logps_of_image_pairs_are_the_models_own_with_its_images(tiny_vl_dir, tmp_path, vl_tokenizer):
+    """The pair forward feeds the decoder the batch's pixels: each side's log-probs equal the model's own logits'
+    (with the images), and differ from those of the same ids without them."""
+    from qlora_train.train.collator import PairCollator
+    from qlora_train.train.model import load_model, resolve_runtime
+    from qlora_train.train.preference import pair_logps
+
+    cfg = load_config(write_vl_config(tmp_path, tiny_vl_dir, method="dpo"), [])
+    model = load_model(cfg, resolve_runtime(cfg))
+    batch = PairCollator(vl_tokenizer.pad_token_id, rule=vl_tokenizer.qlora_image_rule)(
+        image_pair_rows(vl_tokenizer, 2))
+    assert batch["image_grid_thw"].shape == (4, 3)
+    with torch.no_grad():
+        ours = pair_logps(model, batch).sums
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        blind = pair_logps(model, {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).sums
+    labels = batch["labels"][:, 1:]
+    token = torch.log_softmax(logits[:, :-1], -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    own = (token * (labels != IGNORE_INDEX)).sum(dim=1)
+    assert torch.allclose(ours, own, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(ours, blind, rtol=1e-5, atol=1e-4)  # the images change what the model says
+
+
+@pytest.mark.slow
+def test_dpo_on_image_pairs_from_the_config_starts_at_log_2(tiny_vl_dir, tmp_path, capsys):
+    """The DPO demo's rows (RLAIF-V's layout) through the real path: read, paired, collated with both sides'
+    pixels, trained; a fresh adapter, so the first loss is log 2."""
+    import math
+
+    from qlora_train.cli import main
+
+    path = write_vl_config(tmp_path, tiny_vl_dir, data_path=DEMO_PAIRS, max_samples=8, max_steps=2, method="dpo",
+                           per_device_train_batch_size=2)
+    assert main(["--config", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "images: 8 in 8 rows read" in printed
+    out = tmp_path / "out"
+    report = json.loads((out / "dataset_report.json").read_text())
+    assert report["rows_kept"] == 8 and not report["dropped"]
+    losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
+    assert len(losses) == 2 and losses[0] == pytest.approx(math.log(2), abs=1e-4)
 
 
 @pytest.mark.slow
