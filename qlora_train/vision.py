@@ -164,7 +164,7 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
 
 def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
     """What training a supported vision-language base refuses, before any data or weight loads (``ConfigError``
-    naming the key): packing (images' pixels and 3D positions are per row), unpaired and prompt objectives (KTO,
+    naming the key): unpaired and prompt objectives (KTO,
     GRPO: not supported yet), FSDP (not supported yet), ``lora.train_vision`` on a text-only base, and images asked
     of a vision-language base whose family is not supported (``FAMILIES``)."""
     problems = []
@@ -180,9 +180,6 @@ def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
                                 f"{supported_families()} (its text rows train without data.{key})")
     if base is not None and base.supported:
         name = f"{cfg.model.name_or_path} is a vision-language model ({base.model_type})"
-        if cfg.train.packing:
-            problems.append(f"train.packing: {name}: its rows' images (pixel values, image grids, 3D positions) "
-                            "are fed per row, and packed sequences would mix them; set train.packing: false")
         if cfg.data.objective not in ("sft", "preference"):
             problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: unpaired rows "
                             "(KTO) and prompt rows (GRPO) do not carry images; train.method: sft, dpo or orpo")

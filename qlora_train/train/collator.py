@@ -174,6 +174,52 @@ class PackedCollator:
         return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
 
 
+@dataclass
+class PackedImageCollator:
+    """Packed rows of a Qwen-VL model (``input_ids``, ``labels``, ``position_ids``, ``seq_lens`` and ``images``: each
+    packed example's images, in order) -> ``PackedCollator``'s batch (its block-diagonal 4D mask: attention never
+    crosses examples) with ``ImageCollator``'s pixel inputs, and the 3D rotary positions made per packed example:
+    ``position_ids`` ``[3, batch, width]``, each example's as the model makes them for it alone (``rope_index``: its
+    ``get_rope_index`` on the example's ids and its images' grids; an example without images counts 0, 1, 2, ... on
+    all three axes, as the model does for text), so that a packed example is computed exactly as the same example
+    unpacked. Padding counts on from 0 (untrained, attending to itself only)."""
+
+    pad_token_id: int
+    rule: Any  # masking.ImageRule
+    rope_index: Any  # the model's get_rope_index(input_ids, mm_token_type_ids, image_grid_thw) -> (positions, deltas)
+    mask_dtype: torch.dtype = torch.float32
+    pad_to_multiple_of: int = 8
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        batch = PackedCollator(self.pad_token_id, self.pad_to_multiple_of, mask_dtype=self.mask_dtype)(features)
+        pixels = ImageCollator(self.pad_token_id, self.rule, self.pad_to_multiple_of, self.max_pixels)(
+            [{"input_ids": f["input_ids"], "labels": f["labels"], "images": list(f.get("images") or ())}
+             for f in features])  # the same width: the same padding rule
+        width = batch["input_ids"].shape[1]
+        positions = torch.arange(width).repeat(3, len(features), 1)
+        grids = pixels.get("image_grid_thw", torch.zeros((0, 3), dtype=torch.long))
+        tokens = (grids.prod(dim=1) // int(self.rule.image_processor.merge_size) ** 2).tolist()
+        is_image = batch["input_ids"] == self.rule.image_token_id
+        at = 0  # the next image of the batch (row by row, example by example)
+        for row, f in enumerate(features):
+            start = 0
+            for n in f["seq_lens"]:
+                held, first = int(is_image[row, start:start + n].sum()), at
+                while held > 0:  # the example's images: those whose tokens it holds (ImageCollator checked the row)
+                    held -= tokens[at]
+                    at += 1
+                if at > first:
+                    ids = batch["input_ids"][row:row + 1, start:start + n]
+                    made, _ = self.rope_index(input_ids=ids, mm_token_type_ids=is_image[row:row + 1, start:start + n]
+                                              .int(), image_grid_thw=grids[first:at])
+                    positions[:, row, start:start + n] = made[:, 0]
+                else:
+                    positions[:, row, start:start + n] = torch.arange(n)
+                start += n
+        batch["position_ids"] = positions
+        batch.update({k: pixels[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in pixels})
+        return batch
 
 
 @dataclass

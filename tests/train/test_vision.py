@@ -156,7 +156,6 @@ QWEN_VL = {"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}
 
 
 @pytest.mark.parametrize("override, key", [
-    ("train.packing=true", "train.packing"),
     ("train.method=kto", "data.objective"),
     ("train.distributed=fsdp", "train.distributed"),
 ])
@@ -166,6 +165,21 @@ def test_vision_base_refuses_what_it_cannot_train(tmp_path, override, key):
         check_vision_training(cfg, vision_base(cfg.model))
     assert len(exc.value.problems) == 1 and exc.value.problems[0].startswith(f"{key}: ")
     assert "qwen2_5_vl" in exc.value.problems[0]
+
+
+def test_packed_image_rows_refuse_flash_attention(tmp_path, image_rule):
+    """Packing image rows needs the 4D block mask: flash-attention's packed form reads 1D positions."""
+    from types import SimpleNamespace
+
+    from qlora_train.masking import set_image_rule
+    from qlora_train.train.run import make_collator
+
+    cfg = config_for(tmp_path, QWEN_VL, "train.packing=true")
+    tokenizer = set_image_rule(SimpleNamespace(pad_token_id=0), image_rule)
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    with pytest.raises(ConfigError, match="train.packing: packed image rows need a 4D block mask"):
+        make_collator(cfg, tokenizer, model, SimpleNamespace(device="cuda"))
+    check_vision_training(cfg, vision_base(cfg.model))  # packing itself is not refused
 
 
 def test_train_vision_needs_a_vision_tower(tmp_path):
@@ -406,6 +420,75 @@ def test_dpo_on_image_pairs_from_the_config_starts_at_log_2(tiny_vl_dir, tmp_pat
     assert report["rows_kept"] == 8 and not report["dropped"]
     losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
     assert len(losses) == 2 and losses[0] == pytest.approx(math.log(2), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_packed_image_rows_give_the_unpacked_loss(tiny_vl_dir, tmp_path, vl_tokenizer):
+    """Rows of 0-2 images packed (a block mask, each example's 3D positions made for it alone, its images' pixels in
+    order) give the loss, and the gradient, of the same rows unpacked: no example sees another."""
+    from qlora_train.data.packing import pack_examples
+    from qlora_train.train.collator import PackedImageCollator
+    from qlora_train.train.fused_loss import inner_causal_lm
+    from qlora_train.train.model import load_model, resolve_runtime
+
+    attn = "eager"  # (sdpa, the CPU's default: the training run below)
+    cfg = load_config(write_vl_config(tmp_path, tiny_vl_dir), [f"model.attn_implementation={attn}"])
+    model = load_model(cfg, resolve_runtime(cfg))
+    rows = processed_rows(vl_tokenizer, write_images(tmp_path / "images"))
+    rule = vl_tokenizer.qlora_image_rule
+    unpacked = ImageCollator(vl_tokenizer.pad_token_id, rule)(rows)
+    packed_rows = [pack_examples(rows[:4]), pack_examples(rows[4:])]  # 4 examples in a row (0, 1, 2 images), then 2
+    assert packed_rows[0]["images"] == [ref for r in rows[:4] for ref in r["images"]]
+    collate = PackedImageCollator(vl_tokenizer.pad_token_id, rule, inner_causal_lm(model).model.get_rope_index)
+    packed = collate(packed_rows)
+    assert packed["position_ids"].shape == (3, *packed["input_ids"].shape)
+    assert torch.equal(packed["image_grid_thw"], unpacked["image_grid_thw"])  # the same images, in the same order
+    losses, grads = [], []
+    for batch in (unpacked, packed):
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters() if p.requires_grad]))
+    assert losses[1] == pytest.approx(losses[0], abs=1e-5), losses
+    assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+    def trained_logits(batch):  # at every trained position, in example order (the loss averages them away)
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        return logits[:, :-1][batch["labels"][:, 1:] != IGNORE_INDEX]
+
+    # each token's logits are its own unpacked ones; 1D positions instead of the 3D ones move them by ~5e-3 on this
+    # model, and a plain causal mask (examples seeing earlier ones) by ~0.3
+    assert (trained_logits(packed) - trained_logits(unpacked)).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_packed_and_unpacked_training_give_the_same_first_step_loss(tiny_vl_dir, tmp_path, vl_tokenizer, monkeypatch):
+    """The same four rows (0, 1 and 2 images) trained one step from the config: as one padded batch, and packed
+    into one sequence (train.packing: the packed collator, its block mask and per-example 3D positions, through
+    the Trainer and the fused loss): the same first loss."""
+    import datasets
+
+    from qlora_train.cli import main
+    from qlora_train.data.dataset import DatasetReport
+    from qlora_train.data.packing import pack_examples
+    from qlora_train.data.prepared import TrainingData
+    from qlora_train.train import run
+
+    rows = processed_rows(vl_tokenizer, write_images(tmp_path / "images"))[:4]
+    losses = []
+    for packing, fed in ((False, rows), (True, [pack_examples(rows)])):
+        report = DatasetReport(rows_in=4, rows_kept=4, train_rows=len(fed))
+        monkeypatch.setattr(run, "training_data", lambda cfg, tok, fed=fed, report=report: TrainingData(
+            datasets.Dataset.from_list(fed), None, report))
+        out = tmp_path / f"packed-{packing}"
+        out.mkdir()
+        path = write_vl_config(out, tiny_vl_dir, max_steps=1, per_device_train_batch_size=len(fed),
+                               packing=packing)
+        assert main(["--config", str(path)]) == 0
+        losses.append(json.loads((out / "out" / "loss_history.json").read_text())[0]["loss"])
+    assert losses[1] == pytest.approx(losses[0], abs=1e-5), losses
 
 
 @pytest.mark.slow
