@@ -147,10 +147,11 @@ def _tiny_vl_config(family: str, tok, hidden_size: int, layers: int):
 
 
 def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: int = 64,
-                  layers: int = 2):
+                  layers: int = 2, tokenizer=None):
     """Write a tiny random vision-language model of ``family`` (``vision.FAMILIES``: qwen2-vl, qwen2.5-vl,
     qwen3-vl; its config written here, ``_tiny_vl_config``), the Qwen tokenizer with the family's shipped template
-    as its own, and its image processor (4 to 64 image tokens an image, ``tiny_image_processor``) to ``out_dir``:
+    as its own (``tokenizer`` when given: one built before, with that template), and its image processor (4 to 64
+    image tokens an image, ``tiny_image_processor``) to ``out_dir``:
     ``AutoModelForImageTextToText``, ``AutoTokenizer`` and ``AutoImageProcessor`` load from it."""
     import torch
     from transformers import AutoModelForImageTextToText
@@ -160,7 +161,7 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
     family = family_named(family).name
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_qwen_tokenizer(family_named(family).chat_template)
+    tok = tokenizer if tokenizer is not None else build_qwen_tokenizer(family_named(family).chat_template)
     config = _tiny_vl_config(family, tok, hidden_size, layers)
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(out)

@@ -352,13 +352,17 @@ def test_trains_the_bundled_image_rows_from_the_config(tiny_vl_dir, tmp_path, ca
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
-def test_each_family_trains_the_bundled_image_rows(family, tmp_path):
+def test_each_family_trains_the_bundled_image_rows(family, tmp_path, vl_tok):
     """A tiny model of each other family (``tiny --vision FAMILY``: its config written in code, its template, its
     image processor) trains the demo's rows: its tower not quantised and frozen, the loss falling."""
+    import copy
+
     from qlora_train.cli import main
+    from qlora_train.data import get_chat_template
     from qlora_train.tiny import build_tiny_vl
 
-    model = build_tiny_vl(family, tmp_path / family)
+    tokenizer = get_chat_template(copy.deepcopy(vl_tok), family)  # the Qwen vocabulary, built once a session
+    model = build_tiny_vl(family, tmp_path / family, tokenizer=tokenizer)
     path = write_vl_config(tmp_path, model, data_path=DEMO_ROWS, max_samples=8, max_steps=4)
     assert main(["--config", str(path), "--set", f"model.chat_template={family}"]) == 0
     out = tmp_path / "out"
