@@ -129,19 +129,21 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
             fmt = "implicit_prompt"  # UltraFeedback-binarized: the prompt column repeated in whole conversations
             one_text = not isinstance(prompt_value, list) or (prompt_value and is_text_parts(prompt_value))
             prompt, chosen, rejected = split_repeated_prompt(prompt, chosen, rejected, text=one_text)
-    elif refuse_row_images(row, cfg) or all(isinstance(row[side], list) for side in SIDES):
-        fmt = "implicit_prompt"
-        prompt, chosen, rejected = split_shared_prompt(messages(row["chosen"], "chosen"),
-                                                       messages(row["rejected"], "rejected"))
-    elif all(isinstance(row[side], str) and _is_hh(row[side]) for side in SIDES):
-        fmt = "hh_rlhf"
-        prompt, chosen, rejected = split_shared_prompt(messages(hh_messages(row["chosen"]), "chosen"),
-                                                       messages(hh_messages(row["rejected"]), "rejected"))
     else:
-        raise RowRejected(DropReason.UNKNOWN_SCHEMA, "'chosen' and 'rejected' without a prompt must be whole "
-                          "conversations (message lists) or HH-RLHF transcripts ('\\n\\nHuman: …\\n\\nAssistant: …'); "
-                          f"got {type(row['chosen']).__name__} and {type(row['rejected']).__name__} "
-                          f"(keys {sorted(row)[:8]})")
+        refuse_row_images(row, cfg)  # whole conversations or transcripts: images are read in a prompt column only
+        if all(isinstance(row[side], list) for side in SIDES):
+            fmt = "implicit_prompt"
+            prompt, chosen, rejected = split_shared_prompt(messages(row["chosen"], "chosen"),
+                                                           messages(row["rejected"], "rejected"))
+        elif all(isinstance(row[side], str) and _is_hh(row[side]) for side in SIDES):
+            fmt = "hh_rlhf"
+            prompt, chosen, rejected = split_shared_prompt(messages(hh_messages(row["chosen"]), "chosen"),
+                                                           messages(hh_messages(row["rejected"]), "rejected"))
+        else:
+            raise RowRejected(DropReason.UNKNOWN_SCHEMA, "'chosen' and 'rejected' without a prompt must be whole "
+                              "conversations (message lists) or HH-RLHF transcripts ('\\n\\nHuman: …\\n\\n"
+                              f"Assistant: …'); got {type(row['chosen']).__name__} and "
+                              f"{type(row['rejected']).__name__} (keys {sorted(row)[:8]})")
     prompt = with_row_system(prompt, row, cfg, report)
     scores = [_score(row, f"score_{side}") for side in SIDES]
     check_pair(prompt, chosen, rejected)
