@@ -164,9 +164,10 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
 
 def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
     """What training a supported vision-language base refuses, before any data or weight loads (``ConfigError``
-    naming the key): unpaired and prompt objectives (KTO,
-    GRPO: not supported yet), FSDP (not supported yet), ``lora.train_vision`` on a text-only base, and images asked
-    of a vision-language base whose family is not supported (``FAMILIES``)."""
+    naming the key): unpaired and prompt objectives (KTO, GRPO: not supported yet), FSDP (not supported yet),
+    ``lora.train_vision`` on a text-only base, and images asked of a vision-language base whose family is not
+    supported (``FAMILIES``). Packing is checked where its collator is made (``run.make_collator``: not with
+    flash-attention)."""
     problems = []
     if cfg.lora.train_vision and (base is None or not base.supported):
         what = "a text-only model" if base is None else f"a {base.model_type} model, whose images are not read"
