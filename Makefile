@@ -60,7 +60,8 @@ bench-scale:
 	$(PYTHON) benchmarks/bench_preprocess.py --scale 1000,20000
 
 # --stats-only on 1,000 image rows (1-2 PNGs each) vs the same rows without images, through the CLI, fresh processes:
-# both times, their ratio (target <= 2x) and the pixels decoded (0). `make bench-vl BENCH_VL_ARGS="--repeats 2"`
+# both times, their ratio (target <= 2x) and the pixels decoded (0). `make bench-vl BENCH_VL_ARGS="--repeats 2"`;
+# another family's tiny model: `make bench-vl VL=qwen3-vl`
 .PHONY: bench-vl
 bench-vl: $(TINY_VL)/config.json
 	$(PYTHON) benchmarks/bench_vl_stats.py --model $(TINY_VL) $(BENCH_VL_ARGS)
