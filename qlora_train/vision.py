@@ -41,8 +41,17 @@ class VisionFamily:
     model_type: str  # "qwen2_5_vl"
     tower: str  # "model.visual"
     chat_template: str  # a shipped template (qlora_train/templates)
-    image_token: str = IMAGE_TOKEN
+    image_token: str = IMAGE_TOKEN  # the token the processor repeats, one per image feature
     examples: str = ""
+    # how the processor writes an image (``masking.ImageRule``): the template's placeholder ("": the image token),
+    # the text around the image's tokens, and the config key of a fixed count of them (None: by the image's size,
+    # the Qwen-VL grids)
+    placeholder: str = ""
+    wrapper: tuple[str, str] = ("", "")
+    fixed_tokens_key: str | None = None
+    type_ids: str = "mm_token_type_ids"  # the model input marking image tokens
+    markers: tuple[str, ...] = ()  # tokens only the processor writes (a render holding one is refused)
+    packable: bool = True  # whether packed image rows are supported (each example's own 3D positions)
 
 
 FAMILIES = (
@@ -50,6 +59,14 @@ FAMILIES = (
     VisionFamily("qwen2.5-vl", "qwen2_5_vl", "model.visual", "qwen2.5-vl",
                  examples="Qwen2.5-VL-3B/7B/32B/72B-Instruct"),
     VisionFamily("qwen3-vl", "qwen3_vl", "model.visual", "qwen3-vl", examples="Qwen3-VL-2B/4B/8B/32B-Instruct"),
+    # Gemma 3: the template writes <start_of_image>, Gemma3Processor writes "\n\n<start_of_image>" + 256 (its
+    # image_seq_length, the model's mm_tokens_per_image) x <image_soft_token> + "<end_of_image>\n\n" in its place,
+    # whatever the image's size (resized to the tower's square; pan-and-scan crops are not used); token_type_ids
+    # mark the image tokens (each image's tokens attend to each other both ways)
+    VisionFamily("gemma3", "gemma3", "model.vision_tower", "gemma3", image_token="<image_soft_token>",
+                 examples="gemma-3-4b/12b/27b-it", placeholder="<start_of_image>",
+                 wrapper=("\n\n<start_of_image>", "<end_of_image>\n\n"), fixed_tokens_key="mm_tokens_per_image",
+                 type_ids="token_type_ids", markers=("<end_of_image>",), packable=False),
 )
 FAMILY_BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 SUPPORTED = {f.model_type: f.tower for f in FAMILIES}  # model type -> its vision tower's module path
@@ -150,16 +167,44 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
                  "rows, and a row with images is refused (bad_image)", cfg.name_or_path, base.model_type,
                  supported_families())
         return None
-    token = base.family.image_token
-    if token not in tokenizer.get_added_vocab():
-        raise ModelLoadError(f"{cfg.name_or_path} is a {base.model_type} model, but its tokenizer has no "
-                             f"{token} token")
+    family = base.family
+    for token in (family.image_token, family.placeholder or family.image_token):
+        if token not in tokenizer.get_added_vocab():
+            raise ModelLoadError(f"{cfg.name_or_path} is a {base.model_type} model, but its tokenizer has no "
+                                 f"{token} token")
     processor = load_image_processor(cfg, processor_path)
+    if family.fixed_tokens_key is not None:
+        return ImageRule.wrapped(processor, tokenizer, placeholder=family.placeholder, image_token=family.image_token,
+                                 before=family.wrapper[0], after=family.wrapper[1],
+                                 tokens=fixed_image_tokens(cfg, family, processor_path), type_ids=family.type_ids,
+                                 other_tokens=family.markers)
     if not hasattr(processor, "merge_size") or not hasattr(processor, "get_number_of_image_patches"):
         raise ConfigError([f"model.name_or_path: the image processor of {cfg.name_or_path} "
                            f"({type(processor).__name__}) is not a Qwen2-VL-style one (merge_size, image_grid_thw); "
                            f"supported: {supported_families()}"])
-    return ImageRule.of(processor, tokenizer, token)
+    return ImageRule.of(processor, tokenizer, family.image_token)
+
+
+def fixed_image_tokens(cfg: ModelConfig, family: VisionFamily, processor_path: str | Path | None = None) -> int:
+    """A fixed-count family's image tokens an image (Gemma 3: the model config's ``mm_tokens_per_image``), which
+    the processor's own ``image_seq_length`` (``processor_config.json``, where saved) must equal:
+    ``ModelLoadError`` otherwise."""
+    config = model_config_dict(cfg) or {}
+    n = config.get(family.fixed_tokens_key)
+    if not isinstance(n, int) or n <= 0:
+        raise ModelLoadError(f"{cfg.name_or_path} is a {family.model_type} model, but its config has no "
+                             f"{family.fixed_tokens_key} (image tokens an image)")
+    saved = Path(processor_path if processor_path is not None else cfg.name_or_path) / "processor_config.json"
+    if saved.is_file():
+        try:
+            own = json.loads(saved.read_text(encoding="utf-8")).get("image_seq_length", n)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read {saved}: {exc}") from None
+        if own != n:
+            raise ModelLoadError(f"{saved}: image_seq_length {own} differs from the model config's "
+                                 f"{family.fixed_tokens_key} {n}: the processor would write another count of image "
+                                 "tokens than the model reads")
+    return n
 
 
 def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
@@ -184,6 +229,11 @@ def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
         if cfg.data.objective not in ("sft", "preference"):
             problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: unpaired rows "
                             "(KTO) and prompt rows (GRPO) do not carry images; train.method: sft, dpo or orpo")
+        if cfg.train.packing and cfg.train.method == "sft" and not base.family.packable:
+            problems.append(f"train.packing: packed image rows are not supported for {name}: its image tokens "
+                            "attend to each other both ways (token_type_ids), which the packed block mask does not "
+                            "carry; packing is supported for "
+                            + ", ".join(f.name for f in FAMILIES if f.packable) + "; set train.packing: false")
         if cfg.train.distributed == "fsdp":
             problems.append(f"train.distributed: fsdp with {name} is not supported yet; train on one process per "
                             "model (or DDP)")

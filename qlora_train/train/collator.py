@@ -52,12 +52,13 @@ class ImageCollator:
     references the rows keep, loaded here with ``data.images.open_image``: upright, RGB), made by the image
     processor of ``rule`` (``masking.ImageRule``) one image at a time (the same patches as one call on all; a batch
     holds one decoded image at a time): ``pixel_values`` (every image's patches, row by row, image by image),
-    ``image_grid_thw`` (one ``[t, h, w]`` patch grid per image) and ``mm_token_type_ids`` (1 at each image token:
-    the model's 3D positions read it). A batch of text rows alone (no ``images``) is ``PadCollator``'s exactly.
+    ``image_grid_thw`` (one ``[t, h, w]`` patch grid per image: the Qwen-VL families) and the rule's ``type_ids``
+    input (1 at each image token: Qwen-VL's 3D positions read ``mm_token_type_ids``, Gemma 3's attention
+    ``token_type_ids``). A batch of text rows alone (no ``images``) is ``PadCollator``'s exactly.
 
-    Every row is checked against its ids: its image tokens must be the count its images' grids make
-    (``t * h * w // merge_size**2`` each), else ``DataError`` naming the row and its images (an image that changed
-    since the rows were processed: the ids were expanded from the sizes read then).
+    Every row is checked against its ids: its image tokens must be the count its images make (``image_tokens``:
+    a grid's ``t * h * w // merge_size**2``, or the family's fixed count), else ``DataError`` naming the row and its
+    images (an image that changed since the rows were processed: the ids were expanded from the sizes read then).
 
     >>> ImageCollator(0, None, 4)([{"input_ids": [5, 6], "labels": [-100, 6], "images": []}])["input_ids"]
     tensor([[5, 6, 0, 0]])
@@ -81,10 +82,9 @@ class ImageCollator:
                 processed = self.rule.image_processor(images=[image], return_tensors="pt")
                 del image
                 pixels.append(processed["pixel_values"])
-                grids.append(processed["image_grid_thw"])
-        grids = torch.cat(grids)
-        merge = int(self.rule.image_processor.merge_size) ** 2
-        tokens = (grids.prod(dim=1) // merge).tolist()
+                if "image_grid_thw" in processed:
+                    grids.append(processed["image_grid_thw"])
+        tokens = image_tokens(self.rule, grids, len(sizes))
         is_image = batch["input_ids"] == self.rule.image_token_id  # (pads are never the image token)
         at = 0
         for row, (held, row_refs) in enumerate(zip(is_image.sum(dim=1).tolist(), refs)):
@@ -97,9 +97,18 @@ class ImageCollator:
                                 "since the rows were processed (the datasets cache, data.prepared_path)?")
             at += len(row_refs)
         batch["pixel_values"] = torch.cat(pixels)
-        batch["image_grid_thw"] = grids
-        batch["mm_token_type_ids"] = is_image.int()
+        if grids:
+            batch["image_grid_thw"] = torch.cat(grids)
+        batch[self.rule.type_ids] = is_image.int()
         return batch
+
+
+def image_tokens(rule, grids: list, images: int) -> list[int]:
+    """Each image's tokens as its pixels make them: the fixed count of a fixed-count family (Gemma 3), else its
+    grid's merged patches (``t * h * w // merge_size**2``, the Qwen-VL families)."""
+    if rule.fixed_tokens is not None:
+        return [rule.fixed_tokens] * images
+    return (torch.cat(grids).prod(dim=1) // int(rule.image_processor.merge_size) ** 2).tolist()
 
 
 def _open(ref: str, row: int, max_pixels: int):
