@@ -143,8 +143,10 @@ def test_vision_base_reads_the_config(tmp_path):
     assert base({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}) == VisionBase("qwen2_5_vl",
                                                                                             "model.visual")
     assert base({"model_type": "qwen3_vl", "vision_config": {"depth": 2}}).supported
-    gemma = base({"model_type": "gemma3", "vision_config": {"hidden_size": 8}})
-    assert gemma == VisionBase("gemma3", None) and not gemma.supported
+    assert base({"model_type": "gemma3", "vision_config": {"hidden_size": 8}}) == VisionBase("gemma3",
+                                                                                              "model.vision_tower")
+    llava = base({"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}})
+    assert llava == VisionBase("llava_onevision", None) and not llava.supported
 
 
 def config_for(tmp_path, config: dict, *overrides: str):
@@ -191,11 +193,11 @@ def test_train_vision_needs_a_vision_tower(tmp_path):
 
 
 def test_image_rows_of_an_unsupported_vision_base_are_a_config_error(tmp_path):
-    cfg = config_for(tmp_path, {"model_type": "gemma3", "vision_config": {"hidden_size": 8}})
+    cfg = config_for(tmp_path, {"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}})
     base = vision_base(cfg.model)
-    with pytest.raises(ConfigError, match=re.escape("is a gemma3 vision-language model; this trainer reads images "
-                                                    "for qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), qwen3-vl "
-                                                    "(qwen3_vl) only")):
+    with pytest.raises(ConfigError, match=re.escape("is a llava_onevision vision-language model; this trainer reads "
+                                                    "images for qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), "
+                                                    "qwen3-vl (qwen3_vl), gemma3 (gemma3) only")):
         check_images_readable(cfg.model, base, 3)
     check_images_readable(cfg.model, base, 0)  # text rows: it trains on them
     check_images_readable(cfg.model, None, 3)  # a text model: counted drops
@@ -207,17 +209,57 @@ def test_image_rows_of_an_unsupported_vision_base_are_a_config_error(tmp_path):
     ("lora.train_vision=true", "lora.train_vision"),
 ])
 def test_an_unsupported_family_asked_for_images_is_refused_at_config_time(tmp_path, override, key):
-    """Gemma 3 (not a family whose images are read) asked for images: one config error naming the key and the
-    supported families, before any data loads; its text rows alone still train (no such key set)."""
-    gemma = {"model_type": "gemma3", "vision_config": {"hidden_size": 8}}
-    cfg = config_for(tmp_path, gemma, override)
+    """LLaVA-OneVision (not a family whose images are read) asked for images: one config error naming the key and
+    the supported families, before any data loads; its text rows alone still train (no such key set)."""
+    llava = {"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}}
+    cfg = config_for(tmp_path, llava, override)
     with pytest.raises(ConfigError) as exc:
         check_vision_training(cfg, vision_base(cfg.model))
     (problem,) = exc.value.problems
-    assert problem.startswith(f"{key}: ") and "gemma3" in problem
-    assert "qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), qwen3-vl (qwen3_vl)" in problem
-    plain = config_for(tmp_path / "b", gemma)
+    assert problem.startswith(f"{key}: ") and "llava_onevision" in problem
+    assert "qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), qwen3-vl (qwen3_vl), gemma3 (gemma3)" in problem
+    plain = config_for(tmp_path / "b", llava)
     check_vision_training(plain, vision_base(plain.model))
+
+
+GEMMA3 = {"model_type": "gemma3", "vision_config": {"hidden_size": 8}, "mm_tokens_per_image": 4}
+
+
+def test_gemma3_packing_is_refused_at_config_time_with_the_reason(tmp_path):
+    cfg = config_for(tmp_path, GEMMA3, "train.packing=true")
+    with pytest.raises(ConfigError) as exc:
+        check_vision_training(cfg, vision_base(cfg.model))
+    (problem,) = exc.value.problems
+    assert problem.startswith("train.packing: packed image rows are not supported for ") and "(gemma3)" in problem
+    assert "token_type_ids" in problem and "supported for qwen2-vl, qwen2.5-vl, qwen3-vl;" in problem
+    plain = config_for(tmp_path / "b", GEMMA3)
+    check_vision_training(plain, vision_base(plain.model))  # unpacked: nothing refused
+
+
+def test_gemma3_rule_counts_the_models_tokens_and_its_processor_must_agree(tmp_path):
+    """``image_rule_for`` a Gemma 3 base: the placeholder, the wrapper and ``mm_tokens_per_image`` an image; a
+    saved processor writing another count (``image_seq_length``) is a ``ModelLoadError`` naming both."""
+    from types import SimpleNamespace
+
+    from qlora_train.config import ModelConfig
+    from qlora_train.errors import ModelLoadError
+    from qlora_train.tiny import tiny_image_processor
+    from qlora_train.vision import image_rule_for
+
+    folder = write_model_config(tmp_path / "g", GEMMA3)
+    tiny_image_processor("gemma3").save_pretrained(folder)
+    added = {"<start_of_image>": 255999, "<image_soft_token>": 262144, "<end_of_image>": 256000}
+    tok = SimpleNamespace(get_added_vocab=lambda: added, convert_tokens_to_ids=added.__getitem__)
+    cfg = ModelConfig(name_or_path=str(folder))
+    rule = image_rule_for(cfg, tok)
+    assert (rule.written, rule.image_token_id, rule.fixed_tokens, rule.type_ids) == (
+        "<start_of_image>", 262144, 4, "token_type_ids")
+    assert rule.expansion(2) == "\n\n<start_of_image><image_soft_token><image_soft_token><end_of_image>\n\n"
+    assert rule.tokens(8, 700) == rule.tokens(900, 900) == 4 and rule.other_tokens == ("<end_of_image>",)
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": 256}))
+    with pytest.raises(ModelLoadError, match="image_seq_length 256 differs from the model config's "
+                                             "mm_tokens_per_image 4"):
+        image_rule_for(cfg, tok)
 
 
 def test_family_registry_names_each_family_once():
@@ -225,15 +267,17 @@ def test_family_registry_names_each_family_once():
     from qlora_train.tiny import main
     from qlora_train.vision import FAMILIES, SUPPORTED, family_named
 
-    assert [f.name for f in FAMILIES] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
-    assert SUPPORTED == {f.model_type: "model.visual" for f in FAMILIES}
+    assert [f.name for f in FAMILIES] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "gemma3"]
+    assert SUPPORTED == {"qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual",
+                         "gemma3": "model.vision_tower"}
     for f in FAMILIES:
         assert family_named(f.model_type) is family_named(f.name) is f
-        assert "<|vision_start|><|image_pad|><|vision_end|>" in resolve_chat_template(f.chat_template)
-    with pytest.raises(ValueError, match=r"unknown vision-language family 'gemma3': supported: qwen2-vl \(qwen2_vl\)"):
-        family_named("gemma3")
+        written = "<start_of_image>" if f.name == "gemma3" else "<|vision_start|><|image_pad|><|vision_end|>"
+        assert written in resolve_chat_template(f.chat_template)
+    with pytest.raises(ValueError, match=r"unknown vision-language family 'llava': supported: qwen2-vl \(qwen2_vl\)"):
+        family_named("llava")
     with pytest.raises(SystemExit):  # argparse: invalid choice, the families listed
-        main(["--vision", "gemma3"])
+        main(["--vision", "llava"])
 
 
 # --- the tiny Qwen2.5-VL ---------------------------------------------------------------------------------------
@@ -370,6 +414,24 @@ def test_each_family_trains_the_bundled_image_rows(family, tmp_path, vl_tok):
     losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert json.loads((out / "adapter_config.json").read_text())["exclude_modules"] == r"model\.visual\..*"
+
+
+@pytest.mark.slow
+def test_gemma3_trains_the_bundled_image_rows(tmp_path):
+    """A tiny Gemma 3 (``tiny --vision gemma3``: the real Gemma 3 vocabulary, a SigLIP tower pooled into 4 tokens
+    an image) trains the demo's rows with the gemma3 template: its tower not quantised and frozen (no LoRA on
+    ``model.vision_tower``), ``token_type_ids`` fed, the loss falling."""
+    from qlora_train.cli import main
+    from qlora_train.tiny import build_tiny_vl
+
+    model = build_tiny_vl("gemma3", tmp_path / "gemma3", hidden_size=32)
+    path = write_vl_config(tmp_path, model, data_path=DEMO_ROWS, max_samples=8, max_steps=4)
+    assert main(["--config", str(path), "--set", "model.chat_template=gemma3"]) == 0
+    out = tmp_path / "out"
+    assert json.loads((out / "dataset_report.json").read_text())["rows_kept"] == 8
+    losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert json.loads((out / "adapter_config.json").read_text())["exclude_modules"] == r"model\.vision_tower\..*"
 
 
 def image_pair_rows(tokenizer, n: int) -> list[dict]:
