@@ -3,12 +3,13 @@ processor's expansion of an image follows (``masking.ImageRule``), set on the to
 
 A base is vision-language when its config has a ``vision_config``. ``FAMILIES`` is the one place that names the
 families whose images this trainer reads (each with its ``model_type``, vision tower, image token and shipped chat
-template; ``python -m qlora_train.tiny --vision FAMILY`` builds a tiny one of each): today the Qwen2-VL-style models
-(one ``<|image_pad|>`` per merged patch, ``image_grid_thw`` beside the pixels). Another vision-language base (Gemma
-3, Qwen3.5, ...) trains on text rows as before; a config that asks it for images (``data.image_dir``,
-``data.image_root``, ``lora.train_vision``) is refused before any data loads, and a row with images for it is refused
-(``bad_image``), which training then turns into one ``ConfigError`` naming the model type
-(``check_images_readable``). Both name the supported families.
+template; ``python -m qlora_train.tiny --vision FAMILY`` builds a tiny one of each), and how its processor writes an
+image (its ``ImageRule``): the Qwen2-VL-style models (one ``<|image_pad|>`` per merged patch, ``image_grid_thw``
+beside the pixels) and Gemma 3 (a fixed count of ``<image_soft_token>`` between its image markers,
+``token_type_ids``). Another vision-language base (LLaVA-OneVision, Qwen3.5, ...) trains on text rows as before; a
+config that asks it for images (``data.image_dir``, ``data.image_root``, ``lora.train_vision``) is refused before any
+data loads, and a row with images for it is refused (``bad_image``), which training then turns into one
+``ConfigError`` naming the model type (``check_images_readable``). Both name the supported families.
 
     >>> vision_base(ModelConfig(name_or_path=".cache/tiny-qwen2.5-vl"))
     VisionBase(model_type='qwen2_5_vl', tower='model.visual')
