@@ -14,7 +14,16 @@ import pytest
 from hypothesis import example, given
 from hypothesis import settings as hsettings
 
-from qlora_train.masking import IMAGE_SLOT, DropReason, ImageRule, RowRejected, image_rule, mask_conversation
+from qlora_train.masking import (
+    IGNORE_INDEX,
+    IMAGE_SLOT,
+    DropReason,
+    ImageRule,
+    RowRejected,
+    image_rule,
+    mask_conversation,
+)
+from tests.data.test_image_pairs import image_pairs
 from tests.masking.test_images import image, trained, vision_rows, without_images
 
 MARKERS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
@@ -146,3 +155,25 @@ def test_collator_feeds_token_type_ids(gemma3, tmp_path):
     assert batch["pixel_values"].shape == (2, 3, 32, 32)
     pixels = proc.image_processor([Image.open(r) for r in refs], return_tensors="pt")["pixel_values"]
     assert torch.equal(batch["pixel_values"], pixels)
+
+
+@hsettings(max_examples=50, deadline=None)
+@given(image_pairs())
+def test_image_pairs_share_the_prompts_image_tokens(gemma3, pair):
+    """DPO / ORPO pairs on Gemma 3: each side's ids are the processor's, both sides hold the prompt's image tokens
+    (wrapper and markers included) identically in the prompt they share, none trained on either side."""
+    from qlora_train.data.pairs import build_preference_example
+    from qlora_train.masking import SIDES
+
+    tok, proc = gemma3
+    prompt, chosen, rejected = pair
+    ex = build_preference_example(prompt, chosen, rejected, tok)
+    n = ex["prompt_length"]
+    assert ex["chosen_input_ids"][:n] == ex["rejected_input_ids"][:n]
+    markers = set(tok.convert_tokens_to_ids(list(MARKERS)))
+    soft = tok.convert_tokens_to_ids("<image_soft_token>")
+    for side in SIDES:
+        ids, labels = ex[f"{side}_input_ids"], ex[f"{side}_labels"]
+        assert not markers & {t for t in labels if t != IGNORE_INDEX}
+        assert ids[:n].count(soft) == ids.count(soft) == 4 * len(sizes_of(prompt))
+        assert ids == processor_out(proc, tok.decode(ids), sizes_of(prompt))["input_ids"]
