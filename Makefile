@@ -3,7 +3,7 @@ TINY   ?= .cache/tiny-qwen3
 VL     ?= qwen2.5-vl
 TINY_VL ?= .cache/tiny-$(VL)
 
-.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo gpu-bundle demo demo-dpo demo-kto demo-vl demo-vl-dpo docs vocab audit audit-pairs
+.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo gpu-bundle demo demo-dpo demo-kto demo-vl demo-vl-dpo demo-vl-kto docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -178,3 +178,16 @@ demo-vl-dpo: $(DEMO_VL_DPO_OUT)/training_complete.json
 
 $(DEMO_VL_DPO_OUT)/training_complete.json: | $(TINY_VL)/config.json
 	$(DEMO_VL_DPO_CMD)
+
+# vision-language KTO on the same pairs as unpaired rows (configs/data/quickstart-vl-kto.jsonl: an image, a question,
+# a completion, its label): the tiny model of the family VL from a fresh adapter; trained only where its finished run
+# is not there (again from step 0: the same line with --overwrite)
+DEMO_VL_KTO_OUT = outputs/quickstart-vl-kto$(if $(filter qwen2.5-vl,$(VL)),,-$(VL))
+DEMO_VL_KTO_CMD = qlora-train --config configs/quickstart-vl-kto.yaml --set model.name_or_path=$(TINY_VL) \
+	--set model.chat_template=$(VL) --set train.output_dir=$(DEMO_VL_KTO_OUT)
+
+demo-vl-kto: $(DEMO_VL_KTO_OUT)/training_complete.json
+	@echo "the vision-language KTO demo's finished run ($(VL)) is in $(DEMO_VL_KTO_OUT) (again from step 0: $(DEMO_VL_KTO_CMD) --overwrite)"
+
+$(DEMO_VL_KTO_OUT)/training_complete.json: | $(TINY_VL)/config.json
+	$(DEMO_VL_KTO_CMD)

@@ -210,7 +210,7 @@ def fixed_image_tokens(cfg: ModelConfig, family: VisionFamily, processor_path: s
 
 def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
     """What training a supported vision-language base refuses, before any data or weight loads (``ConfigError``
-    naming the key): unpaired and prompt objectives (KTO, GRPO: not supported yet), FSDP (not supported yet),
+    naming the key): the prompt objective (GRPO: not supported yet), FSDP (not supported yet),
     ``lora.train_vision`` on a text-only base, and images asked of a vision-language base whose family is not
     supported (``FAMILIES``). Packing is checked where its collator is made (``run.make_collator``: not with
     flash-attention)."""
@@ -227,9 +227,9 @@ def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
                                 f"{supported_families()} (its text rows train without data.{key})")
     if base is not None and base.supported:
         name = f"{cfg.model.name_or_path} is a vision-language model ({base.model_type})"
-        if cfg.data.objective not in ("sft", "preference"):
-            problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: unpaired rows "
-                            "(KTO) and prompt rows (GRPO) do not carry images; train.method: sft, dpo or orpo")
+        if cfg.data.objective not in ("sft", "preference", "unpaired"):
+            problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: prompt rows "
+                            "(GRPO) do not carry images; train.method: sft, dpo, orpo or kto")
         if cfg.train.packing and cfg.train.method == "sft" and not base.family.packable:
             problems.append(f"train.packing: packed image rows are not supported for {name}: its image tokens "
                             "attend to each other both ways (token_type_ids), which the packed block mask does not "

@@ -1,7 +1,9 @@
 """Write configs/data/quickstart-vl.jsonl and its images (configs/data/images/*.png): a small, deterministic
 vision-language dataset we drew ourselves with Pillow, for `make demo-vl`; and configs/data/quickstart-vl-dpo.jsonl,
 preference pairs about the same images in RLAIF-V's layout (``image``, ``question``, ``chosen``, ``rejected`` and its
-bookkeeping columns), for `make demo-vl-dpo`.
+bookkeeping columns), for `make demo-vl-dpo`; and configs/data/quickstart-vl-kto.jsonl, the same pairs as unpaired
+rows (``image``, ``question``, ``completion``, ``label``: the chosen answer desirable, the rejected one not), for
+`make demo-vl-kto`.
 
 Each image is one coloured shape (red, green, blue or yellow; square, circle or triangle) on white, at one of
 several sizes and aspect ratios. Rows are OpenAI content parts with image paths relative to the data file:
@@ -91,6 +93,12 @@ def main() -> None:
         for row in pairs:
             f.write(json.dumps(row) + "\n")
     print(f"wrote {len(pairs)} preference pairs to {DATA / 'quickstart-vl-dpo.jsonl'}")
+    unpaired = [{"image": row["image"], "question": row["question"], "completion": row[side],
+                 "label": side == "chosen"} for row in pairs for side in ("chosen", "rejected")]
+    with open(DATA / "quickstart-vl-kto.jsonl", "w", encoding="utf-8") as f:
+        for row in unpaired:
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(unpaired)} unpaired rows to {DATA / 'quickstart-vl-kto.jsonl'}")
 
 
 def preference_pairs(names: list[str], rng: random.Random, n: int = 32) -> list[dict]:

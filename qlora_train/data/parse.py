@@ -214,8 +214,8 @@ def is_text_parts(value: Any) -> bool:
 
 
 IMAGE_PART_TYPES = frozenset({"image", "image_url"})  # OpenAI-style content parts that hold an image
-PREFERENCE_IMAGES = ("images are read in a pair's prompt only (a prompt column with image parts, placeholders or "
-                     "an images column), not in its responses, nor in unpaired rows yet")
+PREFERENCE_IMAGES = ("images are read in a pair's or an unpaired row's prompt only (a prompt column with image "
+                     "parts, placeholders or an images column), not in its responses or completion")
 
 
 def has_image_parts(value: Any) -> bool:

@@ -270,6 +270,10 @@ class UnpairedCollator:
     batch (``KTOTrainer``'s ``KL_completion_ids``), made per batch here so that any sampler order works. A
     mismatched row over ``max_length`` is cut on the right. Padding as ``PadCollator``'s.
 
+    With an image ``rule`` (a vision-language model), a row's ``images`` (its prompt's) go with both its rows (row i
+    and row B + i hold the same prompt): ``ImageCollator``'s batch, each row's image tokens checked against them, the
+    second half's pixels the first half's again, in the same order (``preference.rows_of`` splits them so).
+
     >>> b = UnpairedCollator(0, pad_to_multiple_of=4)([
     ...     {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "prompt_length": 1, "desirable": 1},
     ...     {"input_ids": [8, 9, 4], "labels": [-100, -100, 4], "prompt_length": 2, "desirable": 0}])
@@ -281,6 +285,8 @@ class UnpairedCollator:
     pad_token_id: int
     max_length: int | None = None
     pad_to_multiple_of: int = 8
+    rule: Any = None  # masking.ImageRule of a vision-language model
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         rows = [{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features]
@@ -292,6 +298,12 @@ class UnpairedCollator:
             if self.max_length is not None:
                 ids, labels = ids[:self.max_length], labels[:self.max_length]
             rows.append({"input_ids": ids, "labels": labels})
-        batch = PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
+        if self.rule is not None:  # the prompt's images, with both of its rows
+            images = [list(f.get("images") or ()) for f in features]
+            for row, refs in zip(rows, images + images):
+                row["images"] = refs
+            batch = ImageCollator(self.pad_token_id, self.rule, self.pad_to_multiple_of, self.max_pixels)(rows)
+        else:
+            batch = PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
         batch["desirable"] = torch.tensor([bool(f["desirable"]) for f in features])
         return batch

@@ -155,8 +155,19 @@ def preference_step(model, batch: dict, objective: PreferenceObjective, *, chunk
 
 
 def rows_of(batch: dict, rows: slice) -> dict:
-    """The model inputs of ``rows`` of a batch (``input_ids``, ``attention_mask``, ``labels``)."""
-    return {key: batch[key][rows] for key in ("input_ids", "attention_mask", "labels")}
+    """The model inputs of ``rows`` of an unpaired batch, its first half or its second (``input_ids``,
+    ``attention_mask``, ``labels``, and a vision-language batch's image inputs: each half holds the same images in
+    the same order, ``UnpairedCollator``, so each half's pixels and grids are the same half of them)."""
+    out = {key: batch[key][rows] for key in ("input_ids", "attention_mask", "labels")}
+    for key in IMAGE_INPUTS:
+        if key not in batch:
+            continue
+        if key.endswith("token_type_ids"):  # one row per sequence
+            out[key] = batch[key][rows]
+        else:  # one entry per image (grids) or per patch (pixels): the two halves' images, one after the other
+            half = batch[key].shape[0] // 2
+            out[key] = batch[key][:half] if rows.start is None else batch[key][half:]
+    return out
 
 
 def kto_step(model, batch: dict, objective: PreferenceObjective, *, chunk_tokens: int = CHUNK_TOKENS,

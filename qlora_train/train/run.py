@@ -140,7 +140,8 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
 
         return PromptCollator()
     if cfg.train.method == "kto":
-        return UnpairedCollator(tokenizer.pad_token_id, max_length=cfg.data.max_length)
+        return UnpairedCollator(tokenizer.pad_token_id, max_length=cfg.data.max_length, rule=image_rule(tokenizer),
+                                max_pixels=cfg.data.max_image_pixels)
     if cfg.train.method != "sft":  # a vision-language model's pairs carry their prompt's images
         return PairCollator(tokenizer.pad_token_id, rule=image_rule(tokenizer), max_pixels=cfg.data.max_image_pixels)
     rule = image_rule(tokenizer)  # a vision-language model's rows carry images

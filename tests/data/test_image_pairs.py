@@ -152,3 +152,59 @@ def test_rlaif_v_parquet_through_the_pipeline(vl_tok, tmp_path):
                                                  vl_tok.qlora_image_rule.tokens(84, 84)]
     assert "rlaif-v.parquet" in processed["drop_detail"][2]
     assert json.loads(processed["parse_report"][0])["image_rows"] == 1
+
+
+# --- unpaired rows (KTO) with images: the prompt's, as a pair's ---------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(image_pairs())
+def test_unpaired_rows_with_images_hold_them_in_the_prompt_and_match_the_processor(family_vision, pair):
+    """A KTO row's images are its prompt's: its ids the processor's, every image token before ``prompt_length``
+    (the KL estimate's mismatched row keeps that prompt), none trained, the training the row's without images."""
+    from qlora_train.data.unpaired import build_unpaired_example
+
+    tok, proc = family_vision
+    prompt, completion, _ = pair
+    ex = build_unpaired_example(prompt, completion, tok)
+    images = [im for m in prompt for im in m.get("images", ())]
+    pad = tok.convert_tokens_to_ids(PAD)
+    ids, labels = ex["input_ids"], ex["labels"]
+    text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert ids == processor_ids(proc, text, [(im["width"], im["height"]) for im in images])
+    assert pad not in trained(labels) and pad not in ids[ex["prompt_length"]:]
+    assert ids.count(pad) == ex.get("num_image_tokens", 0) == sum(image_rule(tok).tokens(im["width"], im["height"])
+                                                                    for im in images)
+    assert trained(labels) == trained(build_unpaired_example(without_images(prompt), completion, tok)["labels"])
+    assert ex["images"] == [im["ref"] for im in images]
+
+
+def test_unpaired_rlaif_v_row_and_its_collator_batch(vl_tok, tmp_path):
+    """An RLAIF-V-style unpaired row (``image``, ``question``, ``completion``, ``label``): the image opens the
+    prompt; ``UnpairedCollator`` gives the row and its mismatched KL row (its prompt, the other row's completion)
+    the prompt's pixels, the second half's the first's again, and ``rows_of`` splits them with the rows."""
+    import torch
+
+    from qlora_train.data.unpaired import canonicalize_unpaired, fit_unpaired
+    from qlora_train.train.collator import UnpairedCollator
+    from qlora_train.train.preference import rows_of
+
+    Image.new("RGB", (56, 84), (200, 20, 20)).save(tmp_path / "a.png")
+    Image.new("RGB", (120, 60), (20, 20, 200)).save(tmp_path / "b.png")
+    cfg = DataConfig(image_dir=str(tmp_path))
+    rows = [{"image": "a.png", "question": "What colour is it?", "completion": "Red.", "label": True},
+            {"image": "b.png", "question": "And this one?", "completion": "Green.", "label": False}]
+    examples = [fit_unpaired(canonicalize_unpaired(r, cfg, tokenizer=vl_tok), vl_tok, max_length=256).example
+                for r in rows]
+    opened = vl_tok.decode(examples[0]["input_ids"][:examples[0]["prompt_length"]])
+    assert f"<|im_start|>user\n<|vision_start|>{PAD * 6}<|vision_end|>What colour is it?<|im_end|>" in opened
+    assert vl_tok.decode(trained(examples[1]["labels"])) == "Green.<|im_end|>"
+    features = [{**ex, "desirable": int(r["label"])} for ex, r in zip(examples, rows)]
+    batch = UnpairedCollator(vl_tok.pad_token_id, rule=image_rule(vl_tok))(features)
+    pad = vl_tok.convert_tokens_to_ids(PAD)
+    held = (batch["input_ids"] == pad).sum(dim=1).tolist()
+    assert held == [6, 8, 6, 8]  # 56x84 -> 2x3 tokens, 120x60 -> 4x2; the KL rows keep their prompts' images
+    assert vl_tok.decode(trained(batch["labels"][2].tolist())) == "Green.<|im_end|>"  # row 0's prompt, row 1's answer
+    first, second = rows_of(batch, slice(None, 2)), rows_of(batch, slice(2, None))
+    assert torch.equal(first["pixel_values"], second["pixel_values"])
+    assert first["image_grid_thw"].tolist() == second["image_grid_thw"].tolist() == [[1, 6, 4], [1, 4, 8]]
+    assert torch.equal(first["mm_token_type_ids"], (batch["input_ids"][:2] == pad).int())

@@ -266,9 +266,9 @@ def test_a_corrupt_jpeg_is_caught_by_decode_not_by_the_header(tmp_path):
     assert "image file is truncated" in refused(row, DataConfig(image_dir=str(tmp_path)))
 
 
-def test_images_outside_a_pairs_prompt_and_in_unpaired_rows_are_refused(tmp_path):
-    """A pair's images are its prompt's (tests/data/test_image_pairs.py); in a response, in whole conversations
-    without a prompt column, and in an unpaired row (KTO) they are refused."""
+def test_images_outside_a_prompt_are_refused(tmp_path):
+    """A pair's images are its prompt's, as an unpaired row's (tests/data/test_image_pairs.py); in a response or a
+    completion, and in whole conversations without a prompt column, they are refused."""
     png(tmp_path / "a.png")
     cfg = DataConfig(image_dir=str(tmp_path))
     image_answer = [{"role": "assistant", "content": [{"type": "image", "image": "a.png"}]}]
@@ -276,7 +276,7 @@ def test_images_outside_a_pairs_prompt_and_in_unpaired_rows_are_refused(tmp_path
             (canonicalize_pair, {"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                                  "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}],
                                  "images": ["a.png"]}),
-            (canonicalize_unpaired, {"prompt": "<image>q", "completion": "a", "label": True, "image": "a.png"})]
+            (canonicalize_unpaired, {"prompt": "q", "completion": image_answer, "label": True})]
     for fn, row in rows:
         with pytest.raises(RowRejected) as exc:
             fn(row, cfg)

@@ -157,12 +157,16 @@ def config_for(tmp_path, config: dict, *overrides: str):
 QWEN_VL = {"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.method=kto", "data.objective"),
-    ("train.distributed=fsdp", "train.distributed"),
+GRPO = ("train.method=grpo", "rl.max_completion_length=64",
+        "rl.rewards=[{function: 'qlora_train.rl.rewards:matches', kwargs: {pattern: 'yes'}}]")
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (GRPO, "data.objective"),
+    (("train.distributed=fsdp",), "train.distributed"),
 ])
-def test_vision_base_refuses_what_it_cannot_train(tmp_path, override, key):
-    cfg = config_for(tmp_path, QWEN_VL, override)
+def test_vision_base_refuses_what_it_cannot_train(tmp_path, overrides, key):
+    cfg = config_for(tmp_path, QWEN_VL, *overrides)
     with pytest.raises(ConfigError) as exc:
         check_vision_training(cfg, vision_base(cfg.model))
     assert len(exc.value.problems) == 1 and exc.value.problems[0].startswith(f"{key}: ")
