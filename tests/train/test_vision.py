@@ -420,16 +420,57 @@ def test_each_family_trains_the_bundled_image_rows(family, tmp_path, vl_tok):
     assert json.loads((out / "adapter_config.json").read_text())["exclude_modules"] == r"model\.visual\..*"
 
 
-@pytest.mark.slow
-def test_gemma3_trains_the_bundled_image_rows(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
     """A tiny Gemma 3 (``tiny --vision gemma3``: the real Gemma 3 vocabulary, a SigLIP tower pooled into 4 tokens
-    an image) trains the demo's rows with the gemma3 template: its tower not quantised and frozen (no LoRA on
-    ``model.vision_tower``), ``token_type_ids`` fed, the loss falling."""
-    from qlora_train.cli import main
+    an image, a language model of width 32), built once a module."""
     from qlora_train.tiny import build_tiny_vl
 
-    model = build_tiny_vl("gemma3", tmp_path / "gemma3", hidden_size=32)
-    path = write_vl_config(tmp_path, model, data_path=DEMO_ROWS, max_samples=8, max_steps=4)
+    return build_tiny_vl("gemma3", tmp_path_factory.mktemp("tiny-gemma3"), hidden_size=32)
+
+
+@pytest.mark.slow
+def test_gemma3_fused_loss_equals_the_models_own_on_image_rows(tiny_gemma3_dir, tmp_path):
+    """Gemma 3's image rows through the collator (pixels, ``token_type_ids``) and the 4-bit model: the fused loss
+    equals the model's own logits' cross-entropy."""
+    from transformers import AutoTokenizer
+
+    from qlora_train.config import ModelConfig
+    from qlora_train.masking import IMAGE_SLOT, mask_conversation, set_image_rule
+    from qlora_train.train.fused_loss import use_fused_loss, uses_fused_loss
+    from qlora_train.train.model import load_model, resolve_runtime
+    from qlora_train.vision import image_rule_for
+
+    tok = AutoTokenizer.from_pretrained(tiny_gemma3_dir)
+    set_image_rule(tok, image_rule_for(ModelConfig(name_or_path=str(tiny_gemma3_dir)), tok))
+    infos = list(write_images(tmp_path / "images").values())
+    features = []
+    for n in (1, 2, 0):
+        msgs = [{"role": "user", "content": IMAGE_SLOT * n + "What is it?", "images": infos[:n]},
+                {"role": "assistant", "content": "A red circle." * (n + 1)}]
+        m = mask_conversation(msgs, tok)
+        features.append({"input_ids": m.input_ids, "labels": m.labels, "images": [i["ref"] for i in infos[:n]]})
+    batch = ImageCollator(tok.pad_token_id, tok.qlora_image_rule)(features)
+    assert batch["token_type_ids"].sum().item() == 3 * 4 and "image_grid_thw" not in batch
+    cfg = load_config(write_vl_config(tmp_path, tiny_gemma3_dir), ["model.chat_template=gemma3"])
+    model = load_model(cfg, resolve_runtime(cfg))
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        use_fused_loss(model, True)
+        assert uses_fused_loss(model)
+        fused = model(**batch)
+    labels = batch["labels"][:, 1:].reshape(-1)
+    own = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels)
+    assert fused.loss.item() == pytest.approx(own.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_gemma3_trains_the_bundled_image_rows(tiny_gemma3_dir, tmp_path):
+    """A tiny Gemma 3 trains the demo's rows with the gemma3 template: its tower not quantised and frozen (no LoRA
+    on ``model.vision_tower``), ``token_type_ids`` fed, the loss falling."""
+    from qlora_train.cli import main
+
+    path = write_vl_config(tmp_path, tiny_gemma3_dir, data_path=DEMO_ROWS, max_samples=8, max_steps=4)
     assert main(["--config", str(path), "--set", "model.chat_template=gemma3"]) == 0
     out = tmp_path / "out"
     assert json.loads((out / "dataset_report.json").read_text())["rows_kept"] == 8
