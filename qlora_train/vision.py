@@ -175,6 +175,10 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
                                  f"{token} token")
     processor = load_image_processor(cfg, processor_path)
     if family.fixed_tokens_key is not None:
+        if getattr(processor, "do_pan_and_scan", False):  # crops add whole image sequences by the image's shape
+            raise ModelLoadError(f"the image processor of {cfg.name_or_path} has do_pan_and_scan: true: its crops "
+                                 "(each one more image sequence, by the image's shape) are not read; set it to false "
+                                 "in preprocessor_config.json")
         return ImageRule.wrapped(processor, tokenizer, placeholder=family.placeholder, image_token=family.image_token,
                                  before=family.wrapper[0], after=family.wrapper[1],
                                  tokens=fixed_image_tokens(cfg, family, processor_path), type_ids=family.type_ids,

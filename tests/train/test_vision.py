@@ -264,6 +264,11 @@ def test_gemma3_rule_counts_the_models_tokens_and_its_processor_must_agree(tmp_p
     with pytest.raises(ModelLoadError, match="image_seq_length 256 differs from the model config's "
                                              "mm_tokens_per_image 4"):
         image_rule_for(cfg, tok)
+    processor = tiny_image_processor("gemma3")
+    processor.do_pan_and_scan = True  # its crops: more image sequences, by the image's shape
+    processor.save_pretrained(folder)
+    with pytest.raises(ModelLoadError, match="do_pan_and_scan: true"):
+        image_rule_for(cfg, tok)
 
 
 def test_family_registry_names_each_family_once():
