@@ -1,8 +1,9 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
-TINY_VL ?= .cache/tiny-qwen2.5-vl
+VL     ?= qwen2.5-vl
+TINY_VL ?= .cache/tiny-$(VL)
 
-.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo gpu-bundle demo demo-dpo demo-kto demo-vl docs vocab audit audit-pairs
+.PHONY: install browser test test-fast fuzz lint bench profile-cli bench-scale bench-train bench-dpo gpu-bundle demo demo-dpo demo-kto demo-vl demo-vl-dpo demo-vl-kto docs vocab audit audit-pairs
 
 # Without a CUDA GPU, pin the CPU build of torch first (a bare `torch` would pull GBs of CUDA wheels).
 install:
@@ -59,7 +60,8 @@ bench-scale:
 	$(PYTHON) benchmarks/bench_preprocess.py --scale 1000,20000
 
 # --stats-only on 1,000 image rows (1-2 PNGs each) vs the same rows without images, through the CLI, fresh processes:
-# both times, their ratio (target <= 2x) and the pixels decoded (0). `make bench-vl BENCH_VL_ARGS="--repeats 2"`
+# both times, their ratio (target <= 2x) and the pixels decoded (0). `make bench-vl BENCH_VL_ARGS="--repeats 2"`;
+# another family's tiny model: `make bench-vl VL=qwen3-vl`
 .PHONY: bench-vl
 bench-vl: $(TINY_VL)/config.json
 	$(PYTHON) benchmarks/bench_vl_stats.py --model $(TINY_VL) $(BENCH_VL_ARGS)
@@ -159,15 +161,45 @@ bench-grpo: $(TINY)/config.json
 	$(PYTHON) benchmarks/bench_grpo.py --model $(TINY) $(BENCH_GRPO_ARGS)
 
 $(TINY_VL)/config.json:
-	$(PYTHON) -m qlora_train.tiny --vision --out $(TINY_VL)
+	$(PYTHON) -m qlora_train.tiny --vision $(VL) --out $(TINY_VL)
 
-# vision-language SFT on the bundled rows with drawn images (configs/data/quickstart-vl.jsonl, 0-2 images a row): the
-# tiny Qwen2.5-VL's language model in 4-bit + LoRA, its vision tower frozen (docs/vision.md); trained only where its
-# finished run is not there (again from step 0: qlora-train --config configs/quickstart-vl.yaml --overwrite)
-DEMO_VL_RUN = outputs/quickstart-vl/training_complete.json
+# vision-language SFT on the bundled rows with drawn images (configs/data/quickstart-vl.jsonl, 0-2 images a row): a
+# tiny model of the family VL (qwen2-vl, qwen2.5-vl (the default), qwen3-vl, gemma3: `make demo-vl VL=gemma3`), its
+# language model in 4-bit + LoRA, its vision tower frozen (docs/vision.md); trained only where its finished run is
+# not there (again from step 0: the same qlora-train line with --overwrite)
+DEMO_VL_OUT = outputs/quickstart-vl$(if $(filter qwen2.5-vl,$(VL)),,-$(VL))
+DEMO_VL_CMD = qlora-train --config configs/quickstart-vl.yaml --set model.name_or_path=$(TINY_VL) \
+	--set model.chat_template=$(VL) --set train.output_dir=$(DEMO_VL_OUT)
 
-demo-vl: $(DEMO_VL_RUN)
-	@echo "the vision-language demo's finished run is in outputs/quickstart-vl (again from step 0: qlora-train --config configs/quickstart-vl.yaml --overwrite)"
+demo-vl: $(DEMO_VL_OUT)/training_complete.json
+	@echo "the vision-language demo's finished run ($(VL)) is in $(DEMO_VL_OUT) (again from step 0: $(DEMO_VL_CMD) --overwrite)"
 
-$(DEMO_VL_RUN): | $(TINY_VL)/config.json
-	qlora-train --config configs/quickstart-vl.yaml
+$(DEMO_VL_OUT)/training_complete.json: | $(TINY_VL)/config.json
+	$(DEMO_VL_CMD)
+
+# vision-language DPO on the bundled pairs in RLAIF-V's layout (configs/data/quickstart-vl-dpo.jsonl: an image, a
+# question, chosen, rejected): the tiny model of the family VL (default qwen2.5-vl) from a fresh adapter, so the
+# first loss is log 2; trained only where its finished run is not there (again from step 0: the same line with
+# --overwrite)
+DEMO_VL_DPO_OUT = outputs/quickstart-vl-dpo$(if $(filter qwen2.5-vl,$(VL)),,-$(VL))
+DEMO_VL_DPO_CMD = qlora-train --config configs/quickstart-vl-dpo.yaml --set model.name_or_path=$(TINY_VL) \
+	--set model.chat_template=$(VL) --set train.output_dir=$(DEMO_VL_DPO_OUT)
+
+demo-vl-dpo: $(DEMO_VL_DPO_OUT)/training_complete.json
+	@echo "the vision-language DPO demo's finished run ($(VL)) is in $(DEMO_VL_DPO_OUT) (again from step 0: $(DEMO_VL_DPO_CMD) --overwrite)"
+
+$(DEMO_VL_DPO_OUT)/training_complete.json: | $(TINY_VL)/config.json
+	$(DEMO_VL_DPO_CMD)
+
+# vision-language KTO on the same pairs as unpaired rows (configs/data/quickstart-vl-kto.jsonl: an image, a question,
+# a completion, its label): the tiny model of the family VL from a fresh adapter; trained only where its finished run
+# is not there (again from step 0: the same line with --overwrite)
+DEMO_VL_KTO_OUT = outputs/quickstart-vl-kto$(if $(filter qwen2.5-vl,$(VL)),,-$(VL))
+DEMO_VL_KTO_CMD = qlora-train --config configs/quickstart-vl-kto.yaml --set model.name_or_path=$(TINY_VL) \
+	--set model.chat_template=$(VL) --set train.output_dir=$(DEMO_VL_KTO_OUT)
+
+demo-vl-kto: $(DEMO_VL_KTO_OUT)/training_complete.json
+	@echo "the vision-language KTO demo's finished run ($(VL)) is in $(DEMO_VL_KTO_OUT) (again from step 0: $(DEMO_VL_KTO_CMD) --overwrite)"
+
+$(DEMO_VL_KTO_OUT)/training_complete.json: | $(TINY_VL)/config.json
+	$(DEMO_VL_KTO_CMD)

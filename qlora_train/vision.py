@@ -1,11 +1,15 @@
 """Vision-language bases: whether ``model.name_or_path`` reads images, its image processor, and the rule that the
 processor's expansion of an image follows (``masking.ImageRule``), set on the tokenizer where it is loaded.
 
-A base is vision-language when its config has a ``vision_config``. This trainer reads images for the
-Qwen2-VL-style models (``SUPPORTED``: one ``<|image_pad|>`` per merged patch, ``image_grid_thw`` beside the pixels);
-another vision-language base (Gemma 3, Qwen3.5, ...) trains on text rows as before, and a row with images for it
-is refused (``bad_image``), which training then turns into one ``ConfigError`` naming the model type
-(``check_images_readable``).
+A base is vision-language when its config has a ``vision_config``. ``FAMILIES`` is the one place that names the
+families whose images this trainer reads (each with its ``model_type``, vision tower, image token and shipped chat
+template; ``python -m qlora_train.tiny --vision FAMILY`` builds a tiny one of each), and how its processor writes an
+image (its ``ImageRule``): the Qwen2-VL-style models (one ``<|image_pad|>`` per merged patch, ``image_grid_thw``
+beside the pixels) and Gemma 3 (a fixed count of ``<image_soft_token>`` between its image markers,
+``token_type_ids``). Another vision-language base (LLaVA-OneVision, Qwen3.5, ...) trains on text rows as before; a
+config that asks it for images (``data.image_dir``, ``data.image_root``, ``lora.train_vision``) is refused before any
+data loads, and a row with images for it is refused (``bad_image``), which training then turns into one
+``ConfigError`` naming the model type (``check_images_readable``). Both name the supported families.
 
     >>> vision_base(ModelConfig(name_or_path=".cache/tiny-qwen2.5-vl"))
     VisionBase(model_type='qwen2_5_vl', tower='model.visual')
@@ -25,9 +29,61 @@ from qlora_train.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
-# model types whose images this trainer reads -> the vision tower's module path in the transformers model
-SUPPORTED = {"qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual"}
-IMAGE_TOKEN = "<|image_pad|>"  # what their templates write for an image and their processors repeat
+IMAGE_TOKEN = "<|image_pad|>"  # what the Qwen-VL templates write for an image and their processors repeat
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """A vision-language family whose images this trainer reads: its name (``--vision FAMILY``, the docs), the
+    ``model_type`` of its ``config.json``, its vision tower's module path, the token its template writes for an image
+    and its processor repeats, and the chat template we ship for it (``model.chat_template``)."""
+
+    name: str  # "qwen2.5-vl"
+    model_type: str  # "qwen2_5_vl"
+    tower: str  # "model.visual"
+    chat_template: str  # a shipped template (qlora_train/templates)
+    image_token: str = IMAGE_TOKEN  # the token the processor repeats, one per image feature
+    examples: str = ""
+    # how the processor writes an image (``masking.ImageRule``): the template's placeholder ("": the image token),
+    # the text around the image's tokens, and the config key of a fixed count of them (None: by the image's size,
+    # the Qwen-VL grids)
+    placeholder: str = ""
+    wrapper: tuple[str, str] = ("", "")
+    fixed_tokens_key: str | None = None
+    type_ids: str = "mm_token_type_ids"  # the model input marking image tokens
+    markers: tuple[str, ...] = ()  # tokens only the processor writes (a render holding one is refused)
+    packable: bool = True  # whether packed image rows are supported (each example's own 3D positions)
+
+
+FAMILIES = (
+    VisionFamily("qwen2-vl", "qwen2_vl", "model.visual", "qwen2-vl", examples="Qwen2-VL-2B/7B/72B-Instruct"),
+    VisionFamily("qwen2.5-vl", "qwen2_5_vl", "model.visual", "qwen2.5-vl",
+                 examples="Qwen2.5-VL-3B/7B/32B/72B-Instruct"),
+    VisionFamily("qwen3-vl", "qwen3_vl", "model.visual", "qwen3-vl", examples="Qwen3-VL-2B/4B/8B/32B-Instruct"),
+    # Gemma 3: the template writes <start_of_image>, Gemma3Processor writes "\n\n<start_of_image>" + 256 (its
+    # image_seq_length, the model's mm_tokens_per_image) x <image_soft_token> + "<end_of_image>\n\n" in its place,
+    # whatever the image's size (resized to the tower's square; pan-and-scan crops are not used); token_type_ids
+    # mark the image tokens (each image's tokens attend to each other both ways)
+    VisionFamily("gemma3", "gemma3", "model.vision_tower", "gemma3", image_token="<image_soft_token>",
+                 examples="gemma-3-4b/12b/27b-it", placeholder="<start_of_image>",
+                 wrapper=("\n\n<start_of_image>", "<end_of_image>\n\n"), fixed_tokens_key="mm_tokens_per_image",
+                 type_ids="token_type_ids", markers=("<end_of_image>",), packable=False),
+)
+FAMILY_BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
+SUPPORTED = {f.model_type: f.tower for f in FAMILIES}  # model type -> its vision tower's module path
+
+
+def family_named(name: str) -> VisionFamily:
+    """A family by its name or its ``model_type``; ``ValueError`` naming the supported ones."""
+    for f in FAMILIES:
+        if name in (f.name, f.model_type):
+            return f
+    raise ValueError(f"unknown vision-language family {name!r}: supported: {supported_families()}")
+
+
+def supported_families() -> str:
+    """The supported families as errors name them: ``qwen2-vl (qwen2_vl), ...``."""
+    return ", ".join(f"{f.name} ({f.model_type})" for f in FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -41,6 +97,10 @@ class VisionBase:
     @property
     def supported(self) -> bool:
         return self.tower is not None
+
+    @property
+    def family(self) -> VisionFamily | None:
+        return FAMILY_BY_MODEL_TYPE.get(self.model_type)
 
 
 def model_config_dict(cfg: ModelConfig) -> dict | None:
@@ -106,35 +166,79 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
     if not base.supported:
         log.info("%s is a %s vision-language model: this trainer reads images for %s only; it trains on text "
                  "rows, and a row with images is refused (bad_image)", cfg.name_or_path, base.model_type,
-                 ", ".join(SUPPORTED))
+                 supported_families())
         return None
-    if IMAGE_TOKEN not in tokenizer.get_added_vocab():
-        raise ModelLoadError(f"{cfg.name_or_path} is a {base.model_type} model, but its tokenizer has no "
-                             f"{IMAGE_TOKEN} token")
+    family = base.family
+    for token in (family.image_token, family.placeholder or family.image_token):
+        if token not in tokenizer.get_added_vocab():
+            raise ModelLoadError(f"{cfg.name_or_path} is a {base.model_type} model, but its tokenizer has no "
+                                 f"{token} token")
     processor = load_image_processor(cfg, processor_path)
+    if family.fixed_tokens_key is not None:
+        if getattr(processor, "do_pan_and_scan", False):  # crops add whole image sequences by the image's shape
+            raise ModelLoadError(f"the image processor of {cfg.name_or_path} has do_pan_and_scan: true: its crops "
+                                 "(each one more image sequence, by the image's shape) are not read; set it to false "
+                                 "in preprocessor_config.json")
+        return ImageRule.wrapped(processor, tokenizer, placeholder=family.placeholder, image_token=family.image_token,
+                                 before=family.wrapper[0], after=family.wrapper[1],
+                                 tokens=fixed_image_tokens(cfg, family, processor_path), type_ids=family.type_ids,
+                                 other_tokens=family.markers)
     if not hasattr(processor, "merge_size") or not hasattr(processor, "get_number_of_image_patches"):
         raise ConfigError([f"model.name_or_path: the image processor of {cfg.name_or_path} "
                            f"({type(processor).__name__}) is not a Qwen2-VL-style one (merge_size, image_grid_thw); "
-                           f"supported: {', '.join(SUPPORTED)}"])
-    return ImageRule.of(processor, tokenizer, IMAGE_TOKEN)
+                           f"supported: {supported_families()}"])
+    return ImageRule.of(processor, tokenizer, family.image_token)
+
+
+def fixed_image_tokens(cfg: ModelConfig, family: VisionFamily, processor_path: str | Path | None = None) -> int:
+    """A fixed-count family's image tokens an image (Gemma 3: the model config's ``mm_tokens_per_image``), which
+    the processor's own ``image_seq_length`` (``processor_config.json``, where saved) must equal:
+    ``ModelLoadError`` otherwise."""
+    config = model_config_dict(cfg) or {}
+    n = config.get(family.fixed_tokens_key)
+    if not isinstance(n, int) or n <= 0:
+        raise ModelLoadError(f"{cfg.name_or_path} is a {family.model_type} model, but its config has no "
+                             f"{family.fixed_tokens_key} (image tokens an image)")
+    saved = Path(processor_path if processor_path is not None else cfg.name_or_path) / "processor_config.json"
+    if saved.is_file():
+        try:
+            own = json.loads(saved.read_text(encoding="utf-8")).get("image_seq_length", n)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read {saved}: {exc}") from None
+        if own != n:
+            raise ModelLoadError(f"{saved}: image_seq_length {own} differs from the model config's "
+                                 f"{family.fixed_tokens_key} {n}: the processor would write another count of image "
+                                 "tokens than the model reads")
+    return n
 
 
 def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
     """What training a supported vision-language base refuses, before any data or weight loads (``ConfigError``
-    naming the key): packing (images' pixels and 3D positions are per row), preference and unpaired objectives
-    (not supported yet), FSDP (not supported yet), and ``lora.train_vision`` on a text-only base."""
+    naming the key): the prompt objective (GRPO: not supported yet), FSDP (not supported yet),
+    ``lora.train_vision`` on a text-only base, and images asked of a vision-language base whose family is not
+    supported (``FAMILIES``). Packing is checked where its collator is made (``run.make_collator``: not with
+    flash-attention)."""
     problems = []
     if cfg.lora.train_vision and (base is None or not base.supported):
         what = "a text-only model" if base is None else f"a {base.model_type} model, whose images are not read"
-        problems.append(f"lora.train_vision: {cfg.model.name_or_path} is {what}: there is no vision tower to train")
+        problems.append(f"lora.train_vision: {cfg.model.name_or_path} is {what}: there is no vision tower to train"
+                        + ("" if base is None else f"; images are read for {supported_families()}"))
+    if base is not None and not base.supported:
+        for key in ("image_dir", "image_root"):
+            if getattr(cfg.data, key):
+                problems.append(f"data.{key}: {cfg.model.name_or_path} is a {base.model_type} vision-language "
+                                f"model, whose images this trainer does not read; supported families: "
+                                f"{supported_families()} (its text rows train without data.{key})")
     if base is not None and base.supported:
         name = f"{cfg.model.name_or_path} is a vision-language model ({base.model_type})"
-        if cfg.train.packing:
-            problems.append(f"train.packing: {name}: its rows' images (pixel values, image grids, 3D positions) "
-                            "are fed per row, and packed sequences would mix them; set train.packing: false")
-        if cfg.data.objective != "sft":
-            problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: preference, "
-                            "unpaired and prompt rows (GRPO) do not carry images; train.method: sft")
+        if cfg.data.objective not in ("sft", "preference", "unpaired"):
+            problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: prompt rows "
+                            "(GRPO) do not carry images; train.method: sft, dpo, orpo or kto")
+        if cfg.train.packing and cfg.train.method == "sft" and not base.family.packable:
+            problems.append(f"train.packing: packed image rows are not supported for {name}: its image tokens "
+                            "attend to each other both ways (token_type_ids), which the packed block mask does not "
+                            "carry; packing is supported for "
+                            + ", ".join(f.name for f in FAMILIES if f.packable) + "; set train.packing: false")
         if cfg.train.distributed == "fsdp":
             problems.append(f"train.distributed: fsdp with {name} is not supported yet; train on one process per "
                             "model (or DDP)")
@@ -157,6 +261,5 @@ def check_images_readable(cfg: ModelConfig, base: VisionBase | None, image_rows:
     if base is None or base.supported or not image_rows:
         return
     raise ConfigError([f"model.name_or_path: {cfg.name_or_path} is a {base.model_type} vision-language model; "
-                       f"this trainer reads images for {', '.join(SUPPORTED)} only (one {IMAGE_TOKEN} per merged "
-                       f"patch), so the {image_rows} rows with images were refused (bad_image); use a supported "
-                       "model or rows without images"])
+                       f"this trainer reads images for {supported_families()} only, so the {image_rows} rows "
+                       "with images were refused (bad_image); use a supported model or rows without images"])

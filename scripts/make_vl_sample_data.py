@@ -1,5 +1,9 @@
 """Write configs/data/quickstart-vl.jsonl and its images (configs/data/images/*.png): a small, deterministic
-vision-language dataset we drew ourselves with Pillow, for `make demo-vl`.
+vision-language dataset we drew ourselves with Pillow, for `make demo-vl`; and configs/data/quickstart-vl-dpo.jsonl,
+preference pairs about the same images in RLAIF-V's layout (``image``, ``question``, ``chosen``, ``rejected`` and its
+bookkeeping columns), for `make demo-vl-dpo`; and configs/data/quickstart-vl-kto.jsonl, the same pairs as unpaired
+rows (``image``, ``question``, ``completion``, ``label``: the chosen answer desirable, the rejected one not), for
+`make demo-vl-kto`.
 
 Each image is one coloured shape (red, green, blue or yellow; square, circle or triangle) on white, at one of
 several sizes and aspect ratios. Rows are OpenAI content parts with image paths relative to the data file:
@@ -84,6 +88,39 @@ def main() -> None:
         for messages in rows:
             f.write(json.dumps({"messages": messages}) + "\n")
     print(f"wrote {len(rows)} rows and {len(names)} images to {DATA}")
+    pairs = preference_pairs(names, random.Random(1))
+    with open(DATA / "quickstart-vl-dpo.jsonl", "w", encoding="utf-8") as f:
+        for row in pairs:
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(pairs)} preference pairs to {DATA / 'quickstart-vl-dpo.jsonl'}")
+    unpaired = [{"image": row["image"], "question": row["question"], "completion": row[side],
+                 "label": side == "chosen"} for row in pairs for side in ("chosen", "rejected")]
+    with open(DATA / "quickstart-vl-kto.jsonl", "w", encoding="utf-8") as f:
+        for row in unpaired:
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(unpaired)} unpaired rows to {DATA / 'quickstart-vl-kto.jsonl'}")
+
+
+def preference_pairs(names: list[str], rng: random.Random, n: int = 32) -> list[dict]:
+    """RLAIF-V-layout rows: one image, a question about it without a placeholder (the image opens the prompt), the
+    right answer chosen; rejected, a wrong colour or shape (every other row), or an answer that ignores the image
+    (the rest: what a tiny random model can learn to disprefer without seeing, so that the demo's loss falls)."""
+    rows = []
+    for i in range(n):
+        name = rng.choice(names)
+        colour, shape = name.split("_")
+        if i % 2 == 0:
+            wrong = rng.choice([c for c in COLOURS if c != colour])
+            question, chosen, rejected = "What colour is this shape?", f"It is {colour}.", f"It is {wrong}."
+        else:
+            wrong = rng.choice([s for s in SHAPES if s != shape])
+            question, chosen, rejected = "What shape is in this picture?", f"A {shape}.", f"A {wrong}."
+        if i % 4 >= 2:
+            rejected = "I cannot see any image."
+        rows.append({"ds_name": "shapes", "image": f"images/{name}.png", "question": question, "chosen": chosen,
+                     "rejected": rejected, "origin_dataset": "qlora-train drawn shapes", "origin_split": "train",
+                     "idx": i, "image_path": f"images/{name}.png"})
+    return rows
 
 
 if __name__ == "__main__":

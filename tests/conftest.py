@@ -173,3 +173,32 @@ def vl_tok():
     tok = build_qwen_tokenizer("qwen2.5-vl")
     ip = Qwen2VLImageProcessorPil(min_pixels=TINY_VL_MIN_PIXELS, max_pixels=TINY_VL_MAX_PIXELS)
     return set_image_rule(tok, ImageRule.of(ip, tok))
+
+
+# each family's processor class (transformers), by the family's name (vision.FAMILIES)
+VL_PROCESSORS = {"qwen2-vl": "Qwen2VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor", "qwen3-vl": "Qwen3VLProcessor"}
+
+
+@pytest.fixture(scope="session", params=sorted(VL_PROCESSORS))
+def family_vision(request, vl_tok):
+    """(tokenizer, processor) of each supported vision-language family (tests/masking/test_images.py,
+    tests/data/test_image_pairs.py): the real Qwen vocabulary with the family's shipped template and its
+    tiny model's image rule (``tiny.tiny_image_processor``: Qwen3-VL's 16-pixel patches, the others' 14)."""
+    import copy
+
+    import transformers
+
+    from qlora_train.data import get_chat_template
+    from qlora_train.masking import ImageRule, image_rule, set_image_rule
+    from qlora_train.tiny import tiny_image_processor
+    from qlora_train.vision import family_named
+
+    family = family_named(request.param)
+    tok = get_chat_template(copy.deepcopy(vl_tok), family.chat_template)
+    set_image_rule(tok, ImageRule.of(tiny_image_processor(family.name), tok, family.image_token))
+    cls = getattr(transformers, VL_PROCESSORS[family.name])
+    mp = pytest.MonkeyPatch()  # no video processor (it needs torchvision): images only
+    mp.setattr(cls, "check_argument_for_proper_class", lambda self, name, arg: None)
+    proc = cls(image_processor=image_rule(tok).image_processor, tokenizer=tok)
+    mp.undo()
+    return tok, proc

@@ -100,6 +100,8 @@ def pack_examples(examples: list[dict], pieces: list[Piece] | None = None) -> di
     """
     if pieces is None:
         pieces = [Piece(i, 0, len(ex["input_ids"])) for i, ex in enumerate(examples)]
+    with_images = any("images" in ex for ex in examples)
+    images: list[str] = []
     ids: list[int] = []
     labels: list[int] = []
     positions: list[int] = []
@@ -108,13 +110,19 @@ def pack_examples(examples: list[dict], pieces: list[Piece] | None = None) -> di
         ex = examples[p.index]
         if len(ex["input_ids"]) != len(ex["labels"]):
             raise ValueError(f"example {p.index}: input_ids and labels differ in length")
+        if with_images and ex.get("images"):
+            if (p.start, p.stop) != (0, len(ex["input_ids"])):
+                raise ValueError(f"example {p.index} holds images, whose tokens are never cut: it is not split "
+                                 "(train.split_long)")
+            images += ex["images"]
         seg_labels = list(ex["labels"][p.start:p.stop])
         seg_labels[0] = IGNORE_INDEX  # the boundary: predicted from the previous segment's last token
         ids += ex["input_ids"][p.start:p.stop]
         labels += seg_labels
         positions += range(p.length)
         seq_lens.append(p.length)
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "seq_lens": seq_lens}
+    out = {"input_ids": ids, "labels": labels, "position_ids": positions, "seq_lens": seq_lens}
+    return {**out, "images": images} if with_images else out
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,14 @@ def example_lengths(ds) -> list[int]:
     return lengths
 
 
+def _has_images(ds) -> bool:
+    """Whether any row of ``ds`` holds an image (its ``images`` column read from Arrow in chunks)."""
+    import pyarrow.compute as pc
+
+    return any(pc.sum(pc.list_value_length(chunk["images"])).as_py()
+               for chunk in ds.select_columns(["images"]).with_format("arrow").iter(batch_size=8192))
+
+
 def _pack_bins(batch: dict, source) -> dict:
     """datasets.map function over bins: piece columns -> packed examples (rows fetched by one Arrow take)."""
     wanted = sorted({i for bin_ in batch["index"] for i in bin_})
@@ -169,6 +185,10 @@ def _pack_bins(batch: dict, source) -> dict:
     local = {i: k for k, i in enumerate(wanted)}
     examples = [{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["input_ids"], rows["labels"])]
     out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "seq_lens": []}
+    if "images" in rows:  # a vision-language model's rows: each packed example's images, in order
+        for ex, refs in zip(examples, rows["images"]):
+            ex["images"] = refs
+        out["images"] = []
     for idx, starts, stops in zip(batch["index"], batch["start"], batch["stop"]):
         packed = pack_examples(examples, [Piece(local[i], a, b) for i, a, b in zip(idx, starts, stops)])
         for key in out:
@@ -182,7 +202,8 @@ def pack_dataset(ds, capacity: int, *, split_long: bool = False, batch_size: int
     Bins are planned on the lengths alone; the packed rows are then written by
     a batched ``datasets.map`` over the bins (cached by the source's
     fingerprint, the capacity and ``split_long``). Columns: ``input_ids``,
-    ``labels``, ``position_ids``, ``seq_lens``.
+    ``labels``, ``position_ids``, ``seq_lens``, and ``images`` where the rows hold
+    images (each packed row's, in order: an example with images is never split).
     """
     import datasets
 
@@ -193,8 +214,10 @@ def pack_dataset(ds, capacity: int, *, split_long: bool = False, batch_size: int
         "start": [[p.start for p in b] for b in bins],
         "stop": [[p.stop for p in b] for b in bins],
     })
-    source = ds.select_columns(["input_ids", "labels"])
-    fingerprint = datasets.fingerprint.Hasher.hash((ds._fingerprint, capacity, split_long, "pack-v1"))
+    images = "images" in ds.column_names and _has_images(ds)
+    source = ds.select_columns(["input_ids", "labels", *(["images"] if images else [])])
+    fingerprint = datasets.fingerprint.Hasher.hash((ds._fingerprint, capacity, split_long, "pack-v1",
+                                                    *(["images"] if images else [])))
     packed = plan.map(_pack_bins, batched=True, batch_size=batch_size, fn_kwargs={"source": source},
                       remove_columns=plan.column_names, new_fingerprint=fingerprint, desc="packing")
     return packed, PackingStats.of(lengths, bins, capacity)

@@ -25,6 +25,7 @@ from qlora_train.config import DataConfig
 from qlora_train.data.drops import DropReason
 from qlora_train.data.parse import (
     ParseReport,
+    RowImages,
     canonical_messages,
     check_user_turns,
     content_text,
@@ -45,8 +46,10 @@ from qlora_train.masking import (
     LossPolicy,
     Message,
     RowRejected,
+    image_rule,
     mark_side,
     mask_pair,
+    message_images,
     pair_policy,
 )
 
@@ -103,7 +106,6 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
         raise RowRejected(DropReason.BAD_ROW, f"row is a {type(row).__name__}, not a mapping")
     row = map_fields(row, cfg.field_mappings)
     report = ParseReport(schema="preference", schemas={"preference": 1}, rows=1)
-    refuse_row_images(row, cfg)  # images in preference rows: not supported yet
     present = [side for side in SIDES if row.get(side) is not None]
     if len(present) < 2:
         if "completion" in row and "label" in row:
@@ -112,32 +114,36 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
                               "chosen and a rejected response to the same prompt")
         raise RowRejected(DropReason.PAIR_MISSING_SIDE, missing_side_detail(row, present))
 
-    def messages(value, where: str, role: str = "assistant") -> list[Message]:
-        return _messages(value, where, role, cfg, report, tokenizer)
+    def messages(value, where: str, role: str = "assistant", images: RowImages | None = None) -> list[Message]:
+        return _messages(value, where, role, cfg, report, tokenizer, images)
 
     prompt_key = next((k for k in PROMPT_KEYS if k in row), None)
     if prompt_key is not None or "instruction" in row:
         fmt = "prompt_chosen_rejected" if prompt_key is not None else "instruction"
         prompt_value = row[prompt_key] if prompt_key is not None else instruction_prompt(row, cfg)
-        prompt = messages(prompt_value, prompt_key or "instruction", "user")
+        images = RowImages(row, cfg, report, tokenizer)  # the prompt's: a model does not write images
+        prompt_value = images_open_prompt(prompt_value, len(images.pending), cfg)
+        prompt = messages(prompt_value, prompt_key or "instruction", "user", images)
         chosen, rejected = messages(row["chosen"], "chosen"), messages(row["rejected"], "rejected")
         if all(response and response[0]["role"] not in RESPONSE_ROLES for response in (chosen, rejected)):
             fmt = "implicit_prompt"  # UltraFeedback-binarized: the prompt column repeated in whole conversations
             one_text = not isinstance(prompt_value, list) or (prompt_value and is_text_parts(prompt_value))
             prompt, chosen, rejected = split_repeated_prompt(prompt, chosen, rejected, text=one_text)
-    elif all(isinstance(row[side], list) for side in SIDES):
-        fmt = "implicit_prompt"
-        prompt, chosen, rejected = split_shared_prompt(messages(row["chosen"], "chosen"),
-                                                       messages(row["rejected"], "rejected"))
-    elif all(isinstance(row[side], str) and _is_hh(row[side]) for side in SIDES):
-        fmt = "hh_rlhf"
-        prompt, chosen, rejected = split_shared_prompt(messages(hh_messages(row["chosen"]), "chosen"),
-                                                       messages(hh_messages(row["rejected"]), "rejected"))
     else:
-        raise RowRejected(DropReason.UNKNOWN_SCHEMA, "'chosen' and 'rejected' without a prompt must be whole "
-                          "conversations (message lists) or HH-RLHF transcripts ('\\n\\nHuman: …\\n\\nAssistant: …'); "
-                          f"got {type(row['chosen']).__name__} and {type(row['rejected']).__name__} "
-                          f"(keys {sorted(row)[:8]})")
+        refuse_row_images(row, cfg)  # whole conversations or transcripts: images are read in a prompt column only
+        if all(isinstance(row[side], list) for side in SIDES):
+            fmt = "implicit_prompt"
+            prompt, chosen, rejected = split_shared_prompt(messages(row["chosen"], "chosen"),
+                                                           messages(row["rejected"], "rejected"))
+        elif all(isinstance(row[side], str) and _is_hh(row[side]) for side in SIDES):
+            fmt = "hh_rlhf"
+            prompt, chosen, rejected = split_shared_prompt(messages(hh_messages(row["chosen"]), "chosen"),
+                                                           messages(hh_messages(row["rejected"]), "rejected"))
+        else:
+            raise RowRejected(DropReason.UNKNOWN_SCHEMA, "'chosen' and 'rejected' without a prompt must be whole "
+                              "conversations (message lists) or HH-RLHF transcripts ('\\n\\nHuman: …\\n\\n"
+                              f"Assistant: …'); got {type(row['chosen']).__name__} and "
+                              f"{type(row['rejected']).__name__} (keys {sorted(row)[:8]})")
     prompt = with_row_system(prompt, row, cfg, report)
     scores = [_score(row, f"score_{side}") for side in SIDES]
     check_pair(prompt, chosen, rejected)
@@ -162,16 +168,33 @@ rejected: bad} (docs/preference.md#columns-named-otherwise-datafield_mappings)"
             "(docs/preference.md#columns-named-otherwise-datafield_mappings)")
 
 
-def _messages(value, where: str, role: str, cfg: DataConfig, report: ParseReport, tokenizer) -> list[Message]:
+def images_open_prompt(prompt, n_images: int, cfg: DataConfig):
+    """A pair's prompt text that places none of its row's ``n_images`` column images (no
+    ``data.image_placeholder``): the images open it, one placeholder each, as RLAIF-V's rows (``image``,
+    ``question``, ``chosen``, ``rejected``) are read by the models trained on them. A prompt that places them
+    (placeholders, image content parts) is kept as it is.
+
+    >>> images_open_prompt("What is this?", 1, DataConfig())
+    '<image>What is this?'
+    """
+    if n_images and isinstance(prompt, str) and cfg.image_placeholder not in prompt:
+        return cfg.image_placeholder * n_images + prompt
+    return prompt
+
+
+def _messages(value, where: str, role: str, cfg: DataConfig, report: ParseReport, tokenizer,
+              images: RowImages | None = None) -> list[Message]:
     """A message list -> canonical messages; any other value is one message of ``role`` whose content is that
     value, made text as every content is (``parse.content_text``: a string, a number, text parts; null is an
-    empty content). Errors name ``where``."""
-    one_text = not isinstance(value, list) or (value and is_text_parts(value))
+    empty content). With ``images`` (the prompt's), its image parts and placeholders take the row's images
+    (``parse.RowImages``); without (a response), an image part is ``bad_image``. Errors name ``where``."""
+    parts = isinstance(value, list) and bool(value) and all(isinstance(p, dict) and "type" in p for p in value)
+    one_text = not isinstance(value, list) or (value and is_text_parts(value)) or (images is not None and parts)
     raw = [{"role": role, "content": value}] if one_text else value
     first = raw[0] if raw and isinstance(raw[0], dict) else {}
     schema = "sharegpt" if "from" in first and "value" in first else "messages"
     try:
-        return canonical_messages(raw, cfg, report, schema=schema, tokenizer=tokenizer)
+        return canonical_messages(raw, cfg, report, schema=schema, tokenizer=tokenizer, images=images)
     except RowRejected as rej:
         raise RowRejected(rej.reason, f"{where}: {rej.detail}") from None
 
@@ -355,8 +378,10 @@ def build_preference_example(
     check_pair(prompt, chosen, rejected)
     pair = mask_pair(prompt, chosen, rejected, tokenizer, tools=tools, policy=policy)
     prompt_length = pair.prompt_length
+    images = message_images(prompt)  # the prompt's, so both sides': its image tokens are in the shared prompt
     out = {"prompt_length": prompt_length, "boundary_merges": pair.boundary_merges,
-           "reasoning_dropped_turns": pair.reasoning_dropped_turns, "cut_sides": []}
+           "reasoning_dropped_turns": pair.reasoning_dropped_turns, "cut_sides": [],
+           "images": [im["ref"] for im in images]}
     limit = side_limit(prompt_length, max_length, max_response_length)
     for side in SIDES:
         masked = pair.side(side)
@@ -376,7 +401,26 @@ def build_preference_example(
     if out["cut_sides"] and out["chosen_input_ids"] == out["rejected_input_ids"]:
         raise RowRejected(DropReason.PAIR_IDENTICAL, f"chosen and rejected are the same {limit} tokens once cut "
                           f"(max_response_length={max_response_length}, max_length={max_length})")
+    if images:
+        out["num_image_tokens"] = _check_pair_images(out, image_rule(tokenizer).image_token_id)
     return out
+
+
+def _check_pair_images(example: dict, image_token_id: int) -> int:
+    """A pair with images: its image tokens, all in the shared prompt (``prompt_length``) and the same there on
+    both sides (``mask_pair`` checked the prompt's ids), none trained on either side (checked, not trusted) -> how
+    many there are on each side."""
+    counts = []
+    for side in SIDES:
+        ids, labels = example[f"{side}_input_ids"], example[f"{side}_labels"]
+        if image_token_id in labels:
+            raise RowRejected(DropReason.MASK_UNVERIFIED, f"{side}: an image token is trained")
+        counts.append(ids.count(image_token_id))
+        if ids[example["prompt_length"]:].count(image_token_id):
+            raise RowRejected(DropReason.BAD_IMAGE, f"{side}: image tokens after the shared prompt")
+    if counts[0] != counts[1]:
+        raise RowRejected(DropReason.PAIR_PROMPT_DIFFERS, f"the sides hold {counts[0]} and {counts[1]} image tokens")
+    return counts[0]
 
 
 def side_limit(prompt_length: int, max_length: int | None, max_response_length: int | None) -> int | float:
@@ -610,6 +654,8 @@ def process_pair_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[str]
             pair.report.reasoning_dropped_turns = ex["reasoning_dropped_turns"]
         lengths = side_lengths(ex)
         out.update({f"{side}_{key}": ex[f"{side}_{key}"] for side in SIDES for key in ("input_ids", "labels")})
+        if ex["images"]:
+            out.update(images=ex["images"], num_images=len(ex["images"]), num_image_tokens=ex["num_image_tokens"])
         out.update(prompt_length=ex["prompt_length"], chosen_tokens=lengths["chosen"],
                    rejected_tokens=lengths["rejected"], num_tokens_before=fitted.tokens_before,
                    num_tokens=sum(lengths.values()), num_trained_tokens=trained_tokens(ex),

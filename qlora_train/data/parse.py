@@ -214,7 +214,8 @@ def is_text_parts(value: Any) -> bool:
 
 
 IMAGE_PART_TYPES = frozenset({"image", "image_url"})  # OpenAI-style content parts that hold an image
-PREFERENCE_IMAGES = "images in preference rows are not supported yet"
+PREFERENCE_IMAGES = ("images are read in a pair's or an unpaired row's prompt only (a prompt column with image "
+                     "parts, placeholders or an images column), not in its responses or completion")
 
 
 def has_image_parts(value: Any) -> bool:
@@ -234,7 +235,8 @@ def row_image_column(row: dict, cfg: DataConfig) -> tuple[str, list] | None:
 
 
 def refuse_row_images(row: dict, cfg: DataConfig) -> None:
-    """A preference or unpaired row with an images column is refused (``bad_image``): not supported yet."""
+    """A row with an images column where none is read (an unpaired row; a pair without a prompt column) is refused
+    (``bad_image``)."""
     found = row_image_column(row, cfg)
     if found is not None:
         raise RowRejected(DropReason.BAD_IMAGE, f"column '{found[0]}': {PREFERENCE_IMAGES}")

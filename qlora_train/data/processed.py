@@ -189,6 +189,7 @@ PAIR_ROW = RowType("preference", (
     *_PARSED,
     _c("chosen_tokens", "int64", STATS),  # each side's length (after truncation)
     _c("rejected_tokens", "int64", STATS),
+    *_IMAGES,  # the shared prompt's images (each side's tokens hold them: num_image_tokens a side)
     *_WHERE,
 ))
 UNPAIRED_ROW = RowType("unpaired", (
@@ -196,7 +197,9 @@ UNPAIRED_ROW = RowType("unpaired", (
     _c("desirable", "int8", MODEL, KEPT, REPORT, STATS),  # the row's label: 1 desirable, 0 not
     *_REFUSAL, *_COUNTS,
     _c("token_fallback", "string", REPORT, STATS),  # "right" where the completion was cut
-    *_PARSED, *_WHERE,
+    *_PARSED,
+    *_IMAGES,  # the prompt's images (the KL estimate's mismatched row keeps the prompt, so them too)
+    *_WHERE,
 ))
 PROMPT_ROW = RowType("prompt", (
     _c("input_ids", "int32", MODEL, KEPT, depth=1),  # the prompt rendered with the generation prompt (none trained)

@@ -28,12 +28,20 @@ from dataclasses import dataclass, field
 
 from qlora_train.config import DataConfig
 from qlora_train.data.drops import DropReason
-from qlora_train.data.pairs import PROMPT_KEYS, _check_messages, _messages, check_prompt, check_response, side_limit
+from qlora_train.data.pairs import (
+    PROMPT_KEYS,
+    _check_messages,
+    _messages,
+    check_prompt,
+    check_response,
+    images_open_prompt,
+    side_limit,
+)
 from qlora_train.data.parse import (
     ParseReport,
+    RowImages,
     instruction_prompt,
     map_fields,
-    refuse_row_images,
     row_tools,
     with_row_system,
 )
@@ -46,7 +54,9 @@ from qlora_train.masking import (
     LossPolicy,
     Message,
     RowRejected,
+    image_rule,
     mask_response,
+    message_images,
 )
 
 UNPAIRED_FORMATS = ("prompt_completion", "instruction")  # CanonicalUnpaired.format
@@ -69,16 +79,17 @@ def canonicalize_unpaired(row: dict, cfg: DataConfig | None = None, *, tokenizer
 
     After ``cfg.field_mappings``: ``prompt`` (or ``question``) a string or a message list, or ``instruction``
     (+ ``input``, joined as for Alpaca rows); ``completion`` a string or a message list; ``label`` a bool (or the
-    integers 0 and 1). Messages are normalised as a pair's (``parse.canonical_messages``); the row's ``system``
-    column opens the prompt as every schema's does (``parse.with_row_system``). A paired row (``chosen`` /
-    ``rejected``) is refused as ``unknown_schema`` naming ``train.method: dpo`` or ``orpo``.
+    integers 0 and 1). Messages are normalised as a pair's (``parse.canonical_messages``), the row's images (a
+    vision-language model's) are the prompt's as a pair's are (``pairs.images_open_prompt``: RLAIF-V's layout, the
+    image opening the question where the prompt does not place it); the row's ``system`` column opens the prompt
+    as every schema's does (``parse.with_row_system``). A paired row (``chosen`` / ``rejected``) is
+    refused as ``unknown_schema`` naming ``train.method: dpo`` or ``orpo``.
     """
     cfg = cfg or DataConfig()
     if not isinstance(row, dict):
         raise RowRejected(DropReason.BAD_ROW, f"row is a {type(row).__name__}, not a mapping")
     row = map_fields(row, cfg.field_mappings)
     report = ParseReport(schema="unpaired", schemas={"unpaired": 1}, rows=1)
-    refuse_row_images(row, cfg)  # images in preference rows: not supported yet
     if "completion" not in row or "label" not in row:
         paired = "chosen" in row and "rejected" in row
         hint = (": a pair (chosen, rejected) trains with train.method: dpo or orpo" if paired else
@@ -91,7 +102,9 @@ def canonicalize_unpaired(row: dict, cfg: DataConfig | None = None, *, tokenizer
         raise RowRejected(DropReason.PAIR_BAD_PROMPT, f"no prompt: an unpaired row needs 'prompt' (or 'question', "
                           f"or 'instruction') beside its completion (keys {sorted(row)[:8]})")
     prompt_value = row[prompt_key] if prompt_key is not None else instruction_prompt(row, cfg)
-    prompt = _messages(prompt_value, prompt_key or "instruction", "user", cfg, report, tokenizer)
+    images = RowImages(row, cfg, report, tokenizer)  # the prompt's: a model does not write images
+    prompt_value = images_open_prompt(prompt_value, len(images.pending), cfg)
+    prompt = _messages(prompt_value, prompt_key or "instruction", "user", cfg, report, tokenizer, images)
     completion = _messages(row["completion"], "completion", "assistant", cfg, report, tokenizer)
     prompt = with_row_system(prompt, row, cfg, report)
     check_unpaired(prompt, completion)
@@ -152,8 +165,23 @@ def build_unpaired_example(prompt: list[Message], completion: list[Message], tok
         raise RowRejected(DropReason.TOO_LONG if cut else DropReason.NO_TRAINED_TOKEN,
                           f"nothing of the completion is trained within {limit} tokens (the prompt has "
                           f"{prompt_length}; max_length={max_length}, max_response_length={max_response_length})")
-    return {**example, "prompt_length": prompt_length, "boundary_merges": masked.boundary_merges,
-            "reasoning_dropped_turns": masked.reasoning_dropped_turns, "cut": cut}
+    out = {**example, "prompt_length": prompt_length, "boundary_merges": masked.boundary_merges,
+           "reasoning_dropped_turns": masked.reasoning_dropped_turns, "cut": cut,
+           "images": [im["ref"] for im in message_images(prompt)]}
+    if out["images"]:
+        out["num_image_tokens"] = _check_unpaired_images(out, image_rule(tokenizer).image_token_id)
+    return out
+
+
+def _check_unpaired_images(example: dict, image_token_id: int) -> int:
+    """A row with images: its image tokens, all in its prompt (``prompt_length``: the KL estimate's mismatched
+    row keeps that prompt, and with it these images), none trained (checked, not trusted) -> how many."""
+    ids, labels = example["input_ids"], example["labels"]
+    if image_token_id in labels:
+        raise RowRejected(DropReason.MASK_UNVERIFIED, "an image token is trained")
+    if ids[example["prompt_length"]:].count(image_token_id):
+        raise RowRejected(DropReason.BAD_IMAGE, "image tokens after the prompt")
+    return ids.count(image_token_id)
 
 
 @dataclass(frozen=True)
@@ -249,6 +277,8 @@ def process_unpaired_rows(batch, tokenizer, cfg: DataConfig, *, locations: list[
             unpaired.report.reasoning_dropped_rows = 1
             unpaired.report.reasoning_dropped_turns = ex["reasoning_dropped_turns"]
         out.update({key: ex[key] for key in ("input_ids", "attention_mask", "labels", "prompt_length")})
+        if ex["images"]:
+            out.update(images=ex["images"], num_images=len(ex["images"]), num_image_tokens=ex["num_image_tokens"])
         out.update(desirable=int(unpaired.desirable), num_tokens_before=fitted.tokens_before,
                    num_tokens=len(ex["input_ids"]),
                    num_trained_tokens=len(ex["labels"]) - ex["labels"].count(IGNORE_INDEX),

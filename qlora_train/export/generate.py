@@ -118,7 +118,8 @@ def user_message(prompt: str, images: list[str] = ()) -> dict:
 def prompt_inputs(tok, messages: list[dict]) -> dict:
     """The model's inputs for the next assistant turn: the ids of the generation-prompt render, and for messages
     with images (a vision-language model's tokenizer) each image expanded into its tokens as training expands it,
-    with its pixels (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``)."""
+    with its pixels (``pixel_values``; ``image_grid_thw`` for the Qwen-VL families) and the rule's ``type_ids``
+    input marking the image tokens."""
     import torch
 
     from qlora_train.data.images import open_image
@@ -137,8 +138,10 @@ def prompt_inputs(tok, messages: list[dict]) -> dict:
         raise ExportError(f"--image: {rej.detail}") from None
     inputs = dict(tok(text, add_special_tokens=False, return_tensors="pt"))
     pixels = rule.image_processor(images=[open_image(im["ref"]) for im in images], return_tensors="pt")
-    inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
-                  mm_token_type_ids=(inputs["input_ids"] == rule.image_token_id).int())
+    inputs.update({"pixel_values": pixels["pixel_values"],
+                   rule.type_ids: (inputs["input_ids"] == rule.image_token_id).int()})
+    if "image_grid_thw" in pixels:
+        inputs["image_grid_thw"] = pixels["image_grid_thw"]
     return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
 
 

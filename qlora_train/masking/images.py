@@ -37,14 +37,27 @@ from qlora_train.masking.rendered import ImageRuns, RenderedConversation, TurnSp
 
 @dataclass(frozen=True)
 class ImageRule:
-    """The processor's rule for images: the token the template writes for an image and the processor repeats, and
-    how many of it an image of a given size becomes (the image processor's ``get_number_of_image_patches``, merged
-    ``merge_size``² patches to a token, as the processor's ``_get_num_multimodal_tokens`` counts them)."""
+    """The processor's rule for images: what the template writes for an image (``placeholder``) and what the
+    processor writes in its place: ``before`` + the image token repeated ``tokens(width, height)`` times +
+    ``after``. Qwen-VL: the placeholder is the image token itself, no wrapper, one token a merged patch (the image
+    processor's ``get_number_of_image_patches``, ``merge_size``² patches to a token, as the processor's
+    ``_get_num_multimodal_tokens`` counts them). Gemma 3: the placeholder ``<start_of_image>`` becomes
+    ``\\n\\n<start_of_image>`` + ``fixed_tokens`` x ``<image_soft_token>`` + ``<end_of_image>\\n\\n`` whatever the
+    image's size (every image is resized to the tower's square).
 
-    image_token: str  # "<|image_pad|>"
+    ``type_ids`` names the model input that marks the image tokens (1 at each, 0 elsewhere): Qwen-VL's 3D
+    positions read ``mm_token_type_ids``, Gemma 3's bidirectional attention among an image's tokens
+    ``token_type_ids``."""
+
+    image_token: str  # "<|image_pad|>": the token the processor repeats, one per image feature
     image_token_id: int
     image_processor: Any  # a transformers image processor (or anything with that method and ``merge_size``)
-    other_tokens: tuple[str, ...] = ()  # placeholders no row may hold (``<|video_pad|>``): no video is read
+    other_tokens: tuple[str, ...] = ()  # tokens no render may hold (``<|video_pad|>``: no video is read)
+    placeholder: str = ""  # what the template writes for an image ("" -> ``image_token``)
+    before: str = ""  # the processor's text before an image's tokens (Gemma 3: "\n\n<start_of_image>")
+    after: str = ""  # and after them (Gemma 3: "<end_of_image>\n\n")
+    fixed_tokens: int | None = None  # tokens an image of any size (Gemma 3's ``image_seq_length``); None: by size
+    type_ids: str = "mm_token_type_ids"  # the model input marking image tokens
 
     @classmethod
     def of(cls, image_processor, tokenizer, image_token: str = "<|image_pad|>",
@@ -53,14 +66,34 @@ class ImageRule:
         return cls(image_token, tokenizer.convert_tokens_to_ids(image_token), image_processor,
                    tuple(t for t in other_tokens if t in tokenizer.get_added_vocab()))
 
+    @classmethod
+    def wrapped(cls, image_processor, tokenizer, *, placeholder: str, image_token: str, before: str, after: str,
+                tokens: int, type_ids: str, other_tokens: tuple[str, ...] = ()) -> ImageRule:
+        """The rule of a processor that writes a fixed count of ``image_token`` between ``before`` and ``after``
+        in place of the template's ``placeholder`` (Gemma 3)."""
+        return cls(image_token, tokenizer.convert_tokens_to_ids(image_token), image_processor,
+                   tuple(t for t in other_tokens if t in tokenizer.get_added_vocab()), placeholder, before, after,
+                   int(tokens), type_ids)
+
+    @property
+    def written(self) -> str:
+        """What the template writes for an image."""
+        return self.placeholder or self.image_token
+
     def tokens(self, width: int, height: int) -> int:
         """Image tokens of an image of this size; ``RowRejected`` (``bad_image``) for one the processor refuses
         (an aspect ratio over 200:1)."""
+        if self.fixed_tokens is not None:
+            return self.fixed_tokens
         try:
             patches = self.image_processor.get_number_of_image_patches(height, width, {})
         except ValueError as exc:
             raise RowRejected(DropReason.BAD_IMAGE, f"image {width}x{height}: {exc}") from None
         return int(patches) // int(self.image_processor.merge_size) ** 2
+
+    def expansion(self, n: int) -> str:
+        """What the processor writes for an image of ``n`` tokens."""
+        return self.before + self.image_token * n + self.after
 
 
 class _Fixed:
@@ -94,13 +127,13 @@ def expanded_text(text: str, images: list[ImageInfo], rule: ImageRule) -> str:
     >>> expanded_text("a<i>b<i>", [ImageInfo(ref="x", width=28, height=28)] * 2, ImageRule("<i>", 7, _Fixed(2)))
     'a<i><i>b<i><i>'
     """
-    pieces = text.split(rule.image_token)
+    pieces = text.split(rule.written)
     if len(pieces) != len(images) + 1:
         raise RowRejected(DropReason.BAD_IMAGE, f"the template wrote {len(pieces) - 1} image placeholder(s) "
-                          f"{rule.image_token!r} for {len(images)} image(s)")
+                          f"{rule.written!r} for {len(images)} image(s)")
     out = [pieces[0]]
     for im, piece in zip(images, pieces[1:]):
-        out += [rule.image_token * rule.tokens(im["width"], im["height"]), piece]
+        out += [rule.expansion(rule.tokens(im["width"], im["height"])), piece]
     return "".join(out)
 
 
@@ -110,42 +143,44 @@ def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule:
     size), untrained; every position of the render (message ends, turns) moved with the text. The template must
     have written exactly one image token per image, and no other placeholder (``bad_image`` otherwise: an image it
     does not write, or a row whose text holds the placeholder itself)."""
-    text, token = rendered.text, rule.image_token
-    for other in rule.other_tokens:
+    text, token, written = rendered.text, rule.image_token, rule.written
+    for other in rule.other_tokens + ((token,) if written != token else ()):
         if other in text:
-            raise RowRejected(DropReason.BAD_IMAGE, f"the render holds {other!r}, a placeholder of inputs this "
-                              "trainer does not read (video)")
-    starts, at = [], text.find(token)
+            raise RowRejected(DropReason.BAD_IMAGE, f"the render holds {other!r}, a token the processor writes "
+                              "(an image's) or of inputs this trainer does not read (video)")
+    starts, at = [], text.find(written)
     while at >= 0:
         starts.append(at)
-        at = text.find(token, at + len(token))
+        at = text.find(written, at + len(written))
     if len(starts) != len(images):
         raise RowRejected(DropReason.BAD_IMAGE, f"the template wrote {len(starts)} image placeholder(s) "
-                          f"{token!r} for the row's {len(images)} image(s) (an image the template does not write, "
-                          "or the placeholder in the row's text)")
+                          f"{written!r} for the row's {len(images)} image(s) (an image the template does not "
+                          "write, or the placeholder in the row's text)")
     if not images:
         return rendered
     counts = [rule.tokens(im["width"], im["height"]) for im in images]
     pieces, masks, prev = [], [], 0
     for s, n in zip(starts, counts):
-        if rendered.char_mask[s:s + len(token)].any():
+        if rendered.char_mask[s:s + len(written)].any():
             raise RowRejected(DropReason.BAD_IMAGE, "an image inside a trained turn: a model does not write images")
-        pieces += [text[prev:s], token * n]
-        masks += [rendered.char_mask[prev:s], np.zeros(len(token) * n, np.uint8)]
-        prev = s + len(token)
+        expansion = rule.expansion(n)
+        pieces += [text[prev:s], expansion]
+        masks += [rendered.char_mask[prev:s], np.zeros(len(expansion), np.uint8)]
+        prev = s + len(written)
     pieces.append(text[prev:])
     masks.append(rendered.char_mask[prev:])
-    grown = [(n - 1) * len(token) for n in counts]
+    grown = [len(rule.expansion(n)) - len(written) for n in counts]
     shift = np.concatenate([[0], np.cumsum(grown)])
 
     def moved(p: int) -> int:  # a position at or after a placeholder's end moves by the growth before it
-        return p + int(shift[bisect.bisect_right(starts, p - len(token))]) if p > starts[0] else p
+        return p + int(shift[bisect.bisect_right(starts, p - len(written))]) if p > starts[0] else p
 
     turns = tuple(TurnSpan(t.index, moved(t.start), moved(t.end), moved(t.body_start),
                            None if t.reasoning is None else (moved(t.reasoning[0]), moved(t.reasoning[1])),
                            None if t.eot_start is None else moved(t.eot_start), t.reasoning_dropped)
                   for t in rendered.turns)
-    runs = ImageRuns(token, rule.image_token_id, tuple((moved(s), n) for s, n in zip(starts, counts)))
+    runs = ImageRuns(token, rule.image_token_id,  # each run starts after its wrapper's text
+                     tuple((moved(s) + len(rule.before), n) for s, n in zip(starts, counts)))
     return rendered._replace(text="".join(pieces), char_mask=np.concatenate(masks),
                              message_ends=tuple(moved(e) for e in rendered.message_ends), turns=turns, images=runs,
                              extra_cuts=tuple(moved(c) for c in rendered.extra_cuts))

@@ -52,12 +52,13 @@ class ImageCollator:
     references the rows keep, loaded here with ``data.images.open_image``: upright, RGB), made by the image
     processor of ``rule`` (``masking.ImageRule``) one image at a time (the same patches as one call on all; a batch
     holds one decoded image at a time): ``pixel_values`` (every image's patches, row by row, image by image),
-    ``image_grid_thw`` (one ``[t, h, w]`` patch grid per image) and ``mm_token_type_ids`` (1 at each image token:
-    the model's 3D positions read it). A batch of text rows alone (no ``images``) is ``PadCollator``'s exactly.
+    ``image_grid_thw`` (one ``[t, h, w]`` patch grid per image: the Qwen-VL families) and the rule's ``type_ids``
+    input (1 at each image token: Qwen-VL's 3D positions read ``mm_token_type_ids``, Gemma 3's attention
+    ``token_type_ids``). A batch of text rows alone (no ``images``) is ``PadCollator``'s exactly.
 
-    Every row is checked against its ids: its image tokens must be the count its images' grids make
-    (``t * h * w // merge_size**2`` each), else ``DataError`` naming the row and its images (an image that changed
-    since the rows were processed: the ids were expanded from the sizes read then).
+    Every row is checked against its ids: its image tokens must be the count its images make (``image_tokens``:
+    a grid's ``t * h * w // merge_size**2``, or the family's fixed count), else ``DataError`` naming the row and its
+    images (an image that changed since the rows were processed: the ids were expanded from the sizes read then).
 
     >>> ImageCollator(0, None, 4)([{"input_ids": [5, 6], "labels": [-100, 6], "images": []}])["input_ids"]
     tensor([[5, 6, 0, 0]])
@@ -81,10 +82,9 @@ class ImageCollator:
                 processed = self.rule.image_processor(images=[image], return_tensors="pt")
                 del image
                 pixels.append(processed["pixel_values"])
-                grids.append(processed["image_grid_thw"])
-        grids = torch.cat(grids)
-        merge = int(self.rule.image_processor.merge_size) ** 2
-        tokens = (grids.prod(dim=1) // merge).tolist()
+                if "image_grid_thw" in processed:
+                    grids.append(processed["image_grid_thw"])
+        tokens = image_tokens(self.rule, grids, len(sizes))
         is_image = batch["input_ids"] == self.rule.image_token_id  # (pads are never the image token)
         at = 0
         for row, (held, row_refs) in enumerate(zip(is_image.sum(dim=1).tolist(), refs)):
@@ -97,9 +97,18 @@ class ImageCollator:
                                 "since the rows were processed (the datasets cache, data.prepared_path)?")
             at += len(row_refs)
         batch["pixel_values"] = torch.cat(pixels)
-        batch["image_grid_thw"] = grids
-        batch["mm_token_type_ids"] = is_image.int()
+        if grids:
+            batch["image_grid_thw"] = torch.cat(grids)
+        batch[self.rule.type_ids] = is_image.int()
         return batch
+
+
+def image_tokens(rule, grids: list, images: int) -> list[int]:
+    """Each image's tokens as its pixels make them: the fixed count of a fixed-count family (Gemma 3), else its
+    grid's merged patches (``t * h * w // merge_size**2``, the Qwen-VL families)."""
+    if rule.fixed_tokens is not None:
+        return [rule.fixed_tokens] * images
+    return (torch.cat(grids).prod(dim=1) // int(rule.image_processor.merge_size) ** 2).tolist()
 
 
 def _open(ref: str, row: int, max_pixels: int):
@@ -174,6 +183,52 @@ class PackedCollator:
         return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
 
 
+@dataclass
+class PackedImageCollator:
+    """Packed rows of a Qwen-VL model (``input_ids``, ``labels``, ``position_ids``, ``seq_lens`` and ``images``: each
+    packed example's images, in order) -> ``PackedCollator``'s batch (its block-diagonal 4D mask: attention never
+    crosses examples) with ``ImageCollator``'s pixel inputs, and the 3D rotary positions made per packed example:
+    ``position_ids`` ``[3, batch, width]``, each example's as the model makes them for it alone (``rope_index``: its
+    ``get_rope_index`` on the example's ids and its images' grids; an example without images counts 0, 1, 2, ... on
+    all three axes, as the model does for text), so that a packed example is computed exactly as the same example
+    unpacked. Padding counts on from 0 (untrained, attending to itself only)."""
+
+    pad_token_id: int
+    rule: Any  # masking.ImageRule
+    rope_index: Any  # the model's get_rope_index(input_ids, mm_token_type_ids, image_grid_thw) -> (positions, deltas)
+    mask_dtype: torch.dtype = torch.float32
+    pad_to_multiple_of: int = 8
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        batch = PackedCollator(self.pad_token_id, self.pad_to_multiple_of, mask_dtype=self.mask_dtype)(features)
+        pixels = ImageCollator(self.pad_token_id, self.rule, self.pad_to_multiple_of, self.max_pixels)(
+            [{"input_ids": f["input_ids"], "labels": f["labels"], "images": list(f.get("images") or ())}
+             for f in features])  # the same width: the same padding rule
+        width = batch["input_ids"].shape[1]
+        positions = torch.arange(width).repeat(3, len(features), 1)
+        grids = pixels.get("image_grid_thw", torch.zeros((0, 3), dtype=torch.long))
+        tokens = (grids.prod(dim=1) // int(self.rule.image_processor.merge_size) ** 2).tolist()
+        is_image = batch["input_ids"] == self.rule.image_token_id
+        at = 0  # the next image of the batch (row by row, example by example)
+        for row, f in enumerate(features):
+            start = 0
+            for n in f["seq_lens"]:
+                held, first = int(is_image[row, start:start + n].sum()), at
+                while held > 0:  # the example's images: those whose tokens it holds (ImageCollator checked the row)
+                    held -= tokens[at]
+                    at += 1
+                if at > first:
+                    ids = batch["input_ids"][row:row + 1, start:start + n]
+                    made, _ = self.rope_index(input_ids=ids, mm_token_type_ids=is_image[row:row + 1, start:start + n]
+                                              .int(), image_grid_thw=grids[first:at])
+                    positions[:, row, start:start + n] = made[:, 0]
+                else:
+                    positions[:, row, start:start + n] = torch.arange(n)
+                start += n
+        batch["position_ids"] = positions
+        batch.update({k: pixels[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in pixels})
+        return batch
 
 
 @dataclass
@@ -181,6 +236,10 @@ class PairCollator:
     """Preference pairs (``chosen_input_ids``, ``chosen_labels``, ``rejected_*``, as ``build_preference_example``
     makes them) -> one padded ``[2B, width]`` batch: the B chosen rows first, then the B rejected rows in the same
     order, so that row i and row B + i are one pair. Padding as ``PadCollator``'s (labels with -100).
+
+    With an image ``rule`` (a vision-language model), a pair's ``images`` (its prompt's) go with both its rows:
+    ``ImageCollator``'s batch, each side's image tokens checked against them and fed their pixels (chosen rows'
+    images first, then rejected rows').
 
     >>> b = PairCollator(0, 4)([{"chosen_input_ids": [5, 6, 7], "chosen_labels": [-100, 6, 7],
     ...                          "rejected_input_ids": [5, 8], "rejected_labels": [-100, 8]}])
@@ -190,11 +249,16 @@ class PairCollator:
 
     pad_token_id: int
     pad_to_multiple_of: int = 8
+    rule: Any = None  # masking.ImageRule of a vision-language model
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
+        rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"],
+                 "images": list(f.get("images") or ())}
                 for side in SIDES for f in features]  # every chosen row, then every rejected
-        return PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
+        if self.rule is None:
+            return PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
+        return ImageCollator(self.pad_token_id, self.rule, self.pad_to_multiple_of, self.max_pixels)(rows)
 
 
 @dataclass
@@ -205,6 +269,10 @@ class UnpairedCollator:
     completion (row 0's with the last row's), its labels that completion's: TRL's shift of completions within a
     batch (``KTOTrainer``'s ``KL_completion_ids``), made per batch here so that any sampler order works. A
     mismatched row over ``max_length`` is cut on the right. Padding as ``PadCollator``'s.
+
+    With an image ``rule`` (a vision-language model), a row's ``images`` (its prompt's) go with both its rows (row i
+    and row B + i hold the same prompt): ``ImageCollator``'s batch, each row's image tokens checked against them, the
+    second half's pixels the first half's again, in the same order (``preference.rows_of`` splits them so).
 
     >>> b = UnpairedCollator(0, pad_to_multiple_of=4)([
     ...     {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "prompt_length": 1, "desirable": 1},
@@ -217,6 +285,8 @@ class UnpairedCollator:
     pad_token_id: int
     max_length: int | None = None
     pad_to_multiple_of: int = 8
+    rule: Any = None  # masking.ImageRule of a vision-language model
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         rows = [{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features]
@@ -228,6 +298,12 @@ class UnpairedCollator:
             if self.max_length is not None:
                 ids, labels = ids[:self.max_length], labels[:self.max_length]
             rows.append({"input_ids": ids, "labels": labels})
-        batch = PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
+        if self.rule is not None:  # the prompt's images, with both of its rows
+            images = [list(f.get("images") or ()) for f in features]
+            for row, refs in zip(rows, images + images):
+                row["images"] = refs
+            batch = ImageCollator(self.pad_token_id, self.rule, self.pad_to_multiple_of, self.max_pixels)(rows)
+        else:
+            batch = PadCollator(self.pad_token_id, self.pad_to_multiple_of)(rows)
         batch["desirable"] = torch.tensor([bool(f["desirable"]) for f in features])
         return batch

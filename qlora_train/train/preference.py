@@ -105,16 +105,23 @@ def use_pair_forward(model) -> None:
     causal_lm.has_pair_forward = True
 
 
+# a vision-language batch's (ImageCollator): Qwen-VL's grids and mm_token_type_ids, Gemma 3's token_type_ids
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids")
+
+
 def pair_forward(causal_lm, input_ids=None, attention_mask=None, *, labels, logps_chunk_tokens: int,
                  logps_temperature: float | None = None, **unused) -> SequenceLogps | torch.Tensor:
     """The decoder once on a pair batch, then ``sequence_logps`` on its last hidden states and the head's weight:
     per-row log-probs of the trained tokens, no logits. With ``logps_temperature`` (GRPO), ``token_logps`` instead:
-    each trained token's log-prob ``[batch, seq]`` under the logits divided by it. What peft's forward adds besides
-    is ``None`` here."""
+    each trained token's log-prob ``[batch, seq]`` under the logits divided by it. A vision-language batch's image
+    inputs (``IMAGE_INPUTS``) go to the decoder, which merges the images' features into their tokens' embeddings.
+    What peft's forward adds besides is ``None`` here."""
+    images = {k: unused.pop(k) for k in IMAGE_INPUTS if unused.get(k) is not None}
     extra = sorted(k for k, v in unused.items() if v is not None)
     if extra:
-        raise TypeError(f"the pair forward takes input_ids, attention_mask and labels only, not {', '.join(extra)}")
-    outputs = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        raise TypeError(f"the pair forward takes input_ids, attention_mask, labels and image inputs only, not "
+                        f"{', '.join(extra)}")
+    outputs = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **images)
     weight = whole(causal_lm.lm_head.weight)
     if logps_temperature is not None:
         return token_logps(outputs[0], weight, labels, temperature=logps_temperature, chunk_tokens=logps_chunk_tokens)
@@ -125,8 +132,9 @@ def pair_logps(model, batch: dict, *, chunk_tokens: int = CHUNK_TOKENS) -> Seque
     """One decoder pass over a pair batch -> per-row log-probs of the trained tokens (``sequence_logps``), as a
     call of ``model`` (a peft model, or the DDP wrapper around it) with the pair forward (``use_pair_forward``)."""
     use_pair_forward(model)
+    images = {k: batch[k] for k in IMAGE_INPUTS if k in batch}  # a vision-language pair batch's
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
-                 logps_chunk_tokens=chunk_tokens)
+                 logps_chunk_tokens=chunk_tokens, **images)
 
 
 def preference_step(model, batch: dict, objective: PreferenceObjective, *, chunk_tokens: int = CHUNK_TOKENS,
@@ -147,8 +155,19 @@ def preference_step(model, batch: dict, objective: PreferenceObjective, *, chunk
 
 
 def rows_of(batch: dict, rows: slice) -> dict:
-    """The model inputs of ``rows`` of a batch (``input_ids``, ``attention_mask``, ``labels``)."""
-    return {key: batch[key][rows] for key in ("input_ids", "attention_mask", "labels")}
+    """The model inputs of ``rows`` of an unpaired batch, its first half or its second (``input_ids``,
+    ``attention_mask``, ``labels``, and a vision-language batch's image inputs: each half holds the same images in
+    the same order, ``UnpairedCollator``, so each half's pixels and grids are the same half of them)."""
+    out = {key: batch[key][rows] for key in ("input_ids", "attention_mask", "labels")}
+    for key in IMAGE_INPUTS:
+        if key not in batch:
+            continue
+        if key.endswith("token_type_ids"):  # one row per sequence
+            out[key] = batch[key][rows]
+        else:  # one entry per image (grids) or per patch (pixels): the two halves' images, one after the other
+            half = batch[key].shape[0] // 2
+            out[key] = batch[key][:half] if rows.start is None else batch[key][half:]
+    return out
 
 
 def kto_step(model, batch: dict, objective: PreferenceObjective, *, chunk_tokens: int = CHUNK_TOKENS,

@@ -37,7 +37,14 @@ from qlora_train.masking import SIDES, image_rule
 from qlora_train.output_dir import RunLock, mark, run_inputs
 from qlora_train.terminal import visible
 from qlora_train.tokenizer import NO_NEW_TOKENS, NewTokens, load_tokenizer_with_new_tokens
-from qlora_train.train.collator import ImageCollator, PackedCollator, PadCollator, PairCollator, UnpairedCollator
+from qlora_train.train.collator import (
+    ImageCollator,
+    PackedCollator,
+    PackedImageCollator,
+    PadCollator,
+    PairCollator,
+    UnpairedCollator,
+)
 from qlora_train.train.distributed import (
     ShardReport,
     check_distributed_setup,
@@ -45,7 +52,7 @@ from qlora_train.train.distributed import (
     fsdp_config,
     with_fsdp,
 )
-from qlora_train.train.fused_loss import use_fused_loss
+from qlora_train.train.fused_loss import inner_causal_lm, use_fused_loss
 from qlora_train.train.global_batches import with_global_batches
 from qlora_train.train.model import count_parameters, load_model, load_model_config, resolve_runtime
 from qlora_train.train.resume import (
@@ -133,14 +140,22 @@ def make_collator(cfg: Config, tokenizer, model, runtime):
 
         return PromptCollator()
     if cfg.train.method == "kto":
-        return UnpairedCollator(tokenizer.pad_token_id, max_length=cfg.data.max_length)
-    if cfg.train.method != "sft":
-        return PairCollator(tokenizer.pad_token_id)
+        return UnpairedCollator(tokenizer.pad_token_id, max_length=cfg.data.max_length, rule=image_rule(tokenizer),
+                                max_pixels=cfg.data.max_image_pixels)
+    if cfg.train.method != "sft":  # a vision-language model's pairs carry their prompt's images
+        return PairCollator(tokenizer.pad_token_id, rule=image_rule(tokenizer), max_pixels=cfg.data.max_image_pixels)
+    rule = image_rule(tokenizer)  # a vision-language model's rows carry images
     if not cfg.train.packing:
-        rule = image_rule(tokenizer)  # a vision-language model's rows carry images (packing is refused for it)
         return (ImageCollator(tokenizer.pad_token_id, rule, max_pixels=cfg.data.max_image_pixels) if rule is not None
                 else PadCollator(tokenizer.pad_token_id))
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
+    if rule is not None:  # packed image rows: a block mask, and each example's 3D positions made for it alone
+        if "flash" in attn:
+            raise ConfigError([f"train.packing: packed image rows need a 4D block mask (attention sdpa or eager), "
+                               f"not {attn}: its packed form reads 1D positions, and these models' are 3D"])
+        return PackedImageCollator(tokenizer.pad_token_id, rule, inner_causal_lm(model).model.get_rope_index,
+                                   mask_dtype=torch.bool if attn == "sdpa" else runtime.compute_dtype,
+                                   max_pixels=cfg.data.max_image_pixels)
     if "flash" in attn and runtime.device == "cuda":
         return PackedCollator(tokenizer.pad_token_id, attention="position_ids")
     if attn == "eager":
@@ -368,7 +383,7 @@ def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: boo
     if start.action == "refuse":
         raise UsageError(start.line)
     vision = vision_base(cfg.model, strict=False)  # unreadable: the loads below say why
-    check_vision_training(cfg, vision)  # packing, preference rows, FSDP: refused for a vision-language model
+    check_vision_training(cfg, vision)  # unpaired and prompt rows, FSDP: refused for a vision-language model
     if cfg.train.packing:
         check_packing_support(load_model_config(cfg.model), cfg.packing_length)
     tokenizer, new_tokens = load_tokenizer_with_new_tokens(cfg.model)

@@ -36,10 +36,11 @@ def test_the_column_sets_derive_from_the_one_row_definition():
         "num_tokens_before", "source", "tool_schema_tokens"}
     # a pair's row holds its two sides, no SFT example; an unpaired row one sequence with its prompt and label
     assert PAIR_ROW.model_columns == (
-        "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "prompt_length")
-    assert PAIR_ROW.kept_columns == (*PAIR_ROW.model_columns, "num_tokens", "source", "domain")
+        "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "prompt_length", "images")
+    assert PAIR_ROW.kept_columns == (*PAIR_ROW.model_columns[:-1], "num_tokens", "images", "source", "domain")
     assert not {"input_ids", "labels", "expanded_input_ids", "token_fallback"} & set(PAIR_ROW.output_columns)
-    assert UNPAIRED_ROW.model_columns == ("input_ids", "attention_mask", "labels", "prompt_length", "desirable")
+    assert UNPAIRED_ROW.model_columns == ("input_ids", "attention_mask", "labels", "prompt_length", "desirable",
+                                          "images")
     assert not {"chosen_input_ids", "expanded_input_ids"} & set(UNPAIRED_ROW.output_columns)
     f = SFT_ROW.features()
     assert (f["input_ids"].feature.dtype, f["labels"].feature.dtype, f["expanded_labels"].feature.feature.dtype,

@@ -266,13 +266,17 @@ def test_a_corrupt_jpeg_is_caught_by_decode_not_by_the_header(tmp_path):
     assert "image file is truncated" in refused(row, DataConfig(image_dir=str(tmp_path)))
 
 
-def test_preference_and_unpaired_rows_with_images_are_refused(tmp_path):
+def test_images_outside_a_prompt_are_refused(tmp_path):
+    """A pair's images are its prompt's, as an unpaired row's (tests/data/test_image_pairs.py); in a response or a
+    completion, and in whole conversations without a prompt column, they are refused."""
     png(tmp_path / "a.png")
     cfg = DataConfig(image_dir=str(tmp_path))
-    rows = [(canonicalize_pair, {"prompt": "<image>q", "chosen": "a", "rejected": "b", "images": ["a.png"]}),
-            (canonicalize_pair, {"prompt": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}],
-                                 "chosen": "a", "rejected": "b"}),
-            (canonicalize_unpaired, {"prompt": "<image>q", "completion": "a", "label": True, "image": "a.png"})]
+    image_answer = [{"role": "assistant", "content": [{"type": "image", "image": "a.png"}]}]
+    rows = [(canonicalize_pair, {"prompt": "q", "chosen": image_answer, "rejected": "b"}),
+            (canonicalize_pair, {"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                                 "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}],
+                                 "images": ["a.png"]}),
+            (canonicalize_unpaired, {"prompt": "q", "completion": image_answer, "label": True})]
     for fn, row in rows:
         with pytest.raises(RowRejected) as exc:
             fn(row, cfg)

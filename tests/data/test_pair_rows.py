@@ -91,7 +91,7 @@ def test_pairs_of_every_format_through_build_datasets_counted_exactly(tmp_path, 
         assert report.first_dropped[reason].startswith(f"{pairs_file}:{k}: ")
     assert "same content as" in report.first_dropped[DropReason.DUPLICATE]
     assert train.column_names == list(PAIR_ROW.model_columns) == [
-        "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "prompt_length"]
+        "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "prompt_length", "images"]
     rows = train.to_list()
     for row in rows:
         assert_pair(row, 256)

@@ -164,7 +164,7 @@ def test_unpaired_rows_through_build_datasets_counted_exactly(tmp_path, qwen3_to
     for k, (_, reason) in enumerate(BAD, start=len(GOOD) + 1):
         assert report.first_dropped[reason].startswith(f"{path}:{k}: ")
     assert train.column_names == list(UNPAIRED_ROW.model_columns) == [
-        "input_ids", "attention_mask", "labels", "prompt_length", "desirable"]
+        "input_ids", "attention_mask", "labels", "prompt_length", "desirable", "images"]
     for raw, row in zip(GOOD, train.to_list()):
         canon = canonicalize_unpaired(raw)
         ex = build_unpaired_example(canon.prompt, canon.completion, qwen3_tok, tools=canon.tools)

@@ -1,9 +1,9 @@
-"""Images through the mask engine: the render's image placeholders expanded as the processor expands them.
-
-Checked against the real processor (``Qwen2_5_VLProcessor`` with the PIL image processor and the real Qwen
-vocabulary): on rows with 0-4 images of random sizes in user turns (also the turn right before an answer, and turns
-of earlier exchanges), the ids equal the processor's own for the render and the images, no image token is trained,
-and the trained tokens are exactly those of the same messages without their images.
+"""Images through the mask engine: the render's image placeholders expanded as the processor expands them. Checked
+against the real processor of each family (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``, with
+the tiny models' PIL image processors and the real Qwen vocabulary): on rows with 0-4 images of random sizes in user
+turns (also the turn right before an answer, and turns of earlier exchanges), the ids equal the processor's own for
+the render and the images, no image token is trained, and the trained tokens are exactly those of the same messages
+without their images.
 """
 
 from __future__ import annotations
@@ -80,6 +80,22 @@ def test_two_images_exact(vision):
     assert tok.decode(trained(m)) == "A red box.<|im_end|>"
 
 
+def test_each_familys_template_and_token_squares(family_vision):
+    """Qwen3-VL: no default system prompt, one token a 32x32 square (16-pixel patches merged 2x2); Qwen2-VL and
+    Qwen2.5-VL: the default system prompt, 28x28 squares."""
+    tok, proc = family_vision
+    msgs = [{"role": "user", "content": f"{IMAGE_SLOT}What is this? {IMAGE_SLOT}",
+             "images": [image(100, 60), image(300, 500)]},
+            {"role": "assistant", "content": "A red box."}]
+    m = mask_conversation(msgs, tok)
+    qwen3 = type(proc).__name__ == "Qwen3VLProcessor"
+    # Qwen3-VL: 100x60 -> 96x64 -> 3x2 tokens; 300x500 over max_pixels (64 tokens) -> 192x320 -> 6x10
+    assert m.input_ids.count(tok.convert_tokens_to_ids(PAD)) == (6 + 60 if qwen3 else 8 + 60)
+    assert m.text.startswith("<|im_start|>user\n" if qwen3 else "<|im_start|>system\nYou are a helpful assistant.")
+    assert m.input_ids == processor_ids(proc, m.text, [(100, 60), (300, 500)])
+    assert tok.decode(trained(m)) == "A red box.<|im_end|>"
+
+
 @st.composite
 def vision_rows(draw):
     """1-3 exchanges; each user turn with 0-2 images at random places among its words (0-4 in all)."""
@@ -101,20 +117,20 @@ def vision_rows(draw):
     return msgs
 
 
-@hsettings(max_examples=40, deadline=None)
+@hsettings(max_examples=200, deadline=None)
 @given(vision_rows())
 @example([{"role": "user", "content": f"{IMAGE_SLOT}", "images": [image(8, 700)]},  # an edge of the sizes: 8 px wide
           {"role": "assistant", "content": "thin"}])
 @example([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])  # no image at all
-def test_rows_with_images_match_the_processor(vision, msgs):
-    tok, proc = vision
+def test_rows_with_images_match_the_processor(family_vision, msgs):
+    tok, proc = family_vision
     images = [im for m in msgs for im in m.get("images", ())]
     m = mask_conversation(msgs, tok)
     assert m.input_ids == processor_ids(proc, m.text, [(im["width"], im["height"]) for im in images])
     pad = tok.convert_tokens_to_ids(PAD)
     markup = {pad, *tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])}
     assert not markup & set(trained(m))  # no image token trained
-    rule = ImageRule.of(proc.image_processor, tok)
+    rule = image_rule(tok)
     assert m.input_ids.count(pad) == sum(rule.tokens(im["width"], im["height"]) for im in images)
     text_only = mask_conversation(without_images(msgs), tok)
     assert trained(m) == trained(text_only)  # the trained tokens: exactly those of the text row
@@ -122,12 +138,12 @@ def test_rows_with_images_match_the_processor(vision, msgs):
 
 @hsettings(max_examples=30, deadline=None)
 @given(vision_rows())
-def test_image_runs_tokenized_once_equal_the_whole_text(vision, msgs):
+def test_image_runs_tokenized_once_equal_the_whole_text(family_vision, msgs):
     """``encode_rendered`` tokenizes each image's run as one token and repeats it: the ids and every offset equal
     the tokenization of the whole expanded text."""
     from qlora_train.masking.tokenize import _offset_pairs, encode_batch, encode_rendered
 
-    tok, _ = vision
+    tok, _ = family_vision
     r = render_example(LossPolicy().mark(msgs), tok).rendered
     (fast_ids, fast_offsets), = encode_rendered([r], tok)
     (ids, offsets), = encode_batch([r.text], tok, cuts=[r.cuts])

@@ -76,7 +76,7 @@ def test_the_collator_on_a_batch_with_a_blank_row():
              "desirable": 1},
             blank_row(UNPAIRED_ROW.model_columns, pad_token_id=0)]
     assert rows[1] == {"input_ids": [0], "attention_mask": [1], "labels": [-100], "prompt_length": 1,
-                       "desirable": 0}
+                       "desirable": 0, "images": []}
     batch = UnpairedCollator(0, pad_to_multiple_of=1)(rows)
     # row 0's mismatched row: its prompt with the blank's empty completion, nothing trained
     assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100], [-100, -100, -100], [-100, 6, 7]]

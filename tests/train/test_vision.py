@@ -19,6 +19,7 @@ from qlora_train.vision import VisionBase, check_images_readable, check_vision_t
 from tests.vision_rows import IMAGE_TOKEN_ID, feed_rows, processed_rows, write_images, write_vl_config
 
 DEMO_ROWS = Path(__file__).resolve().parents[2] / "configs" / "data" / "quickstart-vl.jsonl"
+DEMO_PAIRS = DEMO_ROWS.with_name("quickstart-vl-dpo.jsonl")  # RLAIF-V's layout: image, question, chosen, rejected
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,30 @@ def test_image_collator_reads_one_image_at_a_time_with_the_pixels_of_one_call(im
         assert open_image(red).tobytes() == im.convert("RGB").tobytes()
 
 
+def test_pair_collator_feeds_both_sides_the_prompts_images(image_rule, images):
+    """A pair's images (its prompt's) go with its chosen row and its rejected row: the chosen rows' pixels, then the
+    rejected rows'; each side's image tokens checked against them."""
+    from qlora_train.train.collator import PairCollator
+
+    red, blue = images["red"]["ref"], images["blue"]["ref"]  # 4 and 12 tokens
+    pairs = [{"chosen_input_ids": [1, *[IMG] * 4, 2, 3], "chosen_labels": [IGNORE_INDEX] * 6 + [3],
+              "rejected_input_ids": [1, *[IMG] * 4, 2, 4, 5], "rejected_labels": [IGNORE_INDEX] * 6 + [4, 5],
+              "images": [red]},
+             {"chosen_input_ids": [1, *[IMG] * 12, 6], "chosen_labels": [IGNORE_INDEX] * 13 + [6],
+              "rejected_input_ids": [1, *[IMG] * 12, 7], "rejected_labels": [IGNORE_INDEX] * 13 + [7],
+              "images": [blue]}]
+    batch = PairCollator(0, rule=image_rule)(pairs)
+    plain = PairCollator(0)(pairs)
+    for key in ("input_ids", "attention_mask", "labels"):
+        assert torch.equal(batch[key], plain[key])
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 6, 8]] * 2  # chosen rows' images, then rejected's
+    assert batch["mm_token_type_ids"].sum(dim=1).tolist() == [4, 12, 4, 12]
+    assert set(plain) == {"input_ids", "attention_mask", "labels"}  # a text model's pairs: no pixel inputs
+    broken = [dict(pairs[0], rejected_input_ids=[1, *[IMG] * 3, 2, 4, 5, 5])]
+    with pytest.raises(DataError, match="batch row 1: its ids hold 3 image tokens"):
+        PairCollator(0, rule=image_rule)(broken)
+
+
 def test_image_collator_text_batch_is_pad_collators(image_rule):
     rows = [row([1, 2, 3], []), row([4, 5], [])]
     batch = ImageCollator(0, image_rule)(rows)
@@ -118,8 +143,10 @@ def test_vision_base_reads_the_config(tmp_path):
     assert base({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}) == VisionBase("qwen2_5_vl",
                                                                                             "model.visual")
     assert base({"model_type": "qwen3_vl", "vision_config": {"depth": 2}}).supported
-    gemma = base({"model_type": "gemma3", "vision_config": {"hidden_size": 8}})
-    assert gemma == VisionBase("gemma3", None) and not gemma.supported
+    assert base({"model_type": "gemma3", "vision_config": {"hidden_size": 8}}) == VisionBase("gemma3",
+                                                                                              "model.vision_tower")
+    llava = base({"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}})
+    assert llava == VisionBase("llava_onevision", None) and not llava.supported
 
 
 def config_for(tmp_path, config: dict, *overrides: str):
@@ -130,17 +157,35 @@ def config_for(tmp_path, config: dict, *overrides: str):
 QWEN_VL = {"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.packing=true", "train.packing"),
-    ("train.method=dpo", "data.objective"),
-    ("train.distributed=fsdp", "train.distributed"),
+GRPO = ("train.method=grpo", "rl.max_completion_length=64",
+        "rl.rewards=[{function: 'qlora_train.rl.rewards:matches', kwargs: {pattern: 'yes'}}]")
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (GRPO, "data.objective"),
+    (("train.distributed=fsdp",), "train.distributed"),
 ])
-def test_vision_base_refuses_what_it_cannot_train(tmp_path, override, key):
-    cfg = config_for(tmp_path, QWEN_VL, override)
+def test_vision_base_refuses_what_it_cannot_train(tmp_path, overrides, key):
+    cfg = config_for(tmp_path, QWEN_VL, *overrides)
     with pytest.raises(ConfigError) as exc:
         check_vision_training(cfg, vision_base(cfg.model))
     assert len(exc.value.problems) == 1 and exc.value.problems[0].startswith(f"{key}: ")
     assert "qwen2_5_vl" in exc.value.problems[0]
+
+
+def test_packed_image_rows_refuse_flash_attention(tmp_path, image_rule):
+    """Packing image rows needs the 4D block mask: flash-attention's packed form reads 1D positions."""
+    from types import SimpleNamespace
+
+    from qlora_train.masking import set_image_rule
+    from qlora_train.train.run import make_collator
+
+    cfg = config_for(tmp_path, QWEN_VL, "train.packing=true")
+    tokenizer = set_image_rule(SimpleNamespace(pad_token_id=0), image_rule)
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    with pytest.raises(ConfigError, match="train.packing: packed image rows need a 4D block mask"):
+        make_collator(cfg, tokenizer, model, SimpleNamespace(device="cuda"))
+    check_vision_training(cfg, vision_base(cfg.model))  # packing itself is not refused
 
 
 def test_train_vision_needs_a_vision_tower(tmp_path):
@@ -152,13 +197,96 @@ def test_train_vision_needs_a_vision_tower(tmp_path):
 
 
 def test_image_rows_of_an_unsupported_vision_base_are_a_config_error(tmp_path):
-    cfg = config_for(tmp_path, {"model_type": "gemma3", "vision_config": {"hidden_size": 8}})
+    cfg = config_for(tmp_path, {"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}})
     base = vision_base(cfg.model)
-    with pytest.raises(ConfigError, match="is a gemma3 vision-language model; this trainer reads images for "
-                                          "qwen2_vl, qwen2_5_vl, qwen3_vl only"):
+    with pytest.raises(ConfigError, match=re.escape("is a llava_onevision vision-language model; this trainer reads "
+                                                    "images for qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), "
+                                                    "qwen3-vl (qwen3_vl), gemma3 (gemma3) only")):
         check_images_readable(cfg.model, base, 3)
     check_images_readable(cfg.model, base, 0)  # text rows: it trains on them
     check_images_readable(cfg.model, None, 3)  # a text model: counted drops
+
+
+@pytest.mark.parametrize("override, key", [
+    ("data.image_dir=/data/images", "data.image_dir"),
+    ("data.image_root=/data", "data.image_root"),
+    ("lora.train_vision=true", "lora.train_vision"),
+])
+def test_an_unsupported_family_asked_for_images_is_refused_at_config_time(tmp_path, override, key):
+    """LLaVA-OneVision (not a family whose images are read) asked for images: one config error naming the key and
+    the supported families, before any data loads; its text rows alone still train (no such key set)."""
+    llava = {"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}}
+    cfg = config_for(tmp_path, llava, override)
+    with pytest.raises(ConfigError) as exc:
+        check_vision_training(cfg, vision_base(cfg.model))
+    (problem,) = exc.value.problems
+    assert problem.startswith(f"{key}: ") and "llava_onevision" in problem
+    assert "qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), qwen3-vl (qwen3_vl), gemma3 (gemma3)" in problem
+    plain = config_for(tmp_path / "b", llava)
+    check_vision_training(plain, vision_base(plain.model))
+
+
+GEMMA3 = {"model_type": "gemma3", "vision_config": {"hidden_size": 8}, "mm_tokens_per_image": 4}
+
+
+def test_gemma3_packing_is_refused_at_config_time_with_the_reason(tmp_path):
+    cfg = config_for(tmp_path, GEMMA3, "train.packing=true")
+    with pytest.raises(ConfigError) as exc:
+        check_vision_training(cfg, vision_base(cfg.model))
+    (problem,) = exc.value.problems
+    assert problem.startswith("train.packing: packed image rows are not supported for ") and "(gemma3)" in problem
+    assert "token_type_ids" in problem and "supported for qwen2-vl, qwen2.5-vl, qwen3-vl;" in problem
+    plain = config_for(tmp_path / "b", GEMMA3)
+    check_vision_training(plain, vision_base(plain.model))  # unpacked: nothing refused
+
+
+def test_gemma3_rule_counts_the_models_tokens_and_its_processor_must_agree(tmp_path):
+    """``image_rule_for`` a Gemma 3 base: the placeholder, the wrapper and ``mm_tokens_per_image`` an image; a
+    saved processor writing another count (``image_seq_length``) is a ``ModelLoadError`` naming both."""
+    from types import SimpleNamespace
+
+    from qlora_train.config import ModelConfig
+    from qlora_train.errors import ModelLoadError
+    from qlora_train.tiny import tiny_image_processor
+    from qlora_train.vision import image_rule_for
+
+    folder = write_model_config(tmp_path / "g", GEMMA3)
+    tiny_image_processor("gemma3").save_pretrained(folder)
+    added = {"<start_of_image>": 255999, "<image_soft_token>": 262144, "<end_of_image>": 256000}
+    tok = SimpleNamespace(get_added_vocab=lambda: added, convert_tokens_to_ids=added.__getitem__)
+    cfg = ModelConfig(name_or_path=str(folder))
+    rule = image_rule_for(cfg, tok)
+    assert (rule.written, rule.image_token_id, rule.fixed_tokens, rule.type_ids) == (
+        "<start_of_image>", 262144, 4, "token_type_ids")
+    assert rule.expansion(2) == "\n\n<start_of_image><image_soft_token><image_soft_token><end_of_image>\n\n"
+    assert rule.tokens(8, 700) == rule.tokens(900, 900) == 4 and rule.other_tokens == ("<end_of_image>",)
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": 256}))
+    with pytest.raises(ModelLoadError, match="image_seq_length 256 differs from the model config's "
+                                             "mm_tokens_per_image 4"):
+        image_rule_for(cfg, tok)
+    processor = tiny_image_processor("gemma3")
+    processor.do_pan_and_scan = True  # its crops: more image sequences, by the image's shape
+    processor.save_pretrained(folder)
+    with pytest.raises(ModelLoadError, match="do_pan_and_scan: true"):
+        image_rule_for(cfg, tok)
+
+
+def test_family_registry_names_each_family_once():
+    from qlora_train.chat_templates import resolve_chat_template
+    from qlora_train.tiny import main
+    from qlora_train.vision import FAMILIES, SUPPORTED, family_named
+
+    assert [f.name for f in FAMILIES] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "gemma3"]
+    assert SUPPORTED == {"qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual",
+                         "gemma3": "model.vision_tower"}
+    for f in FAMILIES:
+        assert family_named(f.model_type) is family_named(f.name) is f
+        written = "<start_of_image>" if f.name == "gemma3" else "<|vision_start|><|image_pad|><|vision_end|>"
+        assert written in resolve_chat_template(f.chat_template)
+    with pytest.raises(ValueError, match=r"unknown vision-language family 'llava': supported: qwen2-vl \(qwen2_vl\)"):
+        family_named("llava")
+    with pytest.raises(SystemExit):  # argparse: invalid choice, the families listed
+        main(["--vision", "llava"])
 
 
 # --- the tiny Qwen2.5-VL ---------------------------------------------------------------------------------------
@@ -273,6 +401,210 @@ def test_trains_the_bundled_image_rows_from_the_config(tiny_vl_dir, tmp_path, ca
     assert adapter["exclude_modules"] == r"model\.visual\..*"
     saved = AutoImageProcessor.from_pretrained(out)  # beside the adapter, so that the output serves
     assert saved.to_dict()["size"] == {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}  # the tiny one's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
+def test_each_family_trains_the_bundled_image_rows(family, tmp_path, vl_tok):
+    """A tiny model of each other family (``tiny --vision FAMILY``: its config written in code, its template, its
+    image processor) trains the demo's rows: its tower not quantised and frozen, the loss falling."""
+    import copy
+
+    from qlora_train.cli import main
+    from qlora_train.data import get_chat_template
+    from qlora_train.tiny import build_tiny_vl
+
+    tokenizer = get_chat_template(copy.deepcopy(vl_tok), family)  # the Qwen vocabulary, built once a session
+    model = build_tiny_vl(family, tmp_path / family, tokenizer=tokenizer)
+    path = write_vl_config(tmp_path, model, data_path=DEMO_ROWS, max_samples=8, max_steps=4)
+    assert main(["--config", str(path), "--set", f"model.chat_template={family}"]) == 0
+    out = tmp_path / "out"
+    assert json.loads((out / "dataset_report.json").read_text())["rows_kept"] == 8
+    losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert json.loads((out / "adapter_config.json").read_text())["exclude_modules"] == r"model\.visual\..*"
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
+    """A tiny Gemma 3 (``tiny --vision gemma3``: the real Gemma 3 vocabulary, a SigLIP tower pooled into 4 tokens
+    an image, a language model of width 32), built once a module."""
+    from qlora_train.tiny import build_tiny_vl
+
+    return build_tiny_vl("gemma3", tmp_path_factory.mktemp("tiny-gemma3"), hidden_size=32)
+
+
+@pytest.mark.slow
+def test_gemma3_fused_loss_equals_the_models_own_on_image_rows(tiny_gemma3_dir, tmp_path):
+    """Gemma 3's image rows through the collator (pixels, ``token_type_ids``) and the 4-bit model: the fused loss
+    equals the model's own logits' cross-entropy."""
+    from transformers import AutoTokenizer
+
+    from qlora_train.config import ModelConfig
+    from qlora_train.masking import IMAGE_SLOT, mask_conversation, set_image_rule
+    from qlora_train.train.fused_loss import use_fused_loss, uses_fused_loss
+    from qlora_train.train.model import load_model, resolve_runtime
+    from qlora_train.vision import image_rule_for
+
+    tok = AutoTokenizer.from_pretrained(tiny_gemma3_dir)
+    set_image_rule(tok, image_rule_for(ModelConfig(name_or_path=str(tiny_gemma3_dir)), tok))
+    infos = list(write_images(tmp_path / "images").values())
+    features = []
+    for n in (1, 2, 0):
+        msgs = [{"role": "user", "content": IMAGE_SLOT * n + "What is it?", "images": infos[:n]},
+                {"role": "assistant", "content": "A red circle." * (n + 1)}]
+        m = mask_conversation(msgs, tok)
+        features.append({"input_ids": m.input_ids, "labels": m.labels, "images": [i["ref"] for i in infos[:n]]})
+    batch = ImageCollator(tok.pad_token_id, tok.qlora_image_rule)(features)
+    assert batch["token_type_ids"].sum().item() == 3 * 4 and "image_grid_thw" not in batch
+    cfg = load_config(write_vl_config(tmp_path, tiny_gemma3_dir), ["model.chat_template=gemma3"])
+    model = load_model(cfg, resolve_runtime(cfg))
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        use_fused_loss(model, True)
+        assert uses_fused_loss(model)
+        fused = model(**batch)
+    labels = batch["labels"][:, 1:].reshape(-1)
+    own = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels)
+    assert fused.loss.item() == pytest.approx(own.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_gemma3_trains_the_bundled_image_rows(tiny_gemma3_dir, tmp_path):
+    """A tiny Gemma 3 trains the demo's rows with the gemma3 template: its tower not quantised and frozen (no LoRA
+    on ``model.vision_tower``), ``token_type_ids`` fed, the loss falling."""
+    from qlora_train.cli import main
+
+    path = write_vl_config(tmp_path, tiny_gemma3_dir, data_path=DEMO_ROWS, max_samples=8, max_steps=4)
+    assert main(["--config", str(path), "--set", "model.chat_template=gemma3"]) == 0
+    out = tmp_path / "out"
+    assert json.loads((out / "dataset_report.json").read_text())["rows_kept"] == 8
+    losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert json.loads((out / "adapter_config.json").read_text())["exclude_modules"] == r"model\.vision_tower\..*"
+
+
+def image_pair_rows(tokenizer, n: int) -> list[dict]:
+    """The first ``n`` of the DPO demo's pairs (RLAIF-V's layout, images beside them), as the pipeline feeds them."""
+    from qlora_train.config import DataConfig
+    from qlora_train.data.pairs import canonicalize_pair, fit_pair
+
+    cfg = DataConfig(image_dir=str(DEMO_PAIRS.parent))
+    rows = [json.loads(line) for line in DEMO_PAIRS.read_text().splitlines()[:n]]
+    return [fit_pair(canonicalize_pair(r, cfg, tokenizer=tokenizer), tokenizer, max_length=256).example for r in rows]
+
+
+@pytest.mark.slow
+def test_pair_logps_of_image_pairs_are_the_models_own_with_its_images(tiny_vl_dir, tmp_path, vl_tokenizer):
+    """The pair forward feeds the decoder the batch's pixels: each side's log-probs equal the model's own logits'
+    (with the images), and differ from those of the same ids without them."""
+    from qlora_train.train.collator import PairCollator
+    from qlora_train.train.model import load_model, resolve_runtime
+    from qlora_train.train.preference import pair_logps
+
+    cfg = load_config(write_vl_config(tmp_path, tiny_vl_dir, method="dpo"), [])
+    model = load_model(cfg, resolve_runtime(cfg))
+    batch = PairCollator(vl_tokenizer.pad_token_id, rule=vl_tokenizer.qlora_image_rule)(
+        image_pair_rows(vl_tokenizer, 2))
+    assert batch["image_grid_thw"].shape == (4, 3)
+    with torch.no_grad():
+        ours = pair_logps(model, batch).sums
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        blind = pair_logps(model, {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).sums
+    labels = batch["labels"][:, 1:]
+    token = torch.log_softmax(logits[:, :-1], -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    own = (token * (labels != IGNORE_INDEX)).sum(dim=1)
+    assert torch.allclose(ours, own, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(ours, blind, rtol=1e-5, atol=1e-4)  # the images change what the model says
+
+
+@pytest.mark.slow
+def test_dpo_on_image_pairs_from_the_config_starts_at_log_2(tiny_vl_dir, tmp_path, capsys):
+    """The DPO demo's rows (RLAIF-V's layout) through the real path: read, paired, collated with both sides'
+    pixels, trained; a fresh adapter, so the first loss is log 2."""
+    import math
+
+    from qlora_train.cli import main
+
+    path = write_vl_config(tmp_path, tiny_vl_dir, data_path=DEMO_PAIRS, max_samples=8, max_steps=2, method="dpo",
+                           per_device_train_batch_size=2)
+    assert main(["--config", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "images: 8 in 8 rows read" in printed
+    out = tmp_path / "out"
+    report = json.loads((out / "dataset_report.json").read_text())
+    assert report["rows_kept"] == 8 and not report["dropped"]
+    losses = [h["loss"] for h in json.loads((out / "loss_history.json").read_text())]
+    assert len(losses) == 2 and losses[0] == pytest.approx(math.log(2), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_packed_image_rows_give_the_unpacked_loss(tiny_vl_dir, tmp_path, vl_tokenizer):
+    """Rows of 0-2 images packed (a block mask, each example's 3D positions made for it alone, its images' pixels in
+    order) give the loss, and the gradient, of the same rows unpacked: no example sees another."""
+    from qlora_train.data.packing import pack_examples
+    from qlora_train.train.collator import PackedImageCollator
+    from qlora_train.train.fused_loss import inner_causal_lm
+    from qlora_train.train.model import load_model, resolve_runtime
+
+    attn = "eager"  # (sdpa, the CPU's default: the training run below)
+    cfg = load_config(write_vl_config(tmp_path, tiny_vl_dir), [f"model.attn_implementation={attn}"])
+    model = load_model(cfg, resolve_runtime(cfg))
+    rows = processed_rows(vl_tokenizer, write_images(tmp_path / "images"))
+    rule = vl_tokenizer.qlora_image_rule
+    unpacked = ImageCollator(vl_tokenizer.pad_token_id, rule)(rows)
+    packed_rows = [pack_examples(rows[:4]), pack_examples(rows[4:])]  # 4 examples in a row (0, 1, 2 images), then 2
+    assert packed_rows[0]["images"] == [ref for r in rows[:4] for ref in r["images"]]
+    collate = PackedImageCollator(vl_tokenizer.pad_token_id, rule, inner_causal_lm(model).model.get_rope_index)
+    packed = collate(packed_rows)
+    assert packed["position_ids"].shape == (3, *packed["input_ids"].shape)
+    assert torch.equal(packed["image_grid_thw"], unpacked["image_grid_thw"])  # the same images, in the same order
+    losses, grads = [], []
+    for batch in (unpacked, packed):
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters() if p.requires_grad]))
+    assert losses[1] == pytest.approx(losses[0], abs=1e-5), losses
+    assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+    def trained_logits(batch):  # at every trained position, in example order (the loss averages them away)
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        return logits[:, :-1][batch["labels"][:, 1:] != IGNORE_INDEX]
+
+    # each token's logits are its own unpacked ones; 1D positions instead of the 3D ones move them by ~5e-3 on this
+    # model, and a plain causal mask (examples seeing earlier ones) by ~0.3
+    assert (trained_logits(packed) - trained_logits(unpacked)).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_packed_and_unpacked_training_give_the_same_first_step_loss(tiny_vl_dir, tmp_path, vl_tokenizer, monkeypatch):
+    """The same four rows (0, 1 and 2 images) trained one step from the config: as one padded batch, and packed
+    into one sequence (train.packing: the packed collator, its block mask and per-example 3D positions, through
+    the Trainer and the fused loss): the same first loss."""
+    import datasets
+
+    from qlora_train.cli import main
+    from qlora_train.data.dataset import DatasetReport
+    from qlora_train.data.packing import pack_examples
+    from qlora_train.data.prepared import TrainingData
+    from qlora_train.train import run
+
+    rows = processed_rows(vl_tokenizer, write_images(tmp_path / "images"))[:4]
+    losses = []
+    for packing, fed in ((False, rows), (True, [pack_examples(rows)])):
+        report = DatasetReport(rows_in=4, rows_kept=4, train_rows=len(fed))
+        monkeypatch.setattr(run, "training_data", lambda cfg, tok, fed=fed, report=report: TrainingData(
+            datasets.Dataset.from_list(fed), None, report))
+        out = tmp_path / f"packed-{packing}"
+        out.mkdir()
+        path = write_vl_config(out, tiny_vl_dir, max_steps=1, per_device_train_batch_size=len(fed),
+                               packing=packing)
+        assert main(["--config", str(path)]) == 0
+        losses.append(json.loads((out / "out" / "loss_history.json").read_text())[0]["loss"])
+    assert losses[1] == pytest.approx(losses[0], abs=1e-5), losses
 
 
 @pytest.mark.slow
