@@ -158,6 +158,9 @@ class DatasetReport:
             out.append(f"checked against the rule (data.rule_check): {self.rule_checked_rows} rows agree, "
                        f"{self.rule_disagreements} disagree (refused: mask_disagrees), {self.rule_unchecked_rows} not "
                        "checked (the template is not prefix-stable on them)")
+        if self.parse.get("fast_encoder_mismatches"):
+            out.append(f"fast byte-level encoder: differed from tokenizers on {self.parse['fast_encoder_mismatches']} "
+                       "checked rows; those rows and the rest of the run were tokenized by tokenizers")
         if self.parse.get("image_rows"):
             forms = self.parse.get("images", {})
             out.append(f"images: {sum(forms.values())} in {self.parse['image_rows']} rows read: " + ", ".join(
