@@ -35,10 +35,10 @@ from qlora_train.masking import (
     RuleCheck,
     TemplateLayout,
     check_with_rule,
-    verify_encoder,
     mark_side,
     pair_policy,
     render_example,
+    verify_encoder,
 )
 
 log = logging.getLogger(__name__)
