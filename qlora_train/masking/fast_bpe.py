@@ -21,22 +21,70 @@ and a difference switches the tokenizer back to ``tokenizers`` for the run.
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
-from dataclasses import dataclass
 
 import tiktoken
 from tokenizers import Tokenizer, pre_tokenizers
 
 
-@dataclass(frozen=True, eq=False)
 class FastBPE:
-    """A tokenizer's tiktoken twin; ``encode(text)`` -> the ids ``tokenizers`` gives without special tokens added."""
+    """A tokenizer's tiktoken twin; ``encode(text)`` -> the ids ``tokenizers`` gives without special tokens added,
+    for a text it ``takes``."""
 
-    encoding: tiktoken.Encoding
-    special: frozenset[str]  # the added tokens' texts, all split out of the text
+    def __init__(self, encoding: tiktoken.Encoding, special: frozenset[str], backend: Tokenizer):
+        self.encoding = encoding
+        self.special = special  # the added tokens' texts, all split out of the text
+        self.backend = backend
+        self.nfc = backend.normalizer is not None  # NFC (``build``): only texts already in NFC are encoded
+        self.agreed: set[str] = set()  # characters probed: both encoders cut and merge them alike
+        self.differs: set[str] = set()  # ... and those where they do not
+        self._untrusted = re.compile(r"[^\x00-\x7f]")  # a character not in ``agreed`` (ASCII probed when built)
 
     def encode(self, text: str) -> list[int]:
         return self.encoding._core_bpe.encode(text, self.special)  # Encoding.encode's checks, skipped: all allowed
+
+    def takes(self, text: str) -> bool:
+        """Whether every character of ``text`` was probed (``probe``) and both encoders agreed on it: the two regex
+        engines' Unicode tables are of different versions (a letter to one may be a symbol to the other), so a
+        character is trusted only once its probe text came out the same. One regex search per text once its
+        characters are known."""
+        if text.isascii() or self._untrusted.search(text) is None:
+            return True
+        agree = [self.probe(c) for c in set(self._untrusted.findall(text))]
+        self._untrusted = re.compile("[^\\x00-\\x7f" + "".join(map(re.escape, sorted(self.agreed))) + "]")
+        return all(agree)
+
+    def probe(self, c: str) -> bool:
+        """``c`` next to letters, marks, digits, spaces, newlines, punctuation and symbols of several scripts
+        (``count._probe``'s contexts), encoded by both: the same ids -> agreed."""
+        if c in self.agreed:
+            return True
+        if c in self.differs:
+            return False
+        text = _probe(c, self.nfc)
+        try:
+            same = self.encode(text) == self.backend.encode(text, add_special_tokens=False).ids
+        except Exception:  # noqa: BLE001 - a character neither takes as UTF-8 (a lone surrogate)
+            same = False
+        (self.agreed if same else self.differs).add(c)
+        return same
+
+
+# What a character is probed next to (as count.py probes its piece counter): letters (Latin, CJK, kana, Hangul,
+# Cyrillic, Arabic), a combining mark, digits, spaces, newlines, the contractions' apostrophe, punctuation, symbols
+_CONTEXTS = ("a", "Z", "é", "中", "あ", "ア", "가", "ж", "ع", "\u0301", "1", "1234", "١", " ", "   ", "\t", "\u3000",
+             "\xa0", "\n", "\r\n", "\n\n", " \n", "'", "'s", "'LL", ".", ",", "-", "_", "(", "!", "+", "$", "^", "€",
+             "🙂")
+
+
+def _probe(c: str, nfc: bool) -> str:
+    """``c`` in every context; for a tokenizer that normalizes to NFC, in those where the text stays in NFC (the
+    fast encoder sees no other text: ``tokenize._byte_offsets``)."""
+    parts = [f"{r}{c}{r}{c}{c}" for r in _CONTEXTS]
+    if nfc:
+        parts = [p for p in parts if unicodedata.is_normalized("NFC", p + c)]
+    return "".join(parts) + c
 
 
 def _bytes_of() -> dict[str, int]:
@@ -103,7 +151,11 @@ def build(backend: Tokenizer) -> FastBPE | str:
         encoding.encode_ordinary("probe 123 ünïcode")  # the pattern compiles in tiktoken's engine
     except Exception as exc:  # noqa: BLE001 - tiktoken raises what its regex engine raises
         return f"tiktoken cannot take it: {type(exc).__name__}: {exc}"
-    return FastBPE(encoding, frozenset(special))
+    fast = FastBPE(encoding, frozenset(special), backend)
+    differ = [c for c in map(chr, range(128)) if not fast.probe(c)]
+    if differ:
+        return f"it cuts or merges the ASCII characters {''.join(differ)!r} unlike tokenizers"
+    return fast
 
 
 def _unrepresentable(spec: dict) -> str | None:

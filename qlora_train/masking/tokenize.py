@@ -478,7 +478,10 @@ def encode_batch(texts: list[str], tokenizer, cuts: Sequence[Sequence[int]] | No
 
 
 def _fast_ids(fast: FastBPE, piece: str) -> list[int] | None:
-    """A piece's ids by the fast encoder; None where it cannot take the text (a lone surrogate)."""
+    """A piece's ids by the fast encoder; None where it cannot take the text (a character not probed alike, a
+    lone surrogate)."""
+    if not fast.takes(piece):
+        return None
     try:
         return fast.encode(piece)
     except UnicodeError:
@@ -486,13 +489,13 @@ def _fast_ids(fast: FastBPE, piece: str) -> list[int] | None:
 
 
 _FAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (backend, size, FastBPE | reason)
-_SWITCHED_OFF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> mismatches found
+_SWITCHED_OFF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> differences found
 
 
 def fast_encoder(tokenizer, backend: Tokenizer) -> FastBPE | None:
     """The tokenizer's tiktoken twin (``fast_bpe.build``), built once per tokenizer and vocabulary size; None where
     its pipeline is not representable (said once in the log) or ``verify_encoder`` found it differ in this run."""
-    if _SWITCHED_OFF.get(tokenizer):
+    if tokenizer in _SWITCHED_OFF:
         return None
     built = per_vocabulary(_FAST, tokenizer, backend, _built)
     return built if isinstance(built, FastBPE) else None
@@ -512,6 +515,11 @@ def switch_off_fast_encoder(tokenizer, why: str) -> None:
     if not n:
         log.warning("the fast byte-level encoder differs from tokenizers on a checked row (%s): tokenizing with "
                     "tokenizers for the rest of the run", why)
+
+
+def keep_tokenizers(tokenizer) -> None:
+    """Encode with ``tokenizers`` only, never the fast encoder, for this tokenizer (benchmarks' reference)."""
+    _SWITCHED_OFF.setdefault(tokenizer, 0)
 
 
 def verify_encoder(renders: Sequence[Any], tokenizer) -> str | None:
