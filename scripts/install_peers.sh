@@ -2,7 +2,8 @@
 # LLaMA-Factory and axolotl, each in its own virtual environment under .cache/peers/, for `make bench-peers`
 # (benchmarks/bench_peers.py); never in CI. Idempotent: an environment whose marker file is there is kept.
 #   LLaMA-Factory 0.9.5 (Python 3.11): it requires torchvision and torchaudio, which it never imports for text;
-#     torch is the CPU build where one lies on this machine, and torchaudio is installed without its dependencies.
+#     torch is the CPU build where one lies on this machine, torchaudio is installed without its dependencies, and
+#     torchvision (only CUDA builds on the registry) is removed after the install.
 #   axolotl 0.21 (Python >= 3.12, PYENV_VERSION=3.12.1 where pyenv manages the interpreters).
 set -euo pipefail
 PEERS=${PEERS:-.cache/peers}
@@ -18,6 +19,10 @@ if [ ! -f "$PEERS/llamafactory/.installed" ]; then
   if [ -n "$cpu_torch" ]; then $LF -m pip install -q --no-warn-script-location "$cpu_torch"; fi
   $LF -m pip install -q --no-warn-script-location --no-deps "torchaudio<2.14" "torchvision<0.29"
   $LF -m pip install -q --no-warn-script-location "llamafactory==0.9.5"
+  # transformers imports torchvision where it is installed, and this CUDA build fails against the CPU torch: off
+  $LF -m pip uninstall -q -y torchvision
+  # ... and torchaudio's compiled parts (a CUDA build too): without them it imports, and text never calls it
+  rm -f "$PEERS"/llamafactory/lib/python3*/site-packages/torchaudio/lib/*.so
   touch "$PEERS/llamafactory/.installed"
 fi
 
