@@ -1,7 +1,9 @@
 """A byte-level BPE's encoder through tiktoken: the ids ``tokenizers`` gives, in about a quarter of its CPU.
 
-    >>> fast = build(backend)                  # a FastBPE, or the reason the pipeline is not representable (str)
-    >>> fast.encode("<think>\\nhi</think>")    # == backend.encode(..., add_special_tokens=False).ids
+    >>> fast = build(tok._tokenizer)  # a FastBPE, or the reason the pipeline is not representable (a str)
+    >>> text = "<think>\\nhi</think> 東京 2026"
+    >>> fast.takes(text), fast.encode(text) == tok._tokenizer.encode(text, add_special_tokens=False).ids
+    (True, True)
 
 Built once per tokenizer from its own pipeline (``tokenizer.json``): the model's merges give the ranks (a token's
 rank is its id, which must grow with the merges' order: tiktoken merges the pair whose joined bytes rank lowest,
