@@ -1,6 +1,7 @@
 """Preprocessing CPU time, ours against LLaMA-Factory's and axolotl's, on the same rows (``make bench-peers``).
 
     python benchmarks/bench_peers.py [--sizes 1000,5000] [--repeats 3] [--tools ours,llamafactory,axolotl]
+                                     [--baseline DIR]    # also DIR's qlora_train, interleaved ("ours (baseline)")
 
 The rows are bench_preprocess.py's (``make_rows``: multi-turn, reasoning, tool calls, unicode, code), the first
 ``--sizes`` of 5,000, each tool given them in its own format: ours and axolotl's as they are (OpenAI messages, a
@@ -91,29 +92,31 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 class Setup:
     """Each tool's files for each size, and the command that preprocesses them."""
 
-    def __init__(self, work: Path, rows: list[dict], sizes: list[int]):
+    def __init__(self, work: Path, rows: list[dict], sizes: list[int], baseline: Path | None = None):
         self.work = work
+        self.baseline = baseline
         for n in sizes:
             write_jsonl(work / f"ours-{n}.jsonl", rows[:n])
             write_jsonl(work / f"lf-{n}" / "rows.jsonl", [sharegpt(r) for r in rows[:n]])
             (work / f"lf-{n}" / "dataset_info.json").write_text(json.dumps(LF_INFO))
 
     def command(self, tool: str, n: int, k: int) -> tuple[list[str], dict]:
-        run_dir = self.work / f"{tool}-{n}-run{k}"
+        run_dir = self.work / f"{tool.replace(' ', '_')}-{n}-run{k}"
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir()
         env = {**os.environ, "HF_DATASETS_CACHE": str(run_dir / "hf-cache"), "HF_HUB_OFFLINE": "1",
                "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "AXOLOTL_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1", "DISABLE_VERSION_CHECK": "1",
                "OMP_NUM_THREADS": "1"}
-        if tool == "ours":
+        if tool in ("ours", "ours (baseline)"):
             config = run_dir / "config.yaml"
             config.write_text(json.dumps({
                 "model": {"name_or_path": str(TINY), "chat_template": "qwen3"},
                 "data": {"datasets": [{"path": str(self.work / f"ours-{n}.jsonl")}], "max_length": 4096,
                          "reasoning_history": "drop", "cache_dir": str(run_dir / "cache")},
                 "train": {"output_dir": str(run_dir / "out"), "report_to": "none"}}))
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+            code = self.baseline if tool == "ours (baseline)" else REPO
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))
             return [sys.executable, "-m", "qlora_train.cli", "--config", str(config), "--preprocess",
                     "--preprocess-dir", str(run_dir / "prepared")], env
         env.pop("PYTHONPATH", None)
@@ -132,7 +135,7 @@ class Setup:
 
 
 def available(tool: str) -> bool:
-    return tool == "ours" or (PEERS / tool / ".installed").exists()
+    return tool.startswith("ours") or (PEERS / tool / ".installed").exists()
 
 
 def main() -> None:
@@ -140,15 +143,19 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,5000")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--baseline", type=Path, help="another checkout (a copy of its qlora_train/ is enough) whose "
+                    "--preprocess runs interleaved with this one's: before/after from one run")
     args = ap.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
     tools = [t for t in args.tools.split(",") if available(t) or print(f"{t}: not installed (make bench-peers "
                                                                          "installs it into .cache/peers): left out")]
+    if args.baseline:
+        tools.insert(1, "ours (baseline)")
     if not (TINY / "config.json").exists():
         raise SystemExit(f"{TINY} is missing: python -m qlora_train.tiny --out {TINY}")
     work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     try:
-        setup = Setup(work, make_rows(sizes[-1]), sizes)
+        setup = Setup(work, make_rows(sizes[-1]), sizes, args.baseline and args.baseline.resolve())
         best = {(t, n): float("inf") for t in tools for n in sizes}
         keys = list(best)
         for k in range(args.repeats):
@@ -156,16 +163,16 @@ def main() -> None:
                 t, n = keys[(j + k) % len(keys)]
                 cmd, env = setup.command(t, n, k)
                 best[t, n] = min(best[t, n], run(cmd, env, work))
-                shutil.rmtree(work / f"{t}-{n}-run{k}", ignore_errors=True)
-                print(f"  {t:<13} {n:>6} rows: {best[t, n]:.2f} s CPU (best so far)", flush=True)
+                shutil.rmtree(work / f"{t.replace(' ', '_')}-{n}-run{k}", ignore_errors=True)
+                print(f"  {t:<16} {n:>6} rows: {best[t, n]:.2f} s CPU (best so far)", flush=True)
         small, big = sizes[0], sizes[-1]
         print(f"\npreprocessing CPU seconds (user + system, one process, best of {args.repeats}; Qwen3 template, "
               "real Qwen vocabulary, bench_preprocess.py rows)")
-        print(f"{'':<13}" + "".join(f"{f'{n} rows':>12}" for n in sizes) + f"{'per extra row':>16}"
+        print(f"{'':<16}" + "".join(f"{f'{n} rows':>12}" for n in sizes) + f"{'per extra row':>16}"
               + f"{f'vs ours ({big})':>16}{'vs ours /row':>14}")
         per_row = {t: (best[t, big] - best[t, small]) / (big - small) for t in tools}
         for t in tools:
-            line = f"{t:<13}" + "".join(f"{best[t, n]:>12.2f}" for n in sizes) + f"{1000 * per_row[t]:>13.3f} ms"
+            line = f"{t:<16}" + "".join(f"{best[t, n]:>12.2f}" for n in sizes) + f"{1000 * per_row[t]:>13.3f} ms"
             if "ours" in tools:
                 line += f"{best[t, big] / best['ours', big]:>15.2f}x{per_row[t] / per_row['ours']:>13.2f}x"
             print(line)
