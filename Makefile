@@ -51,6 +51,15 @@ bench: $(TINY)/config.json
 	$(PYTHON) benchmarks/bench_preprocess.py --dists all
 	$(PYTHON) benchmarks/bench_cli.py
 
+# preprocessing CPU time, ours (qlora-train --preprocess) against LLaMA-Factory's and axolotl's on the same 1,000 and
+# 5,000 rows, and per extra row (benchmarks/bench_peers.py); installs the peers first into their own virtual
+# environments under .cache/peers (scripts/install_peers.sh, many minutes and ~10 GB the first time). Not in CI.
+# `make bench-peers BENCH_PEERS_ARGS="--repeats 1"`
+.PHONY: bench-peers
+bench-peers: $(TINY)/config.json
+	bash scripts/install_peers.sh
+	$(PYTHON) benchmarks/bench_peers.py $(BENCH_PEERS_ARGS)
+
 # where --stats-only spends its time per row beyond the floor, by stage and distribution (cProfile)
 profile-cli: $(TINY)/config.json
 	$(PYTHON) benchmarks/profile_cli.py

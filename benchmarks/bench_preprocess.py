@@ -63,7 +63,13 @@ from qlora_train.data import canonicalize_row, process_rows  # noqa: E402
 from qlora_train.data.packing import PackingStats, best_fit_decreasing, padded_efficiency  # noqa: E402
 from qlora_train.masking.layout_declaration import template_layout  # noqa: E402
 from qlora_train.masking.rendered import template_messages  # noqa: E402
-from qlora_train.masking.tokenize import IGNORE_INDEX, encode_batch, project_char_mask  # noqa: E402
+from qlora_train.masking.tokenize import (  # noqa: E402
+    IGNORE_INDEX,
+    encode_batch,
+    fast_encoder,
+    keep_tokenizers,
+    project_char_mask,
+)
 from qlora_train.tiny import build_qwen_tokenizer  # noqa: E402
 
 GENERATION_TEMPLATE = Path(__file__).with_name("chatml_generation.jinja")
@@ -118,6 +124,16 @@ def hf_render(messages, tok, *, tools=None, add_generation_prompt=False) -> str:
     methods'; the pipeline's own render skips transformers' copies, masking/apply_template.py)."""
     return tok.apply_chat_template(template_messages(messages, template_layout(tok)), tools=tools, tokenize=False,
                                    add_generation_prompt=add_generation_prompt)
+
+
+def render_only(canon, tok) -> None:
+    [hf_render(c.messages, tok, tools=c.tools) for c in canon]
+
+
+def floor_fast(canon, tok) -> None:
+    """The same render + the engine's encode step with the fast byte-level encoder (masking/fast_bpe.py): ids,
+    and offsets worked out from the tokens' byte lengths (``ByteOffsets``)."""
+    encode_batch([hf_render(c.messages, tok, tools=c.tools) for c in canon], tok)
 
 
 def floor_hf(canon, tok) -> None:
@@ -226,6 +242,17 @@ def agreement(pipeline_labels, masks) -> tuple[float, int]:
     return same / total, apart
 
 
+def floor_line(best: dict, n_rows: int) -> str:
+    """The floor's parts per row (ms): the render, tokenizing by each encoder (its floor less the render), and
+    the pipeline by each, with their ratios."""
+    ms = {k: 1000 * v / n_rows for k, v in best.items()}
+    slow_tok, fast_tok = ms["floor (HF call)"] - ms["render"], ms["floor (fast)"] - ms["render"]
+    return (f"per row (ms): render {ms['render']:.3f}; tokenize: tokenizers {slow_tok:.3f}, fast {fast_tok:.3f} "
+            f"({slow_tok / fast_tok:.2f}x less); pipeline: tokenizers {ms['pipeline (tokenizers)']:.3f}, fast "
+            f"{ms['pipeline']:.3f} ({ms['pipeline (tokenizers)'] / ms['pipeline']:.2f}x less); pipeline / floor "
+            f"(fast) {ms['pipeline'] / ms['floor (fast)']:.3f}")
+
+
 def print_table(title: str, n_rows: int, best: dict, ref: str) -> None:
     print(f"\n{title}")
     print(f"{'':<22} {'rows/s':>8} {'seconds':>8} {'time / ' + ref:>16}")
@@ -235,12 +262,16 @@ def print_table(title: str, n_rows: int, best: dict, ref: str) -> None:
 
 def main_tables(args) -> None:
     tok = build_qwen_tokenizer("qwen3")
+    slow = build_qwen_tokenizer("qwen3")  # the same, encoded by tokenizers alone (the pipeline before issue 51)
+    keep_tokenizers(slow)
+    assert fast_encoder(tok, tok._tokenizer) is not None and fast_encoder(slow, slow._tokenizer) is None
     # like for like with the floor (one render per row): earlier turns' reasoning dropped, not expanded
     cfg = DataConfig(max_length=args.max_length, batch_size=args.batch_size, reasoning_history="drop")
     expand = cfg.model_copy(update={"reasoning_history": "expand"})
     rows = make_rows(args.rows)
     canon = [canonicalize_row(r, cfg) for r in rows]
     process_rows(rows[:8], tok, cfg)  # warm caches (template compile, layout probe)
+    process_rows(rows[:8], slow, cfg)
     lengths = [len(ids) for ids, _ in encode_batch([hf_render(c.messages, tok, tools=c.tools) for c in canon], tok)]
     print(f"machine: {platform.machine()}, {args.cpus} CPU cores, python {platform.python_version()}; rows "
           f"{args.rows}, mean tokens/row {sum(lengths) / len(lengths):.0f}, batch {args.batch_size}, "
@@ -257,8 +288,12 @@ def main_tables(args) -> None:
             "floor (HF call)": (floor_hf, canon_batches, (tok,)),
             "floor (Rust)": (floor_rust, canon_batches, (tok,)),
             "floor (ids only)": (floor_ids, canon_batches, (tok,)),
+            "floor (fast)": (floor_fast, canon_batches, (tok,)),
+            "render": (render_only, canon_batches, (tok,)),
             "pipeline": (pipeline, row_batches, (tok, cfg)),
+            "pipeline (tokenizers)": (pipeline, row_batches, (slow, cfg)),
         }, len(row_batches), args.repeats)
+        assert results["pipeline"] == results["pipeline (tokenizers)"]  # the same labels (and so ids) either way
         # measured on its own: it makes and leaves more objects, which would disturb the interleaved methods
         expand_best, expand_out = best_of({"pipeline (expand)": (pipeline_examples, row_batches, (tok, expand)),
                                            "pipeline": (pipeline, row_batches, (tok, cfg))},
@@ -269,6 +304,7 @@ def main_tables(args) -> None:
         print(f"ratio pipeline / floor (HF call): {best['pipeline'] / best['floor (HF call)']:.3f}   "
               f"pipeline / floor (Rust): {best['pipeline'] / best['floor (Rust)']:.3f}   "
               f"pipeline / floor (ids only): {best['pipeline'] / best['floor (ids only)']:.3f}")
+        print(floor_line(best, args.rows))
         n_examples = sum(expand_out["pipeline (expand)"])
         ratio = expand_best["pipeline (expand)"] / expand_best["pipeline"]
         print(f"reasoning_history: expand makes {n_examples} examples of {args.rows} rows "

@@ -212,3 +212,27 @@ def test_the_mask_audit_writes_hostile_rows_and_counts_their_refusals_apart(mask
     assert a.rows == a.kept + a.refused == 16 and a.refused_marker and a.kept and not a.text_differs
     assert (a.wrong, a.missed, a.weak, a.refused_decided) == (0, 0, 0, 0)
     assert a.reasons[mask_audit.short_reason("marker_in_row_text", "row 0: messages[1].role holds")] > 0
+
+
+def test_the_peers_bench_gives_llamafactory_the_same_rows_in_its_sharegpt_form(bench):
+    """bench_peers.py: every message's text reaches LLaMA-Factory, in the order and alternation its sharegpt reader
+    needs (user or observation, then assistant or function_call), a tool call as its name and arguments."""
+    peers = load_bench("bench_peers")
+    rows = bench.make_rows(40)
+    asking, answering = {"user", "observation"}, {"assistant", "function_call"}
+    calls = 0
+    for row in rows:
+        converted = peers.sharegpt(row)
+        messages = converted["messages"]
+        assert messages[0]["role"] == "system" and messages[0]["content"] == row["messages"][0]["content"]
+        turns = messages[1:]
+        assert [m["role"] in (asking if i % 2 == 0 else answering) for i, m in enumerate(turns)] == [True] * len(turns)
+        for m, original in zip(turns, row["messages"][1:]):
+            if m["role"] == "function_call":
+                call = original["tool_calls"][0]["function"]
+                assert json.loads(m["content"]) == {"name": call["name"], "arguments": call["arguments"]}
+                calls += 1
+            else:
+                assert m["content"] == original["content"]
+        assert ("tools" in converted) == ("tools" in row)
+    assert calls > 0

@@ -14,6 +14,7 @@ MODULES = [
     "qlora_train.masking.layout_declaration", "qlora_train.masking.apply_template", "qlora_train.masking.render",
     "qlora_train.masking.rendered",
     "qlora_train.masking.row_text", "qlora_train.masking.tokenize", "qlora_train.masking.count",
+    "qlora_train.masking.fast_bpe",
     "qlora_train.masking.check", "qlora_train.masking.budget", "qlora_train.masking.example",
     "qlora_train.masking.pair", "qlora_train.masking.messages", "qlora_train.masking.generation",
     "qlora_train.data.batches", "qlora_train.data.drops", "qlora_train.data.parse", "qlora_train.data.formats",

@@ -89,6 +89,10 @@ class ParseReport:
     rule_checked_rows: int = 0  # the rule's ids and labels are the same
     rule_unchecked_rows: int = 0  # the rule cannot decide (the template is not prefix-stable on the row)
     rule_disagreements: int = 0  # they differ: the row is refused as mask_disagrees
+    # ... and its renders encoded by the fast byte-level encoder and by tokenizers (masking/fast_bpe.py): they
+    # differ (the tokenizer is switched back to tokenizers for the rest of the run; the row is kept, as tokenizers
+    # encodes it)
+    fast_encoder_mismatches: int = 0
 
     def __add__(self, other: ParseReport) -> ParseReport:
         return ParseReport.total_of_dicts([self.to_dict(), other.to_dict()])

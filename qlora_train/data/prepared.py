@@ -140,7 +140,7 @@ def image_refs(*datasets) -> list[str]:
     for ds in datasets:
         if ds is None or "images" not in ds.column_names:
             continue
-        for refs in ds["images"]:
+        for refs in ds["images"][:]:  # the column read at once (iterating it reads a row at a time: ~20 µs each)
             seen.update(dict.fromkeys(r for r in refs if not r.startswith("data:")))
     return list(seen)
 

@@ -90,7 +90,7 @@ class Batch:
         if not self.checked(i):
             return
         check = guarded(rule_check.check_responses, prompt, responses, tools, tokenizer, policy=self.policy,
-                        layout=self.layout)
+                        layout=self.layout, report=report)
         if check is None:  # a side the fast path refuses: fitting the row refuses it with that reason
             return
         rule_check.count(report, check)

@@ -38,6 +38,7 @@ from qlora_train.masking import (
     mark_side,
     pair_policy,
     render_example,
+    verify_encoder,
 )
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,14 @@ def refusal(check: RuleCheck) -> RowRejected:
     return RowRejected(DropReason.MASK_DISAGREES, f"the layout's mask differs from the rule's: {check.detail}")
 
 
+def check_encoder(report: ParseReport, renders, tokenizer) -> None:
+    """A checked row's renders encoded by the fast byte-level encoder and by ``tokenizers`` (``verify_encoder``):
+    where their ids or offsets differ, counted in the report (``fast_encoder_mismatches``) and the tokenizer
+    switched back to ``tokenizers`` for the run. Refuses nothing: the row is re-encoded by ``tokenizers``."""
+    if verify_encoder(renders, tokenizer) is not None:
+        report.fast_encoder_mismatches = 1
+
+
 def check_examples(examples, tokenizer, *, policy: LossPolicy, layout: TemplateLayout) -> RuleCheck:
     """A chat row's examples (``(messages, tools, rendered)``, the fast path's renders) -> the row's outcome."""
     return worst([check_with_rule(messages, rendered, tokenizer, tools=tools, policy=policy, layout=layout)
@@ -113,7 +122,8 @@ def check_examples(examples, tokenizer, *, policy: LossPolicy, layout: TemplateL
 
 
 def check_responses(prompt: list, responses: dict[str, list], tools: list[dict] | None, tokenizer, *,
-                    policy: LossPolicy, layout: TemplateLayout) -> RuleCheck | None:
+                    policy: LossPolicy, layout: TemplateLayout, report: ParseReport | None = None
+                    ) -> RuleCheck | None:
     """A prompt and its responses (a pair's two sides, ``{"chosen": ..., "rejected": ...}``, or an unpaired row's
     completion), each rendered as ``masking.mask_pair`` renders it -> the row's outcome; None where the fast path
     refuses a side (the pipeline then refuses the row with that reason)."""
@@ -125,6 +135,8 @@ def check_responses(prompt: list, responses: dict[str, list], tools: list[dict] 
             example = render_example(messages, tokenizer, tools=tools, policy=side_policy, layout=layout)
         except RowRejected:
             return None
+        if report is not None:
+            check_encoder(report, [example.rendered], tokenizer)
         check = check_with_rule(messages, example.rendered, tokenizer, tools=tools, policy=side_policy, layout=layout)
         named = len(responses) > 1 and check.detail
         checks.append(check._replace(detail=f"{side}: {check.detail}") if named else check)

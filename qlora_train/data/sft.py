@@ -99,6 +99,7 @@ def _chat_example(b: Batch, i: int, row, tokenizer, reports: dict[int, ParseRepo
     _count_render(canon.report, example)
     if b.checked(i):
         examples = [(ex.messages, ex.tools, ex.rendered) for ex in (example, *example.extra)]
+        rule_check.check_encoder(canon.report, [rendered for _, _, rendered in examples], tokenizer)
         check = guarded(rule_check.check_examples, examples, tokenizer, policy=b.policy, layout=b.layout)
         rule_check.count(canon.report, check)
         if check.outcome == DISAGREE:

@@ -129,7 +129,7 @@ from qlora_train.masking.messages import (
 from qlora_train.masking.pair import SIDES, MaskedPair, MaskedResponse, mark_side, mask_pair, mask_response, pair_policy
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, ReasoningHistory, ThinkLoss, TrainOnEos
 from qlora_train.masking.rendered import render_text
-from qlora_train.masking.tokenize import IGNORE_INDEX
+from qlora_train.masking.tokenize import IGNORE_INDEX, verify_encoder
 
 __all__ = [
     # THE API, stable: a conversation (a prompt and its responses) in, a finished example out, or RowRejected
@@ -154,4 +154,6 @@ __all__ = [
     "KNOWN_ROLES", "THINK_CLOSE", "THINK_OPEN", "ReasoningHistory", "ThinkLoss", "TrainOnEos",
     # counting dropped reasoning; what one row may cost (data.row_budget)
     "count_tokens", "DEFAULT_BUDGET", "RowBudget", "RowOverBudget", "RowSpending",
+    # data.rule_check's sample encoded by the fast byte-level encoder and by tokenizers (fast_bpe.py)
+    "verify_encoder",
 ]

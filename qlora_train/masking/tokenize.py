@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import unicodedata
 import weakref
 from collections.abc import Sequence
@@ -37,6 +38,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer, pre_tokenizers
+
+from qlora_train.masking import fast_bpe
+from qlora_train.masking.fast_bpe import FastBPE
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 
@@ -409,8 +415,8 @@ def cuttable(tokenizer) -> bool:
     return True
 
 
-def encode_batch(texts: list[str], tokenizer, cuts: Sequence[Sequence[int]] | None = None
-                 ) -> list[tuple[list[int], Offsets]]:
+def encode_batch(texts: list[str], tokenizer, cuts: Sequence[Sequence[int]] | None = None, *,
+                 encoder: str = "fast") -> list[tuple[list[int], Offsets]]:
     """One batched fast-tokenizer call -> per text ``(input_ids, offsets)``.
 
     ``cuts[i]``: where text ``i`` is cut before it is tokenized (character positions; ``piece_bounds``). Each
@@ -452,11 +458,15 @@ def encode_batch(texts: list[str], tokenizer, cuts: Sequence[Sequence[int]] | No
         return [_with_offsets(text, encs[k], forms) if len(b) == 2 else
                 _joined(b, [(e.ids, e.offsets) for e in encs[k:k + len(b) - 1]])
                 for text, b, k in zip(texts, bounds, _firsts(bounds))]
-    encs = backend.encode_batch_fast(pieces, add_special_tokens=False)
+    fast = fast_encoder(tokenizer, backend) if encoder == "fast" else None
+    if fast is not None:
+        piece_ids = [_fast_ids(fast, piece) for piece in pieces]
+    else:
+        piece_ids = [e.ids for e in backend.encode_batch_fast(pieces, add_special_tokens=False)]
     out = []
     for text, b, k in zip(texts, bounds, _firsts(bounds)):
         n = len(b) - 1
-        offsets = _byte_offsets(text, b, encs[k:k + n], lengths, forms)
+        offsets = _byte_offsets(text, b, piece_ids[k:k + n], lengths, forms)
         if offsets is not None:
             out.append(offsets)
         elif n == 1:
@@ -465,6 +475,75 @@ def encode_batch(texts: list[str], tokenizer, cuts: Sequence[Sequence[int]] | No
             again = backend.encode_batch(pieces[k:k + n], add_special_tokens=False)
             out.append(_joined(b, [(e.ids, e.offsets) for e in again]))
     return out
+
+
+def _fast_ids(fast: FastBPE, piece: str) -> list[int] | None:
+    """A piece's ids by the fast encoder; None where it cannot take the text (a character not probed alike, a
+    lone surrogate)."""
+    if not fast.takes(piece):
+        return None
+    try:
+        return fast.encode(piece)
+    except UnicodeError:
+        return None
+
+
+_FAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (backend, size, FastBPE | reason)
+_SWITCHED_OFF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> differences found
+
+
+def fast_encoder(tokenizer, backend: Tokenizer) -> FastBPE | None:
+    """The tokenizer's tiktoken twin (``fast_bpe.build``), built once per tokenizer and vocabulary size; None where
+    its pipeline is not representable (said once in the log) or ``verify_encoder`` found it differ in this run."""
+    if tokenizer in _SWITCHED_OFF:
+        return None
+    built = per_vocabulary(_FAST, tokenizer, backend, _built)
+    return built if isinstance(built, FastBPE) else None
+
+
+def _built(backend: Tokenizer) -> FastBPE | str:
+    built = fast_bpe.build(backend)
+    if isinstance(built, str):
+        log.info("tokenizing with tokenizers, not the fast byte-level encoder: %s", built)
+    return built
+
+
+def switch_off_fast_encoder(tokenizer, why: str) -> None:
+    """The tokenizer back on ``tokenizers`` for the rest of the run (this process), counted, said once."""
+    n = _SWITCHED_OFF.get(tokenizer, 0)
+    _SWITCHED_OFF[tokenizer] = n + 1
+    if not n:
+        log.warning("the fast byte-level encoder differs from tokenizers on a checked row (%s): tokenizing with "
+                    "tokenizers for the rest of the run", why)
+
+
+def keep_tokenizers(tokenizer) -> None:
+    """Encode with ``tokenizers`` only, never the fast encoder, for this tokenizer (benchmarks' reference)."""
+    _SWITCHED_OFF.setdefault(tokenizer, 0)
+
+
+def verify_encoder(renders: Sequence[Any], tokenizer) -> str | None:
+    """``encode_rendered`` of ``renders`` by the fast encoder against ``tokenizers`` (what ``data.rule_check`` runs
+    on its sample): None where they give the same ids and offsets, or the fast encoder is not in use; else what
+    differs, and the tokenizer is switched back to ``tokenizers`` (``switch_off_fast_encoder``)."""
+    backend = _rust_backend(tokenizer)
+    if backend is None or fast_encoder(tokenizer, backend) is None:
+        return None
+    fast, slow = encode_rendered(renders, tokenizer), encode_rendered(renders, tokenizer, encoder="tokenizers")
+    for k, ((ids, offs), (want_ids, want_offs)) in enumerate(zip(fast, slow)):
+        if list(ids) != list(want_ids):
+            why = f"render {k}: ids differ from token {_first_difference(ids, want_ids)}"
+        elif not np.array_equal(_offset_pairs(offs), _offset_pairs(want_offs)):
+            why = f"render {k}: offsets differ"
+        else:
+            continue
+        switch_off_fast_encoder(tokenizer, why)
+        return why
+    return None
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _firsts(bounds: list[list[int]]) -> list[int]:
@@ -476,14 +555,16 @@ def _firsts(bounds: list[list[int]]) -> list[int]:
     return firsts
 
 
-def _byte_offsets(text: str, bounds: list[int], encs, lengths: np.ndarray, forms: tuple[str, ...]
-                  ) -> tuple[list[int], ByteOffsets] | None:
-    """A text's pieces' encodings -> its ids and ``ByteOffsets``, or None where a piece is not in the Unicode
-    forms the offsets need or its ids' byte lengths do not add up to its bytes."""
+def _byte_offsets(text: str, bounds: list[int], encs: list[list[int] | None], lengths: np.ndarray,
+                  forms: tuple[str, ...]) -> tuple[list[int], ByteOffsets] | None:
+    """A text's pieces' ids -> its ids and ``ByteOffsets``, or None where a piece has none (the encoder could not
+    take it), is not in the Unicode forms the offsets need, or its ids' byte lengths do not add up to its bytes."""
+    if any(e is None for e in encs):
+        return None
     if len(encs) == 1:
-        ids = encs[0].ids
+        ids = encs[0]
     else:
-        ids = list(chain.from_iterable(e.ids for e in encs))
+        ids = list(chain.from_iterable(encs))
     if not all(unicodedata.is_normalized(f, text if len(encs) == 1 else text[i:j])
                for f in forms for i, j in zip(bounds[:-1], bounds[1:])):
         return None
@@ -493,7 +574,7 @@ def _byte_offsets(text: str, bounds: list[int], encs, lengths: np.ndarray, forms
         piece_bytes = bounds[1:]
     else:
         piece_bytes = np.cumsum([len(text[i:j].encode()) for i, j in zip(bounds[:-1], bounds[1:])]).tolist()
-    ends = np.cumsum([len(e.ids) for e in encs]) if len(encs) > 1 else [len(ids)]
+    ends = np.cumsum([len(e) for e in encs]) if len(encs) > 1 else [len(ids)]
     if any(token_bounds[t] != b for t, b in zip(ends, piece_bytes)):
         return None
     return ids, ByteOffsets(token_bounds, text)
@@ -511,7 +592,7 @@ def _joined(bounds: list[int], encoded: list[tuple[list[int], Sequence[tuple[int
             OffsetArray(np.concatenate(arrays) if arrays else np.zeros((0, 2), dtype=np.int64)))
 
 
-def encode_rendered(renders: Sequence[Any], tokenizer) -> list[tuple[list[int], Offsets]]:
+def encode_rendered(renders: Sequence[Any], tokenizer, *, encoder: str = "fast") -> list[tuple[list[int], Offsets]]:
     """Renders -> per render ``(input_ids, offsets)``: the one step that tokenizes what the engine rendered, for
     the fast path, the rule (``check``), pairs and truncation alike, in one ``encode_batch`` call. A render is a
     ``RenderedConversation``, its text cut where each trained turn's generated part begins (its ``cuts``), or a
@@ -529,7 +610,7 @@ def encode_rendered(renders: Sequence[Any], tokenizer) -> list[tuple[list[int], 
             text, c = _image_runs_collapsed(r.text, r.cuts, r.images)
             texts.append(text)
             cuts.append(c)
-    encoded = encode_batch(texts, tokenizer, cuts=cuts)
+    encoded = encode_batch(texts, tokenizer, cuts=cuts, encoder=encoder)
     return [enc if isinstance(r, str) or r.images is None else _image_runs_expanded(*enc, r.images)
             for r, enc in zip(renders, encoded)]
 
