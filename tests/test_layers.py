@@ -19,10 +19,10 @@ LAYERS = [
     {"qlora_train.masking"},  # the mask engine: a conversation and a tokenizer in, text, masks and labels out
     {"qlora_train.config"},
     {"qlora_train.output_dir"},  # whose folder train.output_dir is, and which run writes into it now
+    {"qlora_train.rl"},  # online RL apart from the Trainer: sampling, rewards, tools (agent prompts' schemas), loss
     {"qlora_train.data"},
     {"qlora_train.vision"},  # which bases read images, their image processor (the tokenizer carries its rule)
     {"qlora_train.tokenizer"},
-    {"qlora_train.rl"},  # online RL apart from the Trainer: sampling, reward functions, GRPO's loss
     {"qlora_train.diagnostics", "qlora_train.train"},
     {"qlora_train.export"},  # loads the base as training did, reads the run's outputs
     {"qlora_train.cli", "qlora_train.tiny"},

@@ -154,8 +154,7 @@ def agent_rollouts(cfg: Config, tokenizer) -> Callable[[dict], str] | None:
     if cfg.train.method != "grpo" or not cfg.rl.tools:
         return None
     from qlora_train.diagnostics.rollouts import example_rollout, format_example_rollout
-    from qlora_train.rl.agent import AgentLimits
-    from qlora_train.train.run import rl_call_format, rl_tools
+    from qlora_train.rl.agent import AgentLimits, rl_call_format, rl_tools
 
     tools, fmt = rl_tools(cfg), rl_call_format(cfg, tokenizer)
     limits = AgentLimits(cfg.rl.max_turns, cfg.rl.tool_timeout_s, cfg.rl.tool_max_chars)

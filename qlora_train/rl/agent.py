@@ -29,6 +29,7 @@ rollout keeps the ids the model saw: nothing is re-rendered.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from typing import Literal
 from qlora_train.masking import TEMPLATE_ERRORS, TemplateLayout, render_prompt, render_text, template_layout
 from qlora_train.rl.tool_calls import CallFormat, ParsedCalls, parse_calls
 from qlora_train.rl.tools import DEFAULT_MAX_CHARS, DEFAULT_TIMEOUT_S, Tool, call_tool
+
+log = logging.getLogger(__name__)
 
 Policy = Callable[[list[int]], list[int]]  # the ids so far -> the next completion's ids (through its stop token)
 SegmentKind = Literal["prompt", "generated", "tool"]
@@ -244,3 +247,25 @@ def marked_text(rollout: AgentRollout, tokenizer) -> str:
     status += f"; differs from the template's render {rollout.difference}" if rollout.render_differs else \
         "; equal to the template's render"
     return "".join(out) + "\n(" + status + ")"
+
+
+def rl_tools(cfg) -> list:
+    """A config's ``rl.tools`` imported, their schemas read (``ToolError`` naming the one that cannot be); none
+    without."""
+    if cfg.train.method != "grpo" or not cfg.rl.tools:
+        return []
+    from qlora_train.rl.tools import load_tools
+
+    return load_tools(cfg.rl.tools)
+
+
+def rl_call_format(cfg, tokenizer):
+    """How the template writes a tool call (``rl.tool_call_format`` or the probe's): ``CallFormatError`` naming the
+    template and the option when it cannot be read."""
+    from qlora_train.rl.tool_calls import call_format
+
+    m = cfg.model
+    name = "the tokenizer's own" if m.chat_template in (None, "tokenizer") else f"the {m.chat_template!r}"
+    fmt = call_format(tokenizer, cfg.rl.tool_call_format, template_name=name)
+    log.info("tool calls: read as %s (rl.tools: %s)", fmt.kind, ", ".join(cfg.rl.tools))
+    return fmt

@@ -208,27 +208,6 @@ def rl_rewards(cfg: Config, args) -> list:
     return load_rewards(cfg.rl.rewards)
 
 
-def rl_tools(cfg: Config) -> list:
-    """``rl.tools`` imported, their schemas read (``ToolError`` naming the one that cannot be); none without."""
-    if cfg.train.method != "grpo" or not cfg.rl.tools:
-        return []
-    from qlora_train.rl.tools import load_tools
-
-    return load_tools(cfg.rl.tools)
-
-
-def rl_call_format(cfg: Config, tokenizer):
-    """How the template writes a tool call (``rl.tool_call_format`` or the probe's): ``CallFormatError`` naming the
-    template and the option when it cannot be read."""
-    from qlora_train.rl.tool_calls import call_format
-
-    m = cfg.model
-    name = "the tokenizer's own" if m.chat_template in (None, "tokenizer") else f"the {m.chat_template!r}"
-    fmt = call_format(tokenizer, cfg.rl.tool_call_format, template_name=name)
-    log.info("tool calls: read as %s (rl.tools: %s)", fmt.kind, ", ".join(cfg.rl.tools))
-    return fmt
-
-
 def summary_lines(cfg: Config, runtime, model, report, packing: PackingStats | None = None,
                   new_tokens: NewTokens = NO_NEW_TOKENS, vision: VisionBase | None = None) -> list[str]:
     trainable, total = count_parameters(model)
@@ -365,6 +344,8 @@ def train(cfg: Config, *, callbacks: list | None = None, overwrite: bool = False
 
 def _train(cfg: Config, lock: RunLock, *, callbacks: list | None, overwrite: bool):
     from transformers import IntervalStrategy, Trainer, set_seed
+
+    from qlora_train.rl.agent import rl_call_format, rl_tools
 
     set_seed(cfg.train.seed)  # before the adapter is built: LoRA init is random
     out = Path(cfg.train.output_dir)
