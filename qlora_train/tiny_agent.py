@@ -25,6 +25,7 @@ from pathlib import Path
 AGENT_DIR = ".cache/tiny-qwen3-agent"
 TOOL = "qlora_train.rl.calculator:calculate"
 OPS = ("+", "-", "*")
+DEMO_DATA = Path(__file__).resolve().parent.parent / "configs" / "data" / "quickstart-agent.jsonl"
 
 
 def conversations(n: int, *, seed: int = 0, exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
@@ -40,7 +41,7 @@ def conversations(n: int, *, seed: int = 0, exclude: frozenset[str] = frozenset(
     return out
 
 
-def demo_prompts(path: str | Path = Path(__file__).resolve().parent.parent / "configs/data/quickstart-agent.jsonl"):
+def demo_prompts(path: str | Path = DEMO_DATA) -> frozenset[str]:
     """The bundled demo's prompts (kept out of the training conversations)."""
     path = Path(path)
     if not path.is_file():
@@ -62,9 +63,9 @@ def scripted_rollouts(tokenizer, pairs):
     for question, expression in pairs:
         call = json.dumps({"name": "calculate", "arguments": {"expression": expression}})
         turns = iter([f"<tool_call>\n{call}\n</tool_call>{end}", f"The answer is {calculate(expression)}.{end}"])
-        rollout = agent_rollout([{"role": "user", "content": question}],
-                                lambda ids: tokenizer.encode(next(turns), add_special_tokens=False), tokenizer,
-                                tools=tools, call_format=fmt, limits=AgentLimits(max_turns=2))
+        policy = lambda ids, turns=turns: tokenizer.encode(next(turns), add_special_tokens=False)  # noqa: E731
+        rollout = agent_rollout([{"role": "user", "content": question}], policy, tokenizer, tools=tools,
+                                call_format=fmt, limits=AgentLimits(max_turns=2))
         if rollout.calls != 1 or rollout.stop != "answer":
             raise RuntimeError(f"the scripted rollout of {question!r} did not call then answer: {rollout.stop}")
         out.append((rollout.input_ids, rollout.trained))
