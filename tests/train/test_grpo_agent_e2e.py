@@ -1,6 +1,7 @@
-"""The agent demo's config through the CLI, one step on the tiny model: multi-turn rollouts with the calculator
-(``rl.tools``), the guided first call (``rl.guided_first_call``) parsed and run, the rollout logged with its
-segments marked, the agent metrics logged."""
+"""The agent demo's config through the CLI, one step on the random tiny model (the demo's own, trained to write
+calls, takes minutes to build: ``qlora_train.tiny_agent``): multi-turn rollouts with the calculator
+(``rl.tools``), the guided first call (``rl.guided_first_call``, off in the demo, turned on here) parsed and run,
+the rollout logged with its segments marked, the agent metrics logged."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_the_agent_quickstart_through_the_cli(tmp_path, tiny_model_dir, monkeypa
     monkeypatch.chdir(REPO / "configs")  # its data path is relative to it
     args = ["--config", str(CONFIG), "--set", f"model.name_or_path={tiny_model_dir}", "--set",
             f"train.output_dir={tmp_path / 'run'}", "--set", "train.max_steps=1", "--set", "train.save_steps=1",
-            "--set", "train.per_device_train_batch_size=1", "--set", "rl.num_generations=2",
+            "--set", "train.per_device_train_batch_size=1", "--set", "rl.guided_first_call=true",
+            "--set", "rl.num_generations=2",
             # cheaper on CPU, what is asserted unchanged: no 4-bit dequantizing in each of the 4 generate calls, and
             # turns of at most 30 tokens (the guided call's longest: 15 forced, 12 drawn, 3 closing)
             "--set", "model.load_in_4bit=false", "--set", "rl.max_completion_length=30"]
