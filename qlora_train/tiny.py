@@ -256,6 +256,21 @@ def save_tokenizer(tok, out) -> None:
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def build_tiny_agent(out_dir: str | Path, *, base: str | Path = TINY_DIR) -> Path:
+    """The agent demo's model (``qlora_train.tiny_agent``) written to ``out_dir``, from the tiny Qwen3 model at
+    ``base`` (built first where it is not there)."""
+    from qlora_train.tiny_agent import taught_call_shape
+
+    if not (Path(base) / "config.json").is_file():
+        build_tiny_qwen3(base)
+    model, tok = taught_call_shape(base)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    save_tokenizer(tok, out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     from qlora_train.vision import FAMILIES
@@ -277,8 +292,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tiny model already at {out}")
         return
     if args.agent:
-        from qlora_train.tiny_agent import build_tiny_agent
-
         print(f"wrote the tiny Qwen3 model taught the calculator's call to {build_tiny_agent(out)}")
     elif args.vision:
         print(f"wrote tiny {args.vision} model, its tokenizer and image processor to "

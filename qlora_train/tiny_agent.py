@@ -100,26 +100,17 @@ def train_call_shape(model, examples, *, steps: int, lr: float, batch_size: int,
     return model
 
 
-def build_tiny_agent(out_dir: str | Path = AGENT_DIR, *, base: str | Path = ".cache/tiny-qwen3", n: int = 256,
-                     steps: int = 150, lr: float = 3e-3, batch_size: int = 8, seed: int = 0, log=print) -> Path:
-    """Write the tiny model taught the calculator's call shape (see the module doc) and its tokenizer."""
+def taught_call_shape(base: str | Path, *, n: int = 256, steps: int = 150, lr: float = 3e-3, batch_size: int = 8,
+                      seed: int = 0, log=print):
+    """The tiny model at ``base`` taught the calculator's call shape (see the module doc) -> (model, tokenizer with
+    the qwen3 template); ``qlora_train.tiny --agent`` saves them."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qlora_train.chat_templates import get_chat_template
-    from qlora_train.tiny import build_tiny_qwen3, save_tokenizer
-
-    base = Path(base)
-    if not (base / "config.json").is_file():
-        build_tiny_qwen3(base)
-    from transformers import AutoTokenizer
 
     tok = get_chat_template(AutoTokenizer.from_pretrained(base), "qwen3")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     examples = scripted_rollouts(tok, conversations(n, seed=seed, exclude=demo_prompts()))
     train_call_shape(model, examples, steps=steps, lr=lr, batch_size=batch_size, seed=seed, log=log)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    save_tokenizer(tok, out)
-    return out
+    return model, tok

@@ -25,6 +25,7 @@ LAYERS = [
     {"qlora_train.tokenizer"},
     {"qlora_train.diagnostics", "qlora_train.train"},
     {"qlora_train.export"},  # loads the base as training did, reads the run's outputs
+    {"qlora_train.tiny_agent"},  # the agent demo's model taught the call shape (qlora_train.tiny --agent saves it)
     {"qlora_train.cli", "qlora_train.tiny"},
 ]
 

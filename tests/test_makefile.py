@@ -31,7 +31,7 @@ def scratch(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "qlora-train").write_text(FAKE)
     (bin_dir / "qlora-train").chmod(0o755)
-    for model in ("tiny-qwen3", "tiny-qwen2.5-vl"):
+    for model in ("tiny-qwen3", "tiny-qwen2.5-vl", "tiny-qwen3-agent"):
         (tmp_path / ".cache" / model).mkdir(parents=True)
         (tmp_path / ".cache" / model / "config.json").write_text("{}")
     return tmp_path
