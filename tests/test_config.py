@@ -18,6 +18,7 @@ def test_every_shipped_config_validates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the quickstart's local model dir is built by `make demo`: stand one in
     (tmp_path / ".cache/tiny-qwen3").mkdir(parents=True)
     (tmp_path / ".cache/tiny-qwen2.5-vl").mkdir(parents=True)  # make demo-vl's
+    (tmp_path / ".cache/tiny-qwen3-agent").mkdir(parents=True)  # make demo-agent's
     cfg = load_config(path)
     if cfg.model.chat_template is not None:  # None: the model's own template
         assert resolve_chat_template(cfg.model.chat_template)
@@ -53,6 +54,7 @@ def test_overrides_apply_last(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".cache/tiny-qwen3").mkdir(parents=True)
     (tmp_path / ".cache/tiny-qwen2.5-vl").mkdir(parents=True)  # make demo-vl's
+    (tmp_path / ".cache/tiny-qwen3-agent").mkdir(parents=True)  # make demo-agent's
     cfg = load_config(REPO / "configs/quickstart.yaml", ["train.max_steps=7", "data.think_loss=answer_only"])
     assert cfg.train.max_steps == 7 and cfg.data.think_loss == "answer_only"
 
