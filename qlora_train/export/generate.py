@@ -137,6 +137,11 @@ def prompt_inputs(tok, messages: list[dict]) -> dict:
     except RowRejected as rej:
         raise ExportError(f"--image: {rej.detail}") from None
     inputs = dict(tok(text, add_special_tokens=False, return_tensors="pt"))
+    if rule.layout is not None:  # a structured expansion's family: its images batched its own way
+        inputs.update(rule.layout.batch_pixels([
+            rule.image_processor(images=[open_image(im["ref"])], return_tensors="pt", **rule.layout.pixel_kwargs)
+            for im in images]))
+        return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     pixels = rule.image_processor(images=[open_image(im["ref"]) for im in images], return_tensors="pt")
     inputs.update({"pixel_values": pixels["pixel_values"],
                    rule.type_ids: (inputs["input_ids"] == rule.image_token_id).int()})

@@ -58,6 +58,9 @@ class ImageRule:
     after: str = ""  # and after them (Gemma 3: "<end_of_image>\n\n")
     fixed_tokens: int | None = None  # tokens an image of any size (Gemma 3's ``image_seq_length``); None: by size
     type_ids: str = "mm_token_type_ids"  # the model input marking image tokens
+    # a structured expansion (``image_layouts``: Pixtral's rows, Idefics3's tiles): several runs of the image token
+    # an image, between markers the image's size decides; None: ``before`` + one run + ``after``
+    layout: Any = None
 
     @classmethod
     def of(cls, image_processor, tokenizer, image_token: str = "<|image_pad|>",
@@ -82,7 +85,9 @@ class ImageRule:
 
     def tokens(self, width: int, height: int) -> int:
         """Image tokens of an image of this size; ``RowRejected`` (``bad_image``) for one the processor refuses
-        (an aspect ratio over 200:1)."""
+        (an aspect ratio over 200:1). A structured expansion's: every run's together."""
+        if self.layout is not None:
+            return sum(n for _, n in self.layout.expansion_of(width, height)[1])
         if self.fixed_tokens is not None:
             return self.fixed_tokens
         try:
@@ -94,6 +99,20 @@ class ImageRule:
     def expansion(self, n: int) -> str:
         """What the processor writes for an image of ``n`` tokens."""
         return self.before + self.image_token * n + self.after
+
+    def expansion_of(self, width: int, height: int) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """What the processor writes for an image of this size, and where its runs of image tokens sit in that
+        text: ``(text, ((first character, tokens), ...))``. One run after ``before`` for the one-run families; a
+        structured expansion's (``layout``) runs between its markers (Pixtral: a run a row, ``[IMG_BREAK]``
+        between rows, ``[IMG_END]`` last).
+
+        >>> ImageRule("<i>", 7, _Fixed(2), before="[", after="]").expansion_of(28, 28)
+        ('[<i><i>]', ((1, 2),))
+        """
+        if self.layout is not None:
+            return self.layout.expansion_of(width, height)
+        n = self.tokens(width, height)
+        return self.expansion(n), ((len(self.before), n),)
 
 
 class _Fixed:
@@ -133,16 +152,17 @@ def expanded_text(text: str, images: list[ImageInfo], rule: ImageRule) -> str:
                           f"{rule.written!r} for {len(images)} image(s)")
     out = [pieces[0]]
     for im, piece in zip(images, pieces[1:]):
-        out += [rule.expansion(rule.tokens(im["width"], im["height"])), piece]
+        out += [rule.expansion_of(im["width"], im["height"])[0], piece]
     return "".join(out)
 
 
 def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule: ImageRule
                   ) -> RenderedConversation:
-    """The render with each image token the template wrote replaced by the image's tokens (``rule.tokens`` of its
-    size), untrained; every position of the render (message ends, turns) moved with the text. The template must
-    have written exactly one image token per image, and no other placeholder (``bad_image`` otherwise: an image it
-    does not write, or a row whose text holds the placeholder itself)."""
+    """The render with each image token the template wrote replaced by the image's expansion
+    (``rule.expansion_of`` its size: its image tokens and any markers around and between their runs), untrained;
+    every position of the render (message ends, turns) moved with the text. The template must have written exactly
+    one image token per image, and no other placeholder (``bad_image`` otherwise: an image it does not write, or a
+    row whose text holds the placeholder itself)."""
     text, token, written = rendered.text, rule.image_token, rule.written
     for other in rule.other_tokens + ((token,) if written != token else ()):
         if other in text:
@@ -158,18 +178,17 @@ def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule:
                           "write, or the placeholder in the row's text)")
     if not images:
         return rendered
-    counts = [rule.tokens(im["width"], im["height"]) for im in images]
+    expansions = [rule.expansion_of(im["width"], im["height"]) for im in images]
     pieces, masks, prev = [], [], 0
-    for s, n in zip(starts, counts):
+    for s, (expansion, _) in zip(starts, expansions):
         if rendered.char_mask[s:s + len(written)].any():
             raise RowRejected(DropReason.BAD_IMAGE, "an image inside a trained turn: a model does not write images")
-        expansion = rule.expansion(n)
         pieces += [text[prev:s], expansion]
         masks += [rendered.char_mask[prev:s], np.zeros(len(expansion), np.uint8)]
         prev = s + len(written)
     pieces.append(text[prev:])
     masks.append(rendered.char_mask[prev:])
-    grown = [len(rule.expansion(n)) - len(written) for n in counts]
+    grown = [len(expansion) - len(written) for expansion, _ in expansions]
     shift = np.concatenate([[0], np.cumsum(grown)])
 
     def moved(p: int) -> int:  # a position at or after a placeholder's end moves by the growth before it
@@ -179,8 +198,9 @@ def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule:
                            None if t.reasoning is None else (moved(t.reasoning[0]), moved(t.reasoning[1])),
                            None if t.eot_start is None else moved(t.eot_start), t.reasoning_dropped)
                   for t in rendered.turns)
-    runs = ImageRuns(token, rule.image_token_id,  # each run starts after its wrapper's text
-                     tuple((moved(s) + len(rule.before), n) for s, n in zip(starts, counts)))
+    runs = ImageRuns(token, rule.image_token_id,  # every run of every image, where its expansion puts it
+                     tuple((moved(s) + at, n) for s, (_, image_runs) in zip(starts, expansions)
+                           for at, n in image_runs))
     return rendered._replace(text="".join(pieces), char_mask=np.concatenate(masks),
                              message_ends=tuple(moved(e) for e in rendered.message_ends), turns=turns, images=runs,
                              extra_cuts=tuple(moved(c) for c in rendered.extra_cuts))

@@ -34,10 +34,12 @@ class TurnSpan(NamedTuple):
 
 
 class ImageRuns(NamedTuple):
-    """Where a render holds images' tokens (``images.expand_images``): the image token, its id, and each image's
-    run as (its first character, its length in tokens). ``tokenize.encode_rendered`` tokenizes the text with each
-    run as one token and repeats its id: an added token is matched whole before anything around it is tokenized,
-    so that is the whole text's tokenization (tested against it), with no per-token work for an image."""
+    """Where a render holds images' tokens (``images.expand_images``): the image token, its id, and every run of
+    image tokens as (its first character, its length in tokens): one an image, or an image's several where its
+    expansion puts markers between them (``ImageRule.expansion_of``: Pixtral's rows). ``tokenize.encode_rendered``
+    tokenizes the text with each run as one token and repeats its id: an added token is matched whole before
+    anything around it is tokenized, so that is the whole text's tokenization (tested against it), with no
+    per-token work for an image."""
 
     token: str
     token_id: int

@@ -74,17 +74,20 @@ class ImageCollator:
         refs = [list(f.get("images") or ()) for f in features]
         if not any(refs):
             return batch
-        sizes, pixels, grids = [], [], []
+        sizes, pixels, grids, each = [], [], [], []
+        layout = self.rule.layout
         for row, row_refs in enumerate(refs):  # one image decoded at a time: a batch holds one image's pixels
             for ref in row_refs:
                 image = _open(ref, row, self.max_pixels)
                 sizes.append(image.size)
-                processed = self.rule.image_processor(images=[image], return_tensors="pt")
+                processed = self.rule.image_processor(images=[image], return_tensors="pt",
+                                                      **getattr(layout, "pixel_kwargs", {}))
                 del image
+                each.append(processed)
                 pixels.append(processed["pixel_values"])
                 if "image_grid_thw" in processed:
                     grids.append(processed["image_grid_thw"])
-        tokens = image_tokens(self.rule, grids, len(sizes))
+        tokens = image_tokens(self.rule, grids, len(sizes), sizes)
         is_image = batch["input_ids"] == self.rule.image_token_id  # (pads are never the image token)
         at = 0
         for row, (held, row_refs) in enumerate(zip(is_image.sum(dim=1).tolist(), refs)):
@@ -96,16 +99,23 @@ class ImageCollator:
                                 f"{len(row_refs)} image(s) make {sum(made)} ({sizes or 'none'}): did an image change "
                                 "since the rows were processed (the datasets cache, data.prepared_path)?")
             at += len(row_refs)
-        batch["pixel_values"] = torch.cat(pixels)
+        if layout is not None:  # a structured expansion's family batches its images its own way
+            batch.update(layout.batch_pixels(each))
+        else:
+            batch["pixel_values"] = torch.cat(pixels)
         if grids:
             batch["image_grid_thw"] = torch.cat(grids)
-        batch[self.rule.type_ids] = is_image.int()
+        if self.rule.type_ids:
+            batch[self.rule.type_ids] = is_image.int()
         return batch
 
 
-def image_tokens(rule, grids: list, images: int) -> list[int]:
-    """Each image's tokens as its pixels make them: the fixed count of a fixed-count family (Gemma 3), else its
-    grid's merged patches (``t * h * w // merge_size**2``, the Qwen-VL families)."""
+def image_tokens(rule, grids: list, images: int, sizes: list[tuple[int, int]] = ()) -> list[int]:
+    """Each image's tokens as its pixels make them: the fixed count of a fixed-count family (Gemma 3), a structured
+    expansion's by the decoded image's size (``sizes``, upright), else its grid's merged patches
+    (``t * h * w // merge_size**2``, the Qwen-VL families)."""
+    if rule.layout is not None:
+        return [rule.tokens(w, h) for w, h in sizes]
     if rule.fixed_tokens is not None:
         return [rule.fixed_tokens] * images
     return (torch.cat(grids).prod(dim=1) // int(rule.image_processor.merge_size) ** 2).tolist()
