@@ -9,8 +9,9 @@ beside the pixels), Gemma 3 (a fixed count of ``<image_soft_token>`` between its
 ``token_type_ids``) and Mistral 3 (a structured expansion: a run of ``[IMG]`` a row of the resized image between
 ``[IMG_BREAK]`` / ``[IMG_END]``, ``image_sizes`` beside the pixels; ``masking.image_layouts``). Another
 vision-language base (LLaVA-OneVision, Qwen3.5, ...) trains on text rows as before; a config that asks it for
-images (``data.image_dir``, ``data.image_root``, ``lora.train_vision``) is refused before any data loads, and a row with images for it is refused (``bad_image``), which training then turns into one
-``ConfigError`` naming the model type (``check_images_readable``). Both name the supported families.
+images (``data.image_dir``, ``data.image_root``, ``lora.train_vision``) is refused before any data loads, and a row
+with images for it is refused (``bad_image``), which training then turns into one ``ConfigError`` naming the model
+type (``check_images_readable``). Both name the supported families.
 
     >>> vision_base(ModelConfig(name_or_path=".cache/tiny-qwen2.5-vl"))
     VisionBase(model_type='qwen2_5_vl', tower='model.visual')
