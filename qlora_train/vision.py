@@ -6,8 +6,9 @@ families whose images this trainer reads (each with its ``model_type``, vision t
 template; ``python -m qlora_train.tiny --vision FAMILY`` builds a tiny one of each), and how its processor writes an
 image (its ``ImageRule``): the Qwen2-VL-style models (one ``<|image_pad|>`` per merged patch, ``image_grid_thw``
 beside the pixels), Gemma 3 (a fixed count of ``<image_soft_token>`` between its image markers,
-``token_type_ids``) and Mistral 3 (a structured expansion: a run of ``[IMG]`` a row of the resized image between
-``[IMG_BREAK]`` / ``[IMG_END]``, ``image_sizes`` beside the pixels; ``masking.image_layouts``). Another
+``token_type_ids``), Mistral 3 and Idefics3 (structured expansions, ``masking.image_layouts``: a run of ``[IMG]`` a
+row of the resized image between ``[IMG_BREAK]`` / ``[IMG_END]``, ``image_sizes`` beside the pixels; a run of
+``<image>`` a tile after its ``<row_R_col_C>``, then the global image's). Another
 vision-language base (LLaVA-OneVision, Qwen3.5, ...) trains on text rows as before; a config that asks it for
 images (``data.image_dir``, ``data.image_root``, ``lora.train_vision``) is refused before any data loads, and a row
 with images for it is refused (``bad_image``), which training then turns into one ``ConfigError`` naming the model
@@ -81,6 +82,12 @@ FAMILIES = (
     VisionFamily("mistral3", "mistral3", "model.vision_tower", "mistral3", image_token="[IMG]",
                  examples="Mistral-Small-3.1/3.2-24B-Instruct", type_ids="", markers=("[IMG_BREAK]", "[IMG_END]"),
                  packable=False, layout="pixtral",
+                 unpackable_why="packed image rows are not proved for it (no packed-vs-unpacked loss check)"),
+    # Idefics3 (SmolVLM writes the same text; its processor needs num2words, not installed here): the template writes
+    # <image>, Idefics3Processor writes per tile <fake_token_around_image><row_R_col_C> + image_seq_len x <image>,
+    # "\n" after each tile row, then the global image (masking.image_layouts); pixel_attention_mask beside the pixels
+    VisionFamily("idefics3", "idefics3", "model.vision_model", "idefics3", image_token="<image>",
+                 examples="Idefics3-8B-Llama3", type_ids="", packable=False, layout="idefics3",
                  unpackable_why="packed image rows are not proved for it (no packed-vs-unpacked loss check)"),
 )
 FAMILY_BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
@@ -210,14 +217,22 @@ def layout_rule(family: VisionFamily, processor, tokenizer, config: dict):
     """The ``ImageRule`` of a family with a structured expansion (``family.layout``), from its model config and
     image processor: Mistral 3's ``PixtralRows`` (a token ``vision_config.patch_size`` x ``spatial_merge_size``
     pixels a side, as PixtralProcessor with the model's values; images shrunk to the image processor's
-    ``size["longest_edge"]``)."""
+    ``size["longest_edge"]``); Idefics3's ``Idefics3Tiles`` (``(image_size // patch_size)² / scale_factor²`` image
+    tokens a tile, the image processor's ``size``, ``max_image_size`` and ``do_image_splitting``)."""
     from qlora_train.masking import ImageRule
-    from qlora_train.masking.image_layouts import PixtralRows
+    from qlora_train.masking.image_layouts import Idefics3Tiles, PixtralRows
 
-    if family.layout != "pixtral":
+    vision = config.get("vision_config") or {}
+    if family.layout == "pixtral":
+        patch = int(vision.get("patch_size", 16)) * int(config.get("spatial_merge_size", 1))
+        layout = PixtralRows(patch, int(processor.size["longest_edge"]), family.image_token, *family.markers)
+    elif family.layout == "idefics3":  # image_seq_len as the processor documents it: the tower's patches, shuffled
+        seq = int((int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))) ** 2
+                  / float(config.get("scale_factor", 2)) ** 2)
+        layout = Idefics3Tiles(seq, int(processor.size["longest_edge"]), int(processor.max_image_size["longest_edge"]),
+                               bool(processor.do_image_splitting), family.image_token)
+    else:
         raise ValueError(f"no image layout {family.layout!r}")
-    patch = int((config.get("vision_config") or {}).get("patch_size", 16)) * int(config.get("spatial_merge_size", 1))
-    layout = PixtralRows(patch, int(processor.size["longest_edge"]), family.image_token, *family.markers)
     added = tokenizer.get_added_vocab()
     for token in layout.markers:
         if token not in added:

@@ -79,3 +79,103 @@ class PixtralRows:
         padded = [torch.nn.functional.pad(x, (0, w - x.shape[-1], 0, h - x.shape[-2])) for x in pixels]
         sizes = [torch.as_tensor(p["image_sizes"]).reshape(-1, 2) for p in processed]
         return {"pixel_values": torch.cat(padded), "image_sizes": torch.cat(sizes)}
+
+
+IDEFICS3_MAX_SIDE = 4096  # the image processor's absolute bound on a resized side (its MAX_IMAGE_SIZE)
+
+
+@dataclass(frozen=True)
+class Idefics3Tiles:
+    """Idefics3's expansion (``Idefics3Processor``; SmolVLM's is the same text): the image resized so that its
+    longest edge is ``longest_edge`` (the image processor's ``size``), then up to whole ``tile``-pixel tiles
+    (``max_image_size``); each tile row writes, per tile, ``<fake_token_around_image><row_R_col_C>`` + ``<image>`` x
+    ``image_seq_len``, then ``\\n``; then the whole image shrunk to one tile: ``\\n<fake_token_around_image>
+    <global-img>`` + ``<image>`` x ``image_seq_len`` + ``<fake_token_around_image>``. An image of one tile (or
+    ``splitting`` off) is the global image alone, without the leading ``\\n``.
+
+    >>> text, runs = Idefics3Tiles(1, 64, 32).expansion_of(60, 30)  # 64x32 -> 2 tiles in a row, then the global
+    >>> text.replace("<fake_token_around_image>", "F")
+    'F<row_1_col_1><image>F<row_1_col_2><image>\\n\\nF<global-img><image>F'
+    >>> runs
+    ((38, 1), (83, 1), (129, 1))
+    """
+
+    image_seq_len: int
+    longest_edge: int
+    tile: int
+    splitting: bool = True
+    image_token: str = "<image>"
+    fake_token: str = "<fake_token_around_image>"
+    global_token: str = "<global-img>"
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Tokens only the processor writes, besides the image token (a render holding one is refused)."""
+        return (self.fake_token, self.global_token, *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
+
+    @property
+    def pixel_kwargs(self) -> dict:
+        """The image processor's call as the processor makes it: as saved."""
+        return {}
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """The image's (width, height) after the image processor's resize: its longest edge to ``longest_edge``
+        (the other side floored, then made even), both under 4096 pixels."""
+        aspect = width / height
+        if width >= height:
+            width, height = self.longest_edge, int(self.longest_edge / aspect)
+            height += height % 2
+        else:
+            height, width = self.longest_edge, int(self.longest_edge * aspect)
+            width += width % 2
+        height, width = max(height, 1), max(width, 1)
+        aspect = width / height
+        if width >= height and width > IDEFICS3_MAX_SIDE:
+            width, height = IDEFICS3_MAX_SIDE, int(IDEFICS3_MAX_SIDE / aspect)
+        elif height > width and height > IDEFICS3_MAX_SIDE:
+            height, width = IDEFICS3_MAX_SIDE, int(IDEFICS3_MAX_SIDE * aspect)
+        return max(width, 1), max(height, 1)
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, columns) of tiles of an image of this size, (0, 0) for the global image alone: the resized image
+        brought up to whole tiles (``resize_for_vision_encoder``), split where it is more than one."""
+        if not self.splitting:
+            return 0, 0
+        width, height = self.resized(width, height)
+        aspect, t = width / height, self.tile
+        if width >= height:
+            width = math.ceil(width / t) * t
+            height = math.ceil(int(width / aspect) / t) * t
+        else:
+            height = math.ceil(height / t) * t
+            width = math.ceil(int(height * aspect) / t) * t
+        if height > t or width > t:
+            return (height - t) // t + 1, (width - t) // t + 1
+        return 0, 0
+
+    def expansion_of(self, width: int, height: int) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """The processor's text for the image and its runs of ``<image>`` (one a tile, then the global image's)."""
+        rows, cols = self.grid(width, height)
+        run = self.image_token * self.image_seq_len
+        text, runs = "", []
+        for r in range(rows):
+            for c in range(cols):
+                text += f"{self.fake_token}<row_{r + 1}_col_{c + 1}>"
+                runs.append((len(text), self.image_seq_len))
+                text += run
+            text += "\n"
+        text += ("\n" if rows else "") + self.fake_token + self.global_token
+        runs.append((len(text), self.image_seq_len))
+        return text + run + self.fake_token, tuple(runs)
+
+    @staticmethod
+    def batch_pixels(processed: list) -> dict:
+        """Every image's tiles (its global image last), in order, as ``[tiles, 1, 3, tile, tile]`` and their
+        ``pixel_attention_mask``: the model reads its pixels as ``[batch, images, ...]`` flattened, so one tile a
+        "row" keeps the order of the ids' ``<image>`` runs (and halves of a batch split by tiles)."""
+        import torch
+
+        out = {"pixel_values": torch.cat([p["pixel_values"][0] for p in processed]).unsqueeze(1)}
+        if all("pixel_attention_mask" in p for p in processed):
+            out["pixel_attention_mask"] = torch.cat([p["pixel_attention_mask"][0] for p in processed]).unsqueeze(1)
+        return out
