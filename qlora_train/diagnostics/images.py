@@ -127,10 +127,36 @@ def _inline_column_images(raw_row: str, data: DataConfig) -> dict[str, str]:
     return out
 
 
+def _grouped(spans: list[tuple[int, int, int]], refs: list[str], rule) -> list[tuple[int, int, int]]:
+    """A structured expansion's runs (``rule.layout``: Pixtral's rows, Idefics3's tiles) grouped into one span an
+    image, by the runs each reference's size makes, where every size reads and they add up to the runs found
+    (else the runs as found)."""
+    if rule.layout is None or not refs:
+        return spans
+    counts = []
+    for ref in refs:
+        size, _ = image_size(ref)
+        if size is None:
+            return spans
+        try:
+            counts.append(len(rule.expansion_of(*size)[1]))
+        except RowRejected:
+            return spans
+    if sum(counts) != len(spans):
+        return spans
+    out, at = [], 0
+    for k in counts:
+        group = spans[at:at + k]
+        out.append((group[0][0], group[-1][1], sum(n for _, _, n in group)))
+        at += k
+    return out
+
+
 def image_runs(ids: list[int], refs: list[str], tokenizer, sources: list[str] = ()) -> tuple[ImageRun, ...]:
     """A sample's ids and its row's image references -> its images' runs, in order (``()`` for a text model).
 
-    Each maximal run of the image token is one image, with the open and close markers right around it; the k-th
+    Each maximal run of the image token is one image (a structured expansion's runs grouped by image, ``_grouped``),
+    with the open and close markers right around it; the k-th
     run is ``refs[k]`` (from ``sources[k]``, ``image_sources``) when there are as many runs as references (else no
     reference is named: only the counts)."""
     rule = image_rule(tokenizer)
@@ -150,6 +176,7 @@ def image_runs(ids: list[int], refs: list[str], tokenizer, sources: list[str] = 
         end = q + 1 if q < len(ids) and close_id is not None and ids[q] == close_id else q
         spans.append((start, end, q - p))
         p = end
+    spans = _grouped(spans, refs, rule)
     named = refs if len(refs) == len(spans) else [""] * len(spans)
     where = list(sources) if len(sources) == len(named) and refs == named else [""] * len(spans)
     out = []

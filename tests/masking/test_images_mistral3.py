@@ -205,3 +205,19 @@ def test_rule_read_from_the_models_config_and_packing_refused(mistral3, tmp_path
     (problem,) = exc.value.problems
     assert problem.startswith("train.packing: packed image rows are not supported for ") and "(mistral3)" in problem
     assert "not proved" in problem
+
+
+def test_debug_samples_show_one_run_an_image(mistral3, tmp_path):
+    """``diagnostics.images.image_runs``: an image's rows (runs of ``[IMG]`` between its markers) read as one
+    image, named by its reference, its count the rule's for its size."""
+    from qlora_train.diagnostics.images import image_runs
+
+    tok, _ = mistral3
+    refs = []
+    for k, picture in enumerate(pictures(sizes_of(TWO))):
+        refs.append(str(tmp_path / f"{k}.png"))
+        picture.save(refs[-1])
+    m = mask_conversation(TWO, tok)
+    runs = image_runs(m.input_ids, refs, tok)
+    assert [(r.ref, r.tokens, r.now_tokens) for r in runs] == [(refs[0], 8, None), (refs[1], 40, None)]
+    assert tok.decode(m.input_ids[runs[0].start:runs[0].end]).startswith("[IMG]")
