@@ -12,7 +12,7 @@ MODULES = [
     "qlora_train.locations", "qlora_train.chat_templates",
     "qlora_train.masking", "qlora_train.masking.policy", "qlora_train.masking.layout",
     "qlora_train.masking.layout_declaration", "qlora_train.masking.apply_template", "qlora_train.masking.render",
-    "qlora_train.masking.rendered",
+    "qlora_train.masking.rendered", "qlora_train.masking.images", "qlora_train.masking.image_layouts",
     "qlora_train.masking.row_text", "qlora_train.masking.tokenize", "qlora_train.masking.count",
     "qlora_train.masking.fast_bpe",
     "qlora_train.masking.check", "qlora_train.masking.budget", "qlora_train.masking.example",
