@@ -196,7 +196,9 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
                                  f"{token} token")
     processor = load_image_processor(cfg, processor_path)
     if family.layout is not None:
-        return layout_rule(family, processor, tokenizer, model_config_dict(cfg) or {})
+        rule = layout_rule(family, processor, tokenizer, model_config_dict(cfg) or {})
+        check_saved_processor(rule.layout, Path(processor_path if processor_path is not None else cfg.name_or_path))
+        return rule
     if family.fixed_tokens_key is not None:
         if getattr(processor, "do_pan_and_scan", False):  # crops add whole image sequences by the image's shape
             raise ModelLoadError(f"the image processor of {cfg.name_or_path} has do_pan_and_scan: true: its crops "
@@ -239,6 +241,29 @@ def layout_rule(family: VisionFamily, processor, tokenizer, config: dict):
             raise ModelLoadError(f"the {family.model_type} tokenizer has no {token} token")
     return ImageRule(family.image_token, tokenizer.convert_tokens_to_ids(family.image_token), processor,
                      layout.markers, type_ids=family.type_ids, layout=layout)
+
+
+def check_saved_processor(layout, folder: Path) -> None:
+    """A saved ``processor_config.json`` (where there is one) must make the expansion the rule makes from the model
+    config: PixtralProcessor's ``patch_size`` x ``spatial_merge_size`` the rule's token side, Idefics3Processor's
+    ``image_seq_len`` its tokens a tile; ``ModelLoadError`` otherwise (the processor would write other image tokens
+    than the model reads)."""
+    saved = folder / "processor_config.json"
+    if not saved.is_file():
+        return
+    try:
+        own = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {saved}: {exc}") from None
+    if hasattr(layout, "patch"):  # PixtralRows
+        made, what = int(own.get("patch_size", 16)) * int(own.get("spatial_merge_size", 1)), "patch_size x " \
+            "spatial_merge_size"
+        ours = layout.patch
+    else:  # Idefics3Tiles
+        made, what, ours = int(own.get("image_seq_len", 169)), "image_seq_len", layout.image_seq_len
+    if made != ours:
+        raise ModelLoadError(f"{saved}: {what} {made} differs from the model config's {ours}: the processor would "
+                             "write another count of image tokens than the model reads")
 
 
 def fixed_image_tokens(cfg: ModelConfig, family: VisionFamily, processor_path: str | Path | None = None) -> int:

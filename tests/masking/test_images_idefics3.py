@@ -210,3 +210,24 @@ def test_rule_read_from_the_models_config_and_packing_refused(idefics3, tmp_path
         check_vision_training(cfg, vision_base(cfg.model))
     (problem,) = exc.value.problems
     assert problem.startswith("train.packing: packed image rows are not supported for ") and "(idefics3)" in problem
+
+
+def test_a_saved_processor_that_disagrees_with_the_model_is_refused(idefics3, tmp_path):
+    """A ``processor_config.json`` whose ``image_seq_len`` is not the model config's: refused when the rule is
+    made (the processor would write another count of ``<image>`` a tile than the model reads)."""
+    import json
+
+    from qlora_train.config import ModelConfig
+    from qlora_train.errors import ModelLoadError
+    from qlora_train.tiny import tiny_image_processor
+    from qlora_train.vision import image_rule_for
+
+    tok, _ = idefics3
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "idefics3", "vision_config": {"image_size": 32, "patch_size": 8}, "scale_factor": 2}))
+    tiny_image_processor("idefics3").save_pretrained(tmp_path)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_len": 4}))
+    assert image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok).layout.image_seq_len == 4
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_len": 169}))
+    with pytest.raises(ModelLoadError, match="image_seq_len 169 differs from the model config's 4"):
+        image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok)

@@ -221,3 +221,22 @@ def test_debug_samples_show_one_run_an_image(mistral3, tmp_path):
     runs = image_runs(m.input_ids, refs, tok)
     assert [(r.ref, r.tokens, r.now_tokens) for r in runs] == [(refs[0], 8, None), (refs[1], 40, None)]
     assert tok.decode(m.input_ids[runs[0].start:runs[0].end]).startswith("[IMG]")
+
+
+def test_a_saved_processor_that_disagrees_with_the_model_is_refused(mistral3, tmp_path):
+    import json
+
+    from qlora_train.config import ModelConfig
+    from qlora_train.errors import ModelLoadError
+    from qlora_train.tiny import tiny_image_processor
+    from qlora_train.vision import image_rule_for
+
+    tok, _ = mistral3
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "mistral3", "vision_config": {"patch_size": 14}, "spatial_merge_size": 2}))
+    tiny_image_processor("mistral3").save_pretrained(tmp_path)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"patch_size": 14, "spatial_merge_size": 2}))
+    assert image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok).layout.patch == 28
+    (tmp_path / "processor_config.json").write_text(json.dumps({"patch_size": 14}))  # its default merge: 1
+    with pytest.raises(ModelLoadError, match="patch_size x spatial_merge_size 14 differs from the model config's 28"):
+        image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok)
