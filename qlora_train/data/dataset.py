@@ -35,6 +35,7 @@ from qlora_train.data.batches import merge_back, parse_readable
 from qlora_train.data.drops import DropReason, stop_at_first_bad_row
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
+from qlora_train.data.identity import map_fingerprint
 from qlora_train.data.parse import ParseReport, RowImages
 from qlora_train.data.pipeline import objective, process_rows
 from qlora_train.data.processed import (
@@ -323,13 +324,17 @@ def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datase
     What is alive before the rows (the modules imported, the tokenizer) is kept out of the garbage collector's
     reach while they are processed (``gc.freeze``, undone after): each full collection the rows' allocations set off
     would otherwise walk it all again, about a fifth of a short row's CPU. Nothing is collected differently: what
-    was frozen is collectable again afterwards."""
+    was frozen is collectable again afterwards.
+
+    The map's cache key is ``identity.map_fingerprint`` (what ``datasets`` would hash, the tokenizer's pipeline by a
+    digest worked out once per tokenizer instead of pickled on every run)."""
     gc.freeze()
     try:
         return raw.map(
             _process_raw_batch, batched=True, with_indices=True, batch_size=cfg.batch_size, num_proc=cfg.num_proc,
             fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "code": pipeline_code_hash()},
             remove_columns=raw.column_names, features=objective(cfg).row_type.features(), desc="preprocessing",
+            new_fingerprint=map_fingerprint(raw._fingerprint, tokenizer, cfg, pipeline_code_hash()),
         )
     finally:
         gc.unfreeze()

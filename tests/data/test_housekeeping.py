@@ -135,3 +135,65 @@ def test_unknown_row_handler_names_the_fix(tmp_path):
     path = jsonl(tmp_path, "d.jsonl", [qa(0)])
     with pytest.raises(ConfigError, match="row handler 'nope' is not registered .*data.handler_modules"):
         load_source(DatasetSource(path=path, handlers=[RowHandlerSpec(name="nope")]))
+
+
+def test_the_maps_cache_key_follows_the_tokenizer(tmp_path, qwen3_tok):
+    """The map's key (identity.map_fingerprint, given to datasets) changes with the tokenizer's merges, vocabulary,
+    added tokens, pre-tokenizer, special tokens and Python-side settings; not with its truncation or padding, nor a
+    copy of the same tokenizer."""
+    import copy
+    import json
+
+    from tokenizers import Tokenizer
+
+    from qlora_train.data.identity import map_fingerprint
+
+    path = jsonl(tmp_path, "d.jsonl", [qa(i) for i in range(2)])
+    cfg = DataConfig(datasets=[DatasetSource(path=path)], cache_dir=str(tmp_path / "cache"))
+    key = map_fingerprint("raw", qwen3_tok, cfg, "code")
+
+    base = json.loads(qwen3_tok._tokenizer.to_str())
+
+    def fresh():  # a copy of qwen3_tok (a shared fixture: never changed) with its own pipeline, from its JSON
+        tok = copy.copy(qwen3_tok)
+        tok.__dict__.update(copy.deepcopy({k: v for k, v in vars(qwen3_tok).items() if k != "_tokenizer"}))
+        return tok
+
+    def changed(edit_spec=None, edit_tok=None):
+        tok = fresh()
+        spec = copy.deepcopy(base)
+        if edit_spec:
+            edit_spec(spec)
+        tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
+        if edit_tok:
+            edit_tok(tok)
+        return map_fingerprint("raw", tok, cfg, "code")
+
+    def swap_merges(spec):
+        merges = spec["model"]["merges"]
+        merges[100], merges[101] = merges[101], merges[100]
+
+    def swap_ids(spec):
+        vocab = spec["model"]["vocab"]
+        a, b = list(vocab)[1000:1002]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+
+    keys = {
+        "merges": changed(swap_merges),
+        "vocab": changed(swap_ids),
+        "pre_tokenizer": changed(lambda s: s["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\s+")),
+        "added token": changed(edit_tok=lambda t: t.add_tokens(["<zzz>"])),
+        "special token": changed(edit_tok=lambda t: t.add_special_tokens({"pad_token": "<|endoftext|>"})
+                                 if t.pad_token != "<|endoftext|>" else t.add_special_tokens({"pad_token": "!"})),
+        "template": changed(edit_tok=lambda t: setattr(t, "chat_template", t.chat_template + " ")),
+        "python side": changed(edit_tok=lambda t: setattr(t, "model_max_length", 17)),
+        "raw rows": map_fingerprint("raw2", qwen3_tok, cfg, "code"),
+        "config": map_fingerprint("raw", qwen3_tok, cfg.model_copy(update={"train_on_eos": "none"}), "code"),
+        "code": map_fingerprint("raw", qwen3_tok, cfg, "code2"),
+    }
+    assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
+    same = fresh()
+    same._tokenizer = Tokenizer.from_str(json.dumps(base))
+    same._tokenizer.enable_truncation(8)
+    same._tokenizer.enable_padding()
+    assert map_fingerprint("raw", same, cfg, "code") == key == map_fingerprint("raw", qwen3_tok, cfg, "code")
