@@ -15,6 +15,7 @@ template), so an unchanged run reuses the cache and a changed option recomputes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -328,16 +329,32 @@ def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datase
 
     The map's cache key is ``identity.map_fingerprint`` (what ``datasets`` would hash, the tokenizer's pipeline by a
     digest worked out once per tokenizer instead of pickled on every run)."""
-    gc.freeze()
-    try:
+    with gc_frozen():
         return raw.map(
             _process_raw_batch, batched=True, with_indices=True, batch_size=cfg.batch_size, num_proc=cfg.num_proc,
             fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "code": pipeline_code_hash()},
             remove_columns=raw.column_names, features=objective(cfg).row_type.features(), desc="preprocessing",
             new_fingerprint=map_fingerprint(raw._fingerprint, tokenizer, cfg, pipeline_code_hash()),
         )
+
+
+_FROZEN = [0]  # how many ``gc_frozen`` blocks are open
+
+
+@contextlib.contextmanager
+def gc_frozen():
+    """What is alive now kept out of the garbage collector's reach until the block ends (``gc.freeze``; what a
+    nested block's start finds alive too): its full collections then walk what the block allocates, not every
+    module imported, the tokenizer and the rows read before. The outermost block's end makes it all collectable
+    again (``gc.unfreeze``); nothing is collected differently, only less often looked at."""
+    gc.freeze()
+    _FROZEN[0] += 1
+    try:
+        yield
     finally:
-        gc.unfreeze()
+        _FROZEN[0] -= 1
+        if not _FROZEN[0]:
+            gc.unfreeze()
 
 
 def load_and_process_sources(sources: list[DatasetSource], cfg: DataConfig, tokenizer,

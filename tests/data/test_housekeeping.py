@@ -197,3 +197,19 @@ def test_the_maps_cache_key_follows_the_tokenizer(tmp_path, qwen3_tok):
     same._tokenizer.enable_truncation(8)
     same._tokenizer.enable_padding()
     assert map_fingerprint("raw", same, cfg, "code") == key == map_fingerprint("raw", qwen3_tok, cfg, "code")
+
+
+def test_gc_frozen_nests_and_unfreezes_at_the_outermost_end():
+    """``gc_frozen`` blocks nest: an inner block's end leaves the outer's objects frozen, the outer's end unfreezes
+    them all."""
+    import gc
+
+    from qlora_train.data.dataset import gc_frozen
+
+    assert gc.get_freeze_count() == 0
+    with gc_frozen():
+        outer = gc.get_freeze_count()
+        with gc_frozen():
+            assert gc.get_freeze_count() >= outer > 0
+        assert gc.get_freeze_count() >= outer
+    assert gc.get_freeze_count() == 0
