@@ -20,7 +20,7 @@ import weakref
 from datasets.fingerprint import Hasher
 from tokenizers import Tokenizer
 
-from qlora_train.masking.tokenize import per_vocabulary
+from qlora_train.masking.tokenize import per_vocabulary, saved_model
 
 FORMAT = 1  # of the map's key: a change here gives every source's cache a new key
 
@@ -32,24 +32,47 @@ def _hash(value) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _pipeline_digest(backend: Tokenizer) -> str:
-    """A ``tokenizers`` pipeline's model as it serializes itself (vocabulary and merges, or whatever the model
-    holds, with its settings), its normalizer, pre-tokenizer, post-processor and decoder, hashed: everything it
-    does to a text but its added tokens (hashed with the Python side's) and its truncation and padding settings
-    (which a tokenizer call may change; the engine never asks for either)."""
+def _pipeline_digest(backend: Tokenizer, files: tuple[bytes, bytes] | None) -> str:
+    """A ``tokenizers`` pipeline's model (a BPE's saved files, ``files``, and its settings; another model as it
+    serializes itself), its normalizer, pre-tokenizer, post-processor and decoder, hashed: everything it does to a
+    text but its added tokens (hashed with the Python side's) and its truncation and padding settings (which a
+    tokenizer call may change; the engine never asks for either)."""
     h = hashlib.blake2b(digest_size=16)
-    for part in (backend.model, backend.normalizer, backend.pre_tokenizer, backend.post_processor, backend.decoder):
-        h.update(b"\0" if part is None else part.__getstate__())
+    settings = _bpe_settings(backend.model) if files is not None else None
+    if settings is None:
+        h.update(backend.model.__getstate__())
+    else:
+        h.update(json.dumps(settings, sort_keys=True).encode())
+        for data in files:
+            h.update(b"\1")
+            h.update(data)
+    for part in (backend.normalizer, backend.pre_tokenizer, backend.post_processor, backend.decoder):
         h.update(b"\1")
+        h.update(b"\0" if part is None else part.__getstate__())
     return h.hexdigest()
+
+
+def _bpe_settings(model) -> dict | None:
+    """A BPE model's settings: every key its serialization holds beside the vocabulary and merges (read off an
+    empty BPE's, so a setting a later ``tokenizers`` adds is read too), each as the model exposes it; None when
+    one is not exposed (then the model is hashed as it serializes itself)."""
+    from tokenizers.models import BPE
+
+    keys = [k for k in json.loads(BPE().__getstate__()) if k not in ("vocab", "merges")]
+    try:
+        return {k: type(model).__name__ if k == "type" else getattr(model, k) for k in keys}
+    except AttributeError:
+        return None
 
 
 def model_digest(tokenizer) -> str | list:
     """The tokenizer's pipeline hashed (``_pipeline_digest``), worked out once per tokenizer, backend and vocabulary
-    size; a tokenizer without a Rust pipeline (a Python tokenizer) by its vocabulary, sorted by id."""
+    size (a BPE's files saved once for this and the fast encoder's build: ``tokenize.saved_model``); a tokenizer
+    without a Rust pipeline (a Python tokenizer) by its vocabulary, sorted by id."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if isinstance(backend, Tokenizer):
-        return per_vocabulary(_DIGESTS, tokenizer, backend, _pipeline_digest)
+        return per_vocabulary(_DIGESTS, tokenizer, backend,
+                              lambda b: _pipeline_digest(b, saved_model(tokenizer, b)))
     return sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
 
 

@@ -137,15 +137,16 @@ def model_files(backend: Tokenizer) -> tuple[bytes, bytes]:
         return Path(vocab).read_bytes(), Path(merges).read_bytes()
 
 
-def build(backend: Tokenizer) -> FastBPE | str:
-    """A ``tokenizers`` pipeline -> its ``FastBPE``, or why tiktoken cannot run it exactly (a sentence)."""
+def build(backend: Tokenizer, files: tuple[bytes, bytes] | None = None) -> FastBPE | str:
+    """A ``tokenizers`` pipeline -> its ``FastBPE``, or why tiktoken cannot run it exactly (a sentence). ``files``:
+    its model's ``model_files`` when already saved (else saved here)."""
     spec = pipeline_spec(backend)
     reason = _unrepresentable(spec)
     if reason:
         return reason
     if set(pre_tokenizers.ByteLevel.alphabet()) != set(_bytes_of()):  # our map is ByteLevel's
         return "its ByteLevel alphabet is not GPT-2's"
-    vocab, merges = model_files(backend)
+    vocab, merges = files or model_files(backend)
     vocab = json.loads(vocab)
     to_bytes = _to_bytes()
     ranks: dict[bytes, int] = {}

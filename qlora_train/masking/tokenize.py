@@ -352,7 +352,8 @@ def token_byte_lengths(tokenizer, backend: Tokenizer) -> np.ndarray | None:
     (``encode_batch`` checks that per text). Worked out once per tokenizer and vocabulary size (about 0.1 s
     for 150k tokens)."""
     def make(b: Tokenizer) -> np.ndarray | None:  # from the fast encoder's ranks, where it is in use
-        return _byte_lengths(b, None if tokenizer in _SWITCHED_OFF else per_vocabulary(_FAST, tokenizer, b, _built))
+        return _byte_lengths(b, None if tokenizer in _SWITCHED_OFF else
+                             per_vocabulary(_FAST, tokenizer, b, lambda b: _built(b, saved_model(tokenizer, b))))
 
     return per_vocabulary(_BYTE_LENGTHS, tokenizer, backend, make)
 
@@ -511,12 +512,24 @@ def fast_encoder(tokenizer, backend: Tokenizer) -> FastBPE | None:
     its pipeline is not representable (said once in the log) or ``verify_encoder`` found it differ in this run."""
     if tokenizer in _SWITCHED_OFF:
         return None
-    built = per_vocabulary(_FAST, tokenizer, backend, _built)
+    built = per_vocabulary(_FAST, tokenizer, backend, lambda b: _built(b, saved_model(tokenizer, b)))
     return built if isinstance(built, FastBPE) else None
 
 
-def _built(backend: Tokenizer) -> FastBPE | str:
-    built = fast_bpe.build(backend)
+_SAVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (backend, size, files | None)
+
+
+def saved_model(tokenizer, backend: Tokenizer) -> tuple[bytes, bytes] | None:
+    """A BPE model's files as ``tokenizers`` saves them (``fast_bpe.model_files``: vocabulary, merges), saved once
+    per tokenizer, backend and vocabulary size, as the fast encoder built from them is kept
+    (``per_vocabulary``): read by the build and by the tokenizer's identity (``data.identity``) alike. None for
+    another model."""
+    return per_vocabulary(_SAVED, tokenizer, backend,
+                          lambda b: fast_bpe.model_files(b) if type(b.model).__name__ == "BPE" else None)
+
+
+def _built(backend: Tokenizer, files: tuple[bytes, bytes] | None = None) -> FastBPE | str:
+    built = fast_bpe.build(backend, files)
     if isinstance(built, str):
         log.info("tokenizing with tokenizers, not the fast byte-level encoder: %s", built)
     return built
