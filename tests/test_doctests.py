@@ -20,7 +20,7 @@ MODULES = [
     "qlora_train.data.batches", "qlora_train.data.drops", "qlora_train.data.parse", "qlora_train.data.formats",
     "qlora_train.data.handlers",
     "qlora_train.data.rows", "qlora_train.data.packing", "qlora_train.data.prepared", "qlora_train.data.pairs",
-    "qlora_train.data.prepared_checks", "qlora_train.data.images", "qlora_train.output_dir",
+    "qlora_train.data.prepared_checks", "qlora_train.data.identity", "qlora_train.data.images", "qlora_train.output_dir",
     "qlora_train.data.unpaired", "qlora_train.data.prompts", "qlora_train.rl.rewards", "qlora_train.rl.loss",
     "qlora_train.rl.tool_calls", "qlora_train.rl.tools", "qlora_train.rl.calculator",
     "qlora_train.train.grpo",

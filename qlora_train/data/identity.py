@@ -1,7 +1,9 @@
 """What the processed rows depend on, hashed: the tokenizer (``tokenizer_identity``, a part of the prepared data's
 fingerprint) and the whole of a source's processing map (``map_fingerprint``, the key of its ``datasets`` cache).
 
-    >>> map_fingerprint("raw0", tok, cfg) == map_fingerprint("raw0", tok, cfg)  # the same inputs, the same key
+    >>> from qlora_train.config import DataConfig
+    >>> cfg = DataConfig(datasets=[{"path": "rows.jsonl"}])
+    >>> map_fingerprint("raw0", tok, cfg) == map_fingerprint("raw0", tok, cfg) != map_fingerprint("raw1", tok, cfg)
     True
 
 ``datasets`` would otherwise fingerprint the map by pickling its arguments, the tokenizer with its whole Rust
