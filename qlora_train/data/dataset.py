@@ -15,6 +15,7 @@ template), so an unchanged run reuses the cache and a changed option recomputes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -35,6 +36,7 @@ from qlora_train.data.batches import merge_back, parse_readable
 from qlora_train.data.drops import DropReason, stop_at_first_bad_row
 from qlora_train.data.formats import split_into_blocks
 from qlora_train.data.handlers import import_handler_modules
+from qlora_train.data.identity import map_fingerprint
 from qlora_train.data.parse import ParseReport, RowImages
 from qlora_train.data.pipeline import objective, process_rows
 from qlora_train.data.processed import (
@@ -323,16 +325,36 @@ def process_dataset(raw: datasets.Dataset, tokenizer, cfg: DataConfig) -> datase
     What is alive before the rows (the modules imported, the tokenizer) is kept out of the garbage collector's
     reach while they are processed (``gc.freeze``, undone after): each full collection the rows' allocations set off
     would otherwise walk it all again, about a fifth of a short row's CPU. Nothing is collected differently: what
-    was frozen is collectable again afterwards."""
-    gc.freeze()
-    try:
+    was frozen is collectable again afterwards.
+
+    The map's cache key is ``identity.map_fingerprint`` (what ``datasets`` would hash, the tokenizer's pipeline by a
+    digest worked out once per tokenizer instead of pickled on every run)."""
+    with gc_frozen():
         return raw.map(
             _process_raw_batch, batched=True, with_indices=True, batch_size=cfg.batch_size, num_proc=cfg.num_proc,
             fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "code": pipeline_code_hash()},
             remove_columns=raw.column_names, features=objective(cfg).row_type.features(), desc="preprocessing",
+            new_fingerprint=map_fingerprint(raw._fingerprint, tokenizer, cfg, pipeline_code_hash()),
         )
+
+
+_FROZEN = [0]  # how many ``gc_frozen`` blocks are open
+
+
+@contextlib.contextmanager
+def gc_frozen():
+    """What is alive now kept out of the garbage collector's reach until the block ends (``gc.freeze``; what a
+    nested block's start finds alive too): its full collections then walk what the block allocates, not every
+    module imported, the tokenizer and the rows read before. The outermost block's end makes it all collectable
+    again (``gc.unfreeze``); nothing is collected differently, only less often looked at."""
+    gc.freeze()
+    _FROZEN[0] += 1
+    try:
+        yield
     finally:
-        gc.unfreeze()
+        _FROZEN[0] -= 1
+        if not _FROZEN[0]:
+            gc.unfreeze()
 
 
 def load_and_process_sources(sources: list[DatasetSource], cfg: DataConfig, tokenizer,

@@ -17,7 +17,9 @@ The fingerprint is a blake2b over seven part hashes, each cheap and deterministi
 
     data         the data config as canonical JSON, less the keys that do not change the rows
                  (``UNFINGERPRINTED``), source paths written relative to the working directory
-    tokenizer    the vocabulary, the added tokens and the special-token map
+    tokenizer    its pipeline (the model as it serializes itself: vocabulary, merges, settings; normalizer,
+                 pre-tokenizer, post-processor, decoder), the added tokens and the special-token map
+                 (``identity.tokenizer_identity``)
     template     the chat template text (``model.chat_template_kwargs`` and ``model.template_layout`` are baked
                  into it)
     layout       the resolved layout (``template_layout``: probed, with the declared parts), every part by name:
@@ -55,6 +57,7 @@ import yaml
 
 from qlora_train.config import Config
 from qlora_train.data.dataset import DatasetReport, datasets_from_processed, load_and_process, pipeline_code_hash
+from qlora_train.data.identity import tokenizer_identity
 from qlora_train.data.packing import PackingStats, example_lengths, pack_dataset
 from qlora_train.data.prepared_checks import changed_files, shard_hashes, token_problem
 from qlora_train.errors import ConfigError
@@ -122,15 +125,6 @@ def packing_identity(cfg: Config) -> dict:
     t = cfg.train
     return {"packing": True, "packing_length": cfg.packing_length, "split_long": t.split_long} if t.packing \
         else {"packing": False}
-
-
-def tokenizer_identity(tokenizer) -> dict:
-    """Vocabulary, added tokens and special tokens, hashed (the template is its own part)."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    added = sorted((i, t.content, bool(t.special)) for i, t in tokenizer.added_tokens_decoder.items())
-    specials = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
-    return {"hash": _hash([vocab, added, specials]), "name_or_path": getattr(tokenizer, "name_or_path", ""),
-            "size": len(tokenizer)}
 
 
 def image_refs(*datasets) -> list[str]:

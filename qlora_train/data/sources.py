@@ -12,25 +12,30 @@ nested shapes of rows (tool arguments, optional message keys) into one struct
 and fill every missing key with null, changing what the template renders.
 JSON and JSON lines are read by a generator (so a broken line is counted with
 its file and line number instead of failing the load, and a JSON array that does
-not parse whole is read one element at a time, ``_array_elements``); Parquet, CSV and Arrow
+not parse whole is read one element at a time, ``_array_elements``) into an Arrow file of the
+datasets cache named by the files' paths, sizes and modification times (``_json_dataset``); Parquet, CSV and Arrow
 by the datasets builders, directories written by ``save_to_disk`` by
 ``load_from_disk``, and anything else that is not on disk but looks like a hub
-id by ``load_dataset(path, name, split=, data_files=)``. All are cached by
-datasets (Arrow, fingerprinted on the file's path, size and modification time).
+id by ``load_dataset(path, name, split=, data_files=)``. All are cached
+(Arrow, fingerprinted on the file's path, size and modification time).
 A row may be a mapping or, in JSON files, a bare list (of messages).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import glob as globlib
+import hashlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import datasets
 import pyarrow as pa
+from datasets.arrow_writer import ArrowWriter
 
 from qlora_train.config import DatasetSource
 from qlora_train.data.batches import read_json
@@ -90,8 +95,8 @@ def _builder(file: Path, src: DatasetSource) -> str:
     return builder
 
 
-def _json_rows(files: list[str], stamps: list[str]):
-    """Rows of JSON-array or JSON-lines files (``stamps`` only feed the cache fingerprint)."""
+def _json_rows(files: list[str]):
+    """Rows of JSON-array or JSON-lines files."""
     for file in files:
         # a BOM skipped; bad bytes counted; lines end at "\n" alone (a stray "\r" in a row is the row's, not a break)
         with open(file, encoding="utf-8-sig", errors="surrogateescape", newline="\n") as fh:
@@ -262,6 +267,51 @@ def _load_hub(path: str, src: DatasetSource, cache_dir: str | None) -> datasets.
     return _as_raw(ds, path)
 
 
+ROWS_DIR = "qlora_train_rows"  # under the datasets cache: JSON and JSON-lines files read into Arrow (``_json_dataset``)
+
+
+def _json_dataset(files: list[Path], cache_dir: str | None) -> datasets.Dataset:
+    """JSON and JSON-lines files -> one dataset of their raw rows (``_json_rows``), written once to an Arrow file
+    of the datasets cache (``cache_dir``, else datasets' own) named by what it is read from: each file's path,
+    size and modification time, and the reading code (this module, ``handlers``, ``batches``); a changed file
+    or reader gives a new name. Written as datasets' generator builder would write it, without the builder (whose
+    streaming patches import scipy.io and pandas' readers: a tenth of a second of every run); the file is
+    written beside its final name and renamed into place (processes reading the same files race harmlessly).
+    The dataset is read from the file (memory-mapped; its maps are cached beside it)."""
+    stamps = [f"{f}:{os.path.getsize(f)}:{os.path.getmtime(f)}" for f in files]
+    key = hashlib.blake2b(json.dumps([ROWS_FORMAT, [str(f) for f in files], stamps, _reader_code()]).encode(),
+                          digest_size=16).hexdigest()
+    folder = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / ROWS_DIR
+    path = folder / f"rows-{key}.arrow"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".rows-{key}.{os.getpid()}.partial"
+        try:
+            with ArrowWriter(features=FEATURES, path=str(partial)) as writer:
+                for row in _json_rows([str(f) for f in files]):
+                    writer.write(row)
+                rows, _ = writer.finalize()
+            if not rows:
+                raise SourceError(f"{', '.join(map(str, files))}: no rows (the file is empty, blank lines only, or an "
+                                  "empty array)")
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+    return datasets.Dataset.from_file(str(path))
+
+
+ROWS_FORMAT = 1  # of the rows' Arrow file: a change gives every file's rows a new name
+
+
+@functools.cache
+def _reader_code() -> str:
+    """A hash of the code that reads rows out of JSON files (this module, ``handlers.row_json``, ``batches``)."""
+    h = hashlib.blake2b(digest_size=16)
+    for module in (sys.modules[__name__], sys.modules[row_json.__module__], sys.modules[read_json.__module__]):
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()
+
+
 def _load_path(path: str, src: DatasetSource, cache_dir: str | None) -> list[datasets.Dataset]:
     """One path of a source -> raw-row datasets (JSON files read together, others one per file)."""
     if not Path(path).exists() and looks_like_hub_id(path):
@@ -273,21 +323,7 @@ def _load_path(path: str, src: DatasetSource, cache_dir: str | None) -> list[dat
     parts = []
     json_files = [f for f in files if builders[f] == "json"]
     if json_files:
-        stamps = [f"{f}:{os.path.getsize(f)}:{os.path.getmtime(f)}" for f in json_files]
-        try:
-            parts.append(datasets.Dataset.from_generator(
-                _json_rows, gen_kwargs={"files": [str(f) for f in json_files], "stamps": stamps},
-                features=FEATURES, cache_dir=cache_dir,
-            ))
-        except datasets.exceptions.DatasetGenerationError as exc:  # datasets wraps what the generator raised
-            if isinstance(exc.__cause__, SourceError):
-                raise exc.__cause__ from None
-            raise
-        except ValueError as exc:  # datasets' "corresponds to no data": not one row in the files
-            if "no data" not in str(exc):
-                raise
-            raise SourceError(f"{', '.join(map(str, json_files))}: no rows (the file is empty, blank lines only, or "
-                              "an empty array)") from None
+        parts.append(_json_dataset(json_files, cache_dir))
     for file in files:
         if builders[file] == "json":
             continue

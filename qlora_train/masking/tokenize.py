@@ -351,7 +351,11 @@ def token_byte_lengths(tokenizer, backend: Tokenizer) -> np.ndarray | None:
     text whose tokens' lengths sum to its own byte count has each token where the sum puts it
     (``encode_batch`` checks that per text). Worked out once per tokenizer and vocabulary size (about 0.1 s
     for 150k tokens)."""
-    return per_vocabulary(_BYTE_LENGTHS, tokenizer, backend, _byte_lengths)
+    def make(b: Tokenizer) -> np.ndarray | None:  # from the fast encoder's ranks, where it is in use
+        return _byte_lengths(b, None if tokenizer in _SWITCHED_OFF else
+                             per_vocabulary(_FAST, tokenizer, b, lambda b: _built(b, saved_model(tokenizer, b))))
+
+    return per_vocabulary(_BYTE_LENGTHS, tokenizer, backend, make)
 
 
 def per_vocabulary(memo: weakref.WeakKeyDictionary, tokenizer, backend: Tokenizer, make):
@@ -363,25 +367,36 @@ def per_vocabulary(memo: weakref.WeakKeyDictionary, tokenizer, backend: Tokenize
     return kept[2]
 
 
-def _byte_lengths(backend: Tokenizer) -> np.ndarray | None:
+def _byte_lengths(backend: Tokenizer, fast: FastBPE | str | None = None) -> np.ndarray | None:
+    """``token_byte_lengths``' array. With the tokenizer's fast encoder (``fast``, built from the same model), its
+    ranks are the model's ByteLevel pieces as bytes, read from there (the same pieces, a fifth of the time);
+    otherwise the vocabulary is read and each piece checked."""
     model = backend.model
     pre = _flatten(_spec(backend.pre_tokenizer), "pretokenizers")
     if (type(model).__name__ != "BPE" or model.continuing_subword_prefix or model.end_of_word_suffix
             or not any(p["type"] == "ByteLevel" for p in pre)):
         return None
-    vocab = backend.get_vocab(with_added_tokens=False)
     added = {i: len(t.content.encode()) for i, t in backend.get_added_tokens_decoder().items()}
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    if not alphabet <= vocab.keys():
-        return None  # a byte without a token of its own: the model would fall back to an unknown token
-    lengths = np.full(max([*vocab.values(), *added, -1]) + 1, _NEVER, dtype=np.int64)
-    for piece, i in vocab.items():
-        if alphabet.issuperset(piece):  # the model makes it of ByteLevel characters, one per byte
-            if i in added and added[i] != len(piece):
-                return None  # an id standing for two lengths
-            lengths[i] = len(piece)
-        # any other piece never comes out of the model (DeepSeek V3 keeps its special tokens' text among them):
-        # only out of the added tokens, if at all
+    if isinstance(fast, FastBPE):  # every byte has a token (the build checked): each piece's length in bytes
+        ranks = fast.encoding._mergeable_ranks
+        ids = np.fromiter(ranks.values(), dtype=np.int64, count=len(ranks))
+        lengths = np.full(max(int(ids.max()), *added, -1) + 1, _NEVER, dtype=np.int64)
+        lengths[ids] = np.fromiter(map(len, ranks), dtype=np.int64, count=len(ranks))
+        if any(lengths[i] != _NEVER and lengths[i] != n for i, n in added.items()):
+            return None  # an id standing for two lengths
+    else:
+        vocab = backend.get_vocab(with_added_tokens=False)
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        if not alphabet <= vocab.keys():
+            return None  # a byte without a token of its own: the model would fall back to an unknown token
+        lengths = np.full(max([*vocab.values(), *added, -1]) + 1, _NEVER, dtype=np.int64)
+        for piece, i in vocab.items():
+            if alphabet.issuperset(piece):  # the model makes it of ByteLevel characters, one per byte
+                if i in added and added[i] != len(piece):
+                    return None  # an id standing for two lengths
+                lengths[i] = len(piece)
+            # any other piece never comes out of the model (DeepSeek V3 keeps its special tokens' text among
+            # them): only out of the added tokens, if at all
     for i, n in added.items():
         lengths[i] = n if n else _NEVER
     return lengths
@@ -497,12 +512,24 @@ def fast_encoder(tokenizer, backend: Tokenizer) -> FastBPE | None:
     its pipeline is not representable (said once in the log) or ``verify_encoder`` found it differ in this run."""
     if tokenizer in _SWITCHED_OFF:
         return None
-    built = per_vocabulary(_FAST, tokenizer, backend, _built)
+    built = per_vocabulary(_FAST, tokenizer, backend, lambda b: _built(b, saved_model(tokenizer, b)))
     return built if isinstance(built, FastBPE) else None
 
 
-def _built(backend: Tokenizer) -> FastBPE | str:
-    built = fast_bpe.build(backend)
+_SAVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (backend, size, files | None)
+
+
+def saved_model(tokenizer, backend: Tokenizer) -> tuple[bytes, bytes] | None:
+    """A BPE model's files as ``tokenizers`` saves them (``fast_bpe.model_files``: vocabulary, merges), saved once
+    per tokenizer, backend and vocabulary size, as the fast encoder built from them is kept
+    (``per_vocabulary``): read by the build and by the tokenizer's identity (``data.identity``) alike. None for
+    another model."""
+    return per_vocabulary(_SAVED, tokenizer, backend,
+                          lambda b: fast_bpe.model_files(b) if type(b.model).__name__ == "BPE" else None)
+
+
+def _built(backend: Tokenizer, files: tuple[bytes, bytes] | None = None) -> FastBPE | str:
+    built = fast_bpe.build(backend, files)
     if isinstance(built, str):
         log.info("tokenizing with tokenizers, not the fast byte-level encoder: %s", built)
     return built

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TextIO
 
 from qlora_train.config import Config
+from qlora_train.data.dataset import gc_frozen
 from qlora_train.data.prepared import default_prepared_dir, write_prepared
 from qlora_train.output_dir import claim_output_dir, run_inputs
 from qlora_train.terminal import visible
@@ -25,9 +26,10 @@ def preprocess(cfg: Config, out_dir: str | Path | None = None, *, stream: TextIO
     dest = Path(out_dir) if out_dir else default_prepared_dir(cfg)
     if not out_dir and not cfg.data.prepared_path:  # <train.output_dir>/prepared: the folder ours (output_dir)
         claim_output_dir(Path(cfg.train.output_dir), run_inputs(cfg))
-    tokenizer = load_tokenizer(cfg.model)
-    start = time.perf_counter()
-    data = write_prepared(cfg, tokenizer, dest)
+    with gc_frozen():  # the modules imported, then the tokenizer, kept out of every collection's walk
+        tokenizer = load_tokenizer(cfg.model)
+        start = time.perf_counter()
+        data = write_prepared(cfg, tokenizer, dest)
     seconds = time.perf_counter() - start
     rows = data.report.rows_in
     lines = [f"data       {line}" for line in data.report.lines()]

@@ -360,7 +360,7 @@ configs = {
 
 def process_file(path: Path, tok, cfg: DataConfig, label: str = "0:src") -> dict[str, list]:
     """The file read as a run reads it (``_json_rows``) and processed batch by batch (``_process_raw_batch``)."""
-    raw = list(_json_rows([str(path)], []))
+    raw = list(_json_rows([str(path)]))
     out: dict[str, list] = {}
     for at in range(0, len(raw), cfg.batch_size):
         chunk = raw[at:at + cfg.batch_size]

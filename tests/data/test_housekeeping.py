@@ -135,3 +135,100 @@ def test_unknown_row_handler_names_the_fix(tmp_path):
     path = jsonl(tmp_path, "d.jsonl", [qa(0)])
     with pytest.raises(ConfigError, match="row handler 'nope' is not registered .*data.handler_modules"):
         load_source(DatasetSource(path=path, handlers=[RowHandlerSpec(name="nope")]))
+
+
+def _small_bpe(chat_template: str):
+    """A byte-level BPE of a few hundred tokens trained here (a real vocabulary's JSON takes seconds to copy)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r" ?\p{L}+| ?\p{N}|\s+"), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False)
+    backend.train_from_iterator([f"question {i}: what is the answer to number {i}?" for i in range(50)], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tok.chat_template = chat_template
+    return tok
+
+
+def test_the_maps_cache_key_follows_the_tokenizer(tmp_path, qwen3_tok):
+    """The map's key (identity.map_fingerprint, given to datasets) changes with the tokenizer's merges, vocabulary,
+    BPE settings, pre-tokenizer, added tokens, special tokens, template and Python-side settings; not with its
+    truncation or padding, nor a copy of the same tokenizer."""
+    import copy
+    import json
+
+    from tokenizers import Tokenizer
+
+    from qlora_train.data import identity
+    from qlora_train.data.identity import map_fingerprint
+
+    path = jsonl(tmp_path, "d.jsonl", [qa(i) for i in range(2)])
+    cfg = DataConfig(datasets=[DatasetSource(path=path)], cache_dir=str(tmp_path / "cache"))
+    small = _small_bpe(qwen3_tok.chat_template)
+    key = map_fingerprint("raw", small, cfg, "code")
+    base = json.loads(small._tokenizer.to_str())
+
+    def fresh():  # a copy of ``small`` with its own pipeline, from its JSON
+        tok = copy.copy(small)
+        tok.__dict__.update(copy.deepcopy({k: v for k, v in vars(small).items() if k != "_tokenizer"}))
+        return tok
+
+    def changed(edit_spec=None, edit_tok=None):
+        tok = fresh()
+        spec = copy.deepcopy(base)
+        if edit_spec:
+            edit_spec(spec)
+        tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
+        if edit_tok:
+            edit_tok(tok)
+        return map_fingerprint("raw", tok, cfg, "code")
+
+    def swap_merges(spec):
+        merges = spec["model"]["merges"]
+        merges[0], merges[1] = merges[1], merges[0]
+
+    def swap_ids(spec):
+        vocab = spec["model"]["vocab"]
+        a, b = list(vocab)[260:262]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+
+    keys = {
+        "merges": changed(swap_merges),
+        "vocab": changed(swap_ids),
+        "a BPE setting": changed(lambda s: s["model"].update(ignore_merges=not s["model"].get("ignore_merges"))),
+        "pre_tokenizer": changed(lambda s: s["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\s+")),
+        "added token": changed(edit_tok=lambda t: t.add_tokens(["<zzz>"])),
+        "special token": changed(edit_tok=lambda t: t.add_special_tokens({"pad_token": "<|im_start|>"})),
+        "template": changed(edit_tok=lambda t: setattr(t, "chat_template", t.chat_template + " ")),
+        "python side": changed(edit_tok=lambda t: setattr(t, "model_max_length", 17)),
+        "raw rows": map_fingerprint("raw2", small, cfg, "code"),
+        "config": map_fingerprint("raw", small, cfg.model_copy(update={"train_on_eos": "none"}), "code"),
+        "code": map_fingerprint("raw", small, cfg, "code2"),
+    }
+    assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
+    assert identity._bpe_settings(small._tokenizer.model) is not None  # its saved files hashed, not its JSON
+    same = fresh()
+    same._tokenizer = Tokenizer.from_str(json.dumps(base))
+    same._tokenizer.enable_truncation(8)
+    same._tokenizer.enable_padding()
+    assert map_fingerprint("raw", same, cfg, "code") == key == map_fingerprint("raw", small, cfg, "code")
+
+
+def test_gc_frozen_nests_and_unfreezes_at_the_outermost_end():
+    """``gc_frozen`` blocks nest: an inner block's end leaves the outer's objects frozen, the outer's end unfreezes
+    them all."""
+    import gc
+
+    from qlora_train.data.dataset import gc_frozen
+
+    assert gc.get_freeze_count() == 0
+    with gc_frozen():
+        outer = gc.get_freeze_count()
+        with gc_frozen():
+            assert gc.get_freeze_count() >= outer > 0
+        assert gc.get_freeze_count() >= outer
+    assert gc.get_freeze_count() == 0

@@ -195,3 +195,29 @@ def test_a_byte_order_mark_is_skipped(tmp_path, name, text):
     path.write_bytes(b"\xef\xbb\xbf" + text.encode())
     raw = load_source(DatasetSource(path=str(path)))
     assert rows_of(raw) == ROWS and set(raw["load_error"]) == {""}
+
+
+def test_json_rows_are_read_once_and_again_when_the_file_changes(tmp_path):
+    """A JSON-lines file's rows are written to one Arrow file of the cache, named by the file's path, size and
+    modification time: read again unchanged, the same file (and fingerprint); changed, a new one with the new rows;
+    a file without rows is a SourceError naming it."""
+    import os
+
+    from qlora_train.data.sources import ROWS_DIR, SourceError, load_source
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n')
+    cache = str(tmp_path / "cache")
+    first = load_source(DatasetSource(path=str(path)), cache_dir=cache)
+    again = load_source(DatasetSource(path=str(path)), cache_dir=cache)
+    assert again._fingerprint == first._fingerprint and again.cache_files == first.cache_files
+    assert first.cache_files[0]["filename"].startswith(str(tmp_path / "cache" / ROWS_DIR))
+    path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n')
+    os.utime(path, (1, 1))
+    changed = load_source(DatasetSource(path=str(path)), cache_dir=cache)
+    assert changed._fingerprint != first._fingerprint and changed["location"] == [f"{path}:1", f"{path}:2"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(SourceError, match="empty.jsonl: no rows"):
+        load_source(DatasetSource(path=str(empty)), cache_dir=cache)
+    assert not [p for p in (tmp_path / "cache" / ROWS_DIR).iterdir() if p.name.endswith(".partial")]

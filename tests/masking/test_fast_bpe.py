@@ -160,3 +160,26 @@ def test_the_pre_tokenizer_is_read_from_the_pipeline(qwen3_tok):
     assert isinstance(pre, pre_tokenizers.Sequence)
     fast = fast_encoder(qwen3_tok, qwen3_tok._tokenizer)
     assert fast.encoding._pat_str == json.loads(pre.__getstate__())["pretokenizers"][0]["pattern"]["Regex"]
+
+
+def test_token_byte_lengths_from_the_fast_encoders_ranks_are_the_vocabularys(vocabularies):
+    """``token_byte_lengths`` read from the fast encoder's ranks (what a run does) equals the array worked out from
+    the vocabulary piece by piece."""
+    import numpy as np
+
+    for name in ("qwen", "llama3"):
+        backend = vocabularies[name]._tokenizer
+        fast = fast_bpe.build(backend)
+        assert isinstance(fast, fast_bpe.FastBPE), name
+        assert np.array_equal(T._byte_lengths(backend, fast), T._byte_lengths(backend)), name
+
+
+def test_the_build_reads_the_models_saved_vocabulary_and_merges_as_its_json_says(vocabularies):
+    """``model_files`` (what the build reads) holds the pipeline JSON's vocabulary and merges, in its order."""
+    backend = vocabularies["llama3"]._tokenizer
+    vocab, merges = fast_bpe.model_files(backend)
+    spec = json.loads(backend.to_str())["model"]
+    lines = merges.decode().splitlines()
+    assert json.loads(vocab) == spec["vocab"]
+    assert lines[0].startswith("#version") and [line.split(" ") for line in lines[1:]] == [
+        m.split(" ") if isinstance(m, str) else m for m in spec["merges"]]
