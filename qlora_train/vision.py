@@ -8,7 +8,8 @@ image (its ``ImageRule``): the Qwen2-VL-style models (one ``<|image_pad|>`` per 
 beside the pixels), Gemma 3 (a fixed count of ``<image_soft_token>`` between its image markers,
 ``token_type_ids``), Mistral 3 and Idefics3 (structured expansions, ``masking.image_layouts``: a run of ``[IMG]`` a
 row of the resized image between ``[IMG_BREAK]`` / ``[IMG_END]``, ``image_sizes`` beside the pixels; a run of
-``<image>`` a tile after its ``<row_R_col_C>``, then the global image's). Another
+``<image>`` a tile after its ``<row_R_col_C>``, then the global image's), InternVL 3 (one run of ``<IMG_CONTEXT>``
+between ``<img>`` and ``</img>``, a fixed count a tile of the grid the image's size picks). Another
 vision-language base (LLaVA-OneVision, Qwen3.5, ...) trains on text rows as before; a config that asks it for
 images (``data.image_dir``, ``data.image_root``, ``lora.train_vision``) is refused before any data loads, and a row
 with images for it is refused (``bad_image``), which training then turns into one ``ConfigError`` naming the model
@@ -250,8 +251,9 @@ def layout_rule(family: VisionFamily, processor, tokenizer, config: dict):
     for token in layout.markers:
         if token not in added:
             raise ModelLoadError(f"the {family.model_type} tokenizer has no {token} token")
+    unread = tuple(t for t in getattr(layout, "unread", ()) if t in added)  # InternVL's <video>: no video is read
     return ImageRule(family.image_token, tokenizer.convert_tokens_to_ids(family.image_token), processor,
-                     layout.markers, type_ids=family.type_ids, layout=layout)
+                     layout.markers + unread, type_ids=family.type_ids, layout=layout)
 
 
 def internvl_seq_length(config: dict) -> int:

@@ -201,11 +201,18 @@ class InternVLTiles:
     image_token: str = "<IMG_CONTEXT>"
     start_token: str = "<img>"
     end_token: str = "</img>"
+    video_token: str = "<video>"
 
     @property
     def markers(self) -> tuple[str, ...]:
         """Tokens only the processor writes, besides the image token (a render holding one is refused)."""
         return self.start_token, self.end_token
+
+    @property
+    def unread(self) -> tuple[str, ...]:
+        """Placeholders of inputs this trainer does not read (a render holding one is refused): the processor would
+        expand ``<video>`` into a video's frames."""
+        return (self.video_token,)
 
     @property
     def pixel_kwargs(self) -> dict:

@@ -123,6 +123,7 @@ def test_rows_with_images_match_the_processor(internvl3, msgs):
     (f"<img> {IMAGE_SLOT}", "'<img>'"),  # what only the processor writes
     (f"{IMAGE_SLOT}</img>", "'</img>'"),
     (f"<IMG_CONTEXT> {IMAGE_SLOT}", "2 image placeholder(s)"),  # the image token as text
+    (f"{IMAGE_SLOT} a <video>", "'<video>'"),  # a video placeholder: the processor would expand it
 ])
 def test_refused_with_bad_image(internvl3, content, why):
     tok, _ = internvl3
