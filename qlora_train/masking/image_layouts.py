@@ -179,3 +179,78 @@ class Idefics3Tiles:
         if all("pixel_attention_mask" in p for p in processed):
             out["pixel_attention_mask"] = torch.cat([p["pixel_attention_mask"][0] for p in processed]).unsqueeze(1)
         return out
+
+
+@dataclass(frozen=True)
+class InternVLTiles:
+    """InternVL's expansion (``InternVLProcessor`` with its GotOcr2 image processor's ``crop_to_patches``, which the
+    processor always asks for): the image cut into the grid of ``tile``-pixel tiles (between ``min_patches`` and
+    ``max_patches`` of them) whose aspect ratio is closest to the image's, plus a thumbnail of the whole image where
+    that grid is more than one tile; the image written as ``<img>`` + ``<IMG_CONTEXT>`` x ``image_seq_length`` x
+    tiles + ``</img>``: one run an image.
+
+    >>> text, runs = InternVLTiles(2, (32, 32), 1, 4).expansion_of(60, 30)  # a 2x1 grid and the thumbnail
+    >>> text.replace("<IMG_CONTEXT>", "C"), runs
+    ('<img>CCCCCC</img>', ((5, 6),))
+    """
+
+    image_seq_length: int
+    tile: tuple[int, int]  # (height, width): the image processor's ``size``
+    min_patches: int = 1
+    max_patches: int = 12
+    image_token: str = "<IMG_CONTEXT>"
+    start_token: str = "<img>"
+    end_token: str = "</img>"
+    video_token: str = "<video>"
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Tokens only the processor writes, besides the image token (a render holding one is refused)."""
+        return self.start_token, self.end_token
+
+    @property
+    def unread(self) -> tuple[str, ...]:
+        """Placeholders of inputs this trainer does not read (a render holding one is refused): the processor would
+        expand ``<video>`` into a video's frames."""
+        return (self.video_token,)
+
+    @property
+    def pixel_kwargs(self) -> dict:
+        """The image processor's call as InternVLProcessor makes it (its ``images_kwargs``: ``crop_to_patches``)."""
+        return {"crop_to_patches": True, "min_patches": self.min_patches, "max_patches": self.max_patches}
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(columns, rows) of tiles of an image of this size (``get_optimal_tiled_canvas``): of the grids of
+        ``min_patches`` to ``max_patches`` tiles, in order of their tile count, the one whose aspect ratio is
+        closest to the image's; on a tie the later one where the image's area is over half the grid's."""
+        if self.max_patches <= 1:
+            return 1, 1
+        grids = sorted(((c, r) for c in range(1, self.max_patches + 1) for r in range(1, self.max_patches + 1)
+                        if self.min_patches <= c * r <= self.max_patches), key=lambda g: g[0] * g[1])
+        aspect, area, (th, tw) = width / height, width * height, self.tile
+        best, best_diff = (1, 1), float("inf")
+        for c, r in grids:
+            diff = abs(aspect - c / r)
+            if diff < best_diff:
+                best, best_diff = (c, r), diff
+            elif diff == best_diff and area > 0.5 * th * tw * c * r:
+                best = (c, r)
+        return best
+
+    def tiles(self, width: int, height: int) -> int:
+        """Tiles the processor makes of an image of this size: the grid's, plus the thumbnail where over one."""
+        c, r = self.grid(width, height)
+        return 1 if c * r == 1 else c * r + 1
+
+    def expansion_of(self, width: int, height: int) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """The processor's text for the image and its one run of ``<IMG_CONTEXT>``."""
+        n = self.image_seq_length * self.tiles(width, height)
+        return self.start_token + self.image_token * n + self.end_token, ((len(self.start_token), n),)
+
+    @staticmethod
+    def batch_pixels(processed: list) -> dict:
+        """Every image's tiles (its thumbnail last), in order, as one ``[tiles, 3, tile, tile]`` tensor: the model
+        reads the tiles' features in the order of the ids' ``<IMG_CONTEXT>`` tokens."""
+        import torch
+
+        return {"pixel_values": torch.cat([p["pixel_values"] for p in processed])}

@@ -202,7 +202,7 @@ def test_image_rows_of_an_unsupported_vision_base_are_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("is a llava_onevision vision-language model; this trainer reads "
                                                     "images for qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), "
                                                     "qwen3-vl (qwen3_vl), gemma3 (gemma3), mistral3 (mistral3), "
-                                                    "idefics3 (idefics3) only")):
+                                                    "idefics3 (idefics3), internvl3 (internvl) only")):
         check_images_readable(cfg.model, base, 3)
     check_images_readable(cfg.model, base, 0)  # text rows: it trains on them
     check_images_readable(cfg.model, None, 3)  # a text model: counted drops
@@ -223,7 +223,7 @@ def test_an_unsupported_family_asked_for_images_is_refused_at_config_time(tmp_pa
     (problem,) = exc.value.problems
     assert problem.startswith(f"{key}: ") and "llava_onevision" in problem
     assert ("qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), qwen3-vl (qwen3_vl), gemma3 (gemma3), "
-            "mistral3 (mistral3), idefics3 (idefics3)") in problem
+            "mistral3 (mistral3), idefics3 (idefics3), internvl3 (internvl)") in problem
     plain = config_for(tmp_path / "b", llava)
     check_vision_training(plain, vision_base(plain.model))
 
@@ -279,13 +279,14 @@ def test_family_registry_names_each_family_once():
     from qlora_train.vision import FAMILIES, SUPPORTED, family_named
 
     assert [f.name for f in FAMILIES] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "gemma3", "mistral3",
-                                          "idefics3"]
+                                          "idefics3", "internvl3"]
     assert SUPPORTED == {"qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual",
                          "gemma3": "model.vision_tower", "mistral3": "model.vision_tower",
-                         "idefics3": "model.vision_model"}
+                         "idefics3": "model.vision_model", "internvl": "model.vision_tower"}
     for f in FAMILIES:
         assert family_named(f.model_type) is family_named(f.name) is f
-        written = {"gemma3": "<start_of_image>", "mistral3": "-%}[IMG]", "idefics3": "{{- '<image>' }}"}.get(
+        written = {"gemma3": "<start_of_image>", "mistral3": "-%}[IMG]", "idefics3": "{{- '<image>' }}",
+                   "internvl3": "-%}<IMG_CONTEXT>{{ '\\n' }}"}.get(
             f.name, "<|vision_start|><|image_pad|><|vision_end|>")
         assert written in resolve_chat_template(f.chat_template)
     with pytest.raises(ValueError, match=r"unknown vision-language family 'llava': supported: qwen2-vl \(qwen2_vl\)"):

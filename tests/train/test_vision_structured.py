@@ -3,7 +3,9 @@ vocabulary with Mistral 3's tokens, a Pixtral tower merged 2x2; ``pixel_values``
 ``image_sizes`` beside them) and a tiny Idefics3 (``tiny --vision idefics3``: the Llama 3 vocabulary with Idefics3's
 tokens, a SigLIP tower on 32-pixel tiles; every tile a row of ``pixel_values``, ``pixel_attention_mask``) train the
 demo's image rows, their tower not quantised and frozen, the loss falling; and a DPO step on image pairs feeds both
-sides the prompt's images, its first loss log 2."""
+sides the prompt's images, its first loss log 2. A tiny InternVL 3 (``tiny --vision internvl3``: the Qwen vocabulary
+with ``<img>``, ``</img>``, ``<IMG_CONTEXT>``, an InternViT tower on 32-pixel tiles; every tile a row of
+``pixel_values``) likewise."""
 
 from __future__ import annotations
 
@@ -18,14 +20,16 @@ DEMO_ROWS = Path(__file__).resolve().parents[2] / "configs" / "data" / "quicksta
 DEMO_PAIRS = DEMO_ROWS.with_name("quickstart-vl-dpo.jsonl")
 
 
-TOWER = {"mistral3": r"model\.vision_tower\..*", "idefics3": r"model\.vision_model\..*"}
+TOWER = {"mistral3": r"model\.vision_tower\..*", "idefics3": r"model\.vision_model\..*",
+         "internvl3": r"model\.vision_tower\..*"}
 
 
 @pytest.fixture(scope="module", params=sorted(TOWER))
 def tiny_dir(request, tmp_path_factory, real_vocab_dir):
     from qlora_train.tiny import build_tiny_vl
 
-    real_vocab_dir("llama3")
+    if request.param != "internvl3":  # InternVL 3: the Qwen vocabulary, built from its PyPI package
+        real_vocab_dir("llama3")
     return request.param, build_tiny_vl(request.param, tmp_path_factory.mktemp(request.param), hidden_size=32)
 
 
