@@ -229,8 +229,7 @@ def layout_rule(family: VisionFamily, processor, tokenizer, config: dict):
     pixels a side, as PixtralProcessor with the model's values; images shrunk to the image processor's
     ``size["longest_edge"]``); Idefics3's ``Idefics3Tiles`` (``(image_size // patch_size)² / scale_factor²`` image
     tokens a tile, the image processor's ``size``, ``max_image_size`` and ``do_image_splitting``)."""
-    from qlora_train.masking import ImageRule
-    from qlora_train.masking.image_layouts import Idefics3Tiles, InternVLTiles, PixtralRows
+    from qlora_train.masking import Idefics3Tiles, ImageRule, InternVLTiles, PixtralRows
 
     vision = config.get("vision_config") or {}
     if family.layout == "pixtral":

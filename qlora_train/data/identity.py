@@ -22,7 +22,7 @@ import weakref
 from datasets.fingerprint import Hasher
 from tokenizers import Tokenizer
 
-from qlora_train.masking.tokenize import per_vocabulary, saved_model
+from qlora_train.masking import per_vocabulary, saved_model
 
 FORMAT = 1  # of the map's key: a change here gives every source's cache a new key
 

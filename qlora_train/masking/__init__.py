@@ -106,6 +106,7 @@ from qlora_train.masking.example import (
     token_example,
 )
 from qlora_train.masking.generation import EndOfTurn, RenderedPrompt, end_of_turn_tokens, render_prompt
+from qlora_train.masking.image_layouts import Idefics3Tiles, InternVLTiles, PixtralRows
 from qlora_train.masking.images import ImageRule, expand_images, expanded_text, image_rule, set_image_rule
 from qlora_train.masking.layout import TEMPLATE_ERRORS, TemplateLayout, probe_layout, tool_block
 from qlora_train.masking.layout_declaration import (
@@ -129,7 +130,7 @@ from qlora_train.masking.messages import (
 from qlora_train.masking.pair import SIDES, MaskedPair, MaskedResponse, mark_side, mask_pair, mask_response, pair_policy
 from qlora_train.masking.policy import DEFAULT_POLICY, LossPolicy, ReasoningHistory, ThinkLoss, TrainOnEos
 from qlora_train.masking.rendered import render_text
-from qlora_train.masking.tokenize import IGNORE_INDEX, verify_encoder
+from qlora_train.masking.tokenize import IGNORE_INDEX, per_vocabulary, saved_model, verify_encoder
 
 __all__ = [
     # THE API, stable: a conversation (a prompt and its responses) in, a finished example out, or RowRejected
@@ -143,6 +144,8 @@ __all__ = [
     # images in messages (masking.images): where they sit, the processor's rule for their tokens
     "IMAGE_SLOT", "ImageInfo", "ImageRule", "expand_images", "expanded_text", "image_rule", "message_images",
     "set_image_rule",
+    # structured image expansions (image_layouts.py: Pixtral's rows, Idefics3's and InternVL's tiles)
+    "Idefics3Tiles", "InternVLTiles", "PixtralRows",
     # what comes out: labels, refusals and their reasons
     "IGNORE_INDEX", "RowRejected", "DropReason",
     # the fast path checked against the rule (data.rule_check)
@@ -156,4 +159,6 @@ __all__ = [
     "count_tokens", "DEFAULT_BUDGET", "RowBudget", "RowOverBudget", "RowSpending",
     # data.rule_check's sample encoded by the fast byte-level encoder and by tokenizers (fast_bpe.py)
     "verify_encoder",
+    # the tokenizer's saved model files, kept per vocabulary (its identity: data.identity)
+    "per_vocabulary", "saved_model",
 ]
