@@ -44,6 +44,8 @@ class DropReason(EngineDropReason):
     PAIR_EMPTY_RESPONSE = "pair_empty_response"
     PAIR_BAD_RESPONSE = "pair_bad_response"
     BELOW_SCORE_MARGIN = "below_score_margin"  # data.min_score_margin
+    # VLFeedback's rated completions (pairs.vlfeedback_row): fewer than two rated, or all rated the same
+    PAIR_NO_PREFERENCE = "pair_no_preference"
     # prompt rows (data/prompts.py, GRPO): a prompt whose last turn is the model's leaves it nothing to sample
     PROMPT_ENDS_WITH_ASSISTANT = "prompt_ends_with_assistant"
     # with rl.tools every prompt is rendered with their schemas: a row's own tools are not the tools its rollouts run

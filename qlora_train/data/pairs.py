@@ -97,14 +97,17 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
     reasoning keys, inline think blocks, tool calls, ``think_mode``); tools through ``parse.row_tools``. The
     row's ``system`` column opens the prompt as every schema's does (``parse.with_row_system``). A string side (or
     prompt) is one message whose content is made text as every content is (``parse.content_text``: ``42`` is ``"42"``);
-    a null side is a missing one (``pair_missing_side``). ``score_chosen`` /
-    ``score_rejected`` (numbers) are kept. A row with ``completion`` and ``label`` and no pair (KTO's unpaired
+    a null side is a missing one (``pair_missing_side``). A VLFeedback row (``completions`` rated by aspect, no
+    ``chosen`` / ``rejected``) is made a pair first (``vlfeedback_row``: the highest rated against the lowest).
+    ``score_chosen`` / ``score_rejected`` (numbers) are kept. A row with ``completion`` and ``label`` and no pair (KTO's unpaired
     form, ``unpaired.canonicalize_unpaired``) is refused as ``unpaired_preference``.
     """
     cfg = cfg or DataConfig()
     if not isinstance(row, dict):
         raise RowRejected(DropReason.BAD_ROW, f"row is a {type(row).__name__}, not a mapping")
     row = map_fields(row, cfg.field_mappings)
+    if "completions" in row and "chosen" not in row and "rejected" not in row:
+        row = vlfeedback_row(row)  # VLFeedback's rated completions -> the highest against the lowest
     report = ParseReport(schema="preference", schemas={"preference": 1}, rows=1)
     present = [side for side in SIDES if row.get(side) is not None]
     if len(present) < 2:
@@ -148,6 +151,56 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
     scores = [_score(row, f"score_{side}") for side in SIDES]
     check_pair(prompt, chosen, rejected)
     return CanonicalPair(prompt, chosen, rejected, row_tools(row, cfg, report), fmt, *scores, report=report)
+
+
+def vlfeedback_row(row: dict) -> dict:
+    """A VLFeedback row as downloaded (``prompt``, ``image``, ``models``, ``completions``: one
+    ``{"model", "response", "annotations"}`` a model, each annotation ``{"Rating": "1".."5", "Rationale": ...}``
+    by aspect: Helpfulness, Visual Faithfulness, Ethical Considerations) -> a pair row (``prompt``, ``image``,
+    ``chosen``, ``rejected``, ``score_chosen``, ``score_rejected``): a completion's score is the mean of its
+    numeric ratings (a rating that is not a number, e.g. "N/A", is left out; a completion without one is unrated);
+    chosen is the highest-scored completion, rejected the lowest (the first in the row's order among equals).
+    Fewer than two rated completions, or all rated the same, is refused as ``pair_no_preference``.
+
+    >>> def c(response, *ratings):
+    ...     return {"model": response, "response": response,
+    ...             "annotations": {f"aspect{k}": {"Rating": r} for k, r in enumerate(ratings)}}
+    >>> pair = vlfeedback_row({"prompt": "q", "image": "a.png", "completions": [c("mid", "3", "4"), c("top", "5", "5"),
+    ...                        c("low", "1", "N/A"), c("none", "N/A")]})
+    >>> pair["chosen"], pair["rejected"], pair["score_chosen"], pair["score_rejected"]
+    ('top', 'low', 5.0, 1.0)
+    """
+    completions = row["completions"]
+    if not isinstance(completions, list):
+        raise RowRejected(DropReason.BAD_ROW, f"completions: expected a list of rated completions, got "
+                          f"{type(completions).__name__}")
+    rated = []
+    for k, done in enumerate(completions):
+        if not isinstance(done, dict) or not isinstance(done.get("response"), str):
+            raise RowRejected(DropReason.BAD_ROW, f"completions[{k}]: expected {{model, response, annotations}}, got "
+                              f"{str(done)[:80]!r}")
+        notes = done.get("annotations") or {}
+        ratings = []
+        for note in (notes.values() if isinstance(notes, dict) else ()):
+            rating = note.get("Rating") if isinstance(note, dict) else None
+            try:
+                value = float(rating)
+            except (TypeError, ValueError):
+                continue  # "N/A" or missing: not a rating
+            if math.isfinite(value):
+                ratings.append(value)
+        if ratings:
+            rated.append((sum(ratings) / len(ratings), k, done["response"]))
+    if len(rated) < 2:
+        raise RowRejected(DropReason.PAIR_NO_PREFERENCE, f"{len(rated)} of {len(completions)} completions rated: "
+                          "a pair needs two rated completions")
+    best = max(rated, key=lambda r: (r[0], -r[1]))
+    worst = min(rated, key=lambda r: (r[0], r[1]))
+    if best[0] == worst[0]:
+        raise RowRejected(DropReason.PAIR_NO_PREFERENCE, f"all {len(rated)} rated completions score {best[0]:g}: "
+                          "no preference between them")
+    out = {k: v for k, v in row.items() if k not in ("completions", "models")}
+    return out | {"chosen": best[2], "rejected": worst[2], "score_chosen": best[0], "score_rejected": worst[0]}
 
 
 def missing_side_detail(row: dict, present: list[str]) -> str:

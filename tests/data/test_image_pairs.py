@@ -208,3 +208,36 @@ def test_unpaired_rlaif_v_row_and_its_collator_batch(vl_tok, tmp_path):
     assert torch.equal(first["pixel_values"], second["pixel_values"])
     assert first["image_grid_thw"].tolist() == second["image_grid_thw"].tolist() == [[1, 6, 4], [1, 4, 8]]
     assert torch.equal(first["mm_token_type_ids"], (batch["input_ids"][:2] == pad).int())
+
+
+# --- VLFeedback's rated completions, read as downloaded --------------------------------------------------------
+
+def test_vlfeedback_sample_pairs_the_highest_against_the_lowest_rated(vl_tok):
+    """The bundled VLFeedback-layout sample (configs/data/vlfeedback-sample.jsonl: prompt, image, models,
+    completions with ratings by aspect): the mean-rated highest completion is chosen, the lowest rejected, the image
+    the prompt's; a row whose rated completions tie, and one with a single rated completion, are refused as
+    ``pair_no_preference``, each with its reason."""
+    from pathlib import Path
+
+    from qlora_train.masking import RowRejected
+
+    sample = Path(__file__).resolve().parents[2] / "configs" / "data" / "vlfeedback-sample.jsonl"
+    cfg = DataConfig(image_dir=str(sample.parent))
+    rows = [json.loads(line) for line in sample.read_text().splitlines()]
+    kept, refused = [], []
+    for row in rows:
+        try:
+            kept.append(canonicalize_pair(row, cfg, tokenizer=vl_tok))
+        except RowRejected as rej:
+            refused.append((row["id"], rej.reason, rej.detail))
+    assert [(p.chosen[0]["content"], p.rejected[0]["content"], p.score_chosen, p.score_rejected) for p in kept] == [
+        ("It is red.", "It is yellow.", 5.0, 8 / 3), ("A circle.", "A square.", 5.0, 7 / 3)]
+    assert [p.prompt[0]["content"] for p in kept] == [f"{IMAGE_SLOT}What colour is this shape?",
+                                                      f"{IMAGE_SLOT}What shape is in this picture?"]
+    assert [(i, r) for i, r, _ in refused] == [("shapes-2", "pair_no_preference"), ("shapes-3", "pair_no_preference")]
+    assert "all 2 rated completions score 4" in refused[0][2] and "1 of 2 completions rated" in refused[1][2]
+    ex = fit_pair(kept[0], vl_tok, max_length=512).example
+    n = ex["prompt_length"]
+    assert ex["chosen_input_ids"][:n] == ex["rejected_input_ids"][:n]  # the prompt's image tokens on both sides
+    pad = vl_tok.convert_tokens_to_ids(PAD)
+    assert pad in ex["chosen_input_ids"][:n] and pad not in trained(ex["chosen_labels"])
