@@ -99,8 +99,8 @@ def canonicalize_pair(row: dict, cfg: DataConfig | None = None, *, tokenizer=Non
     prompt) is one message whose content is made text as every content is (``parse.content_text``: ``42`` is ``"42"``);
     a null side is a missing one (``pair_missing_side``). A VLFeedback row (``completions`` rated by aspect, no
     ``chosen`` / ``rejected``) is made a pair first (``vlfeedback_row``: the highest rated against the lowest).
-    ``score_chosen`` / ``score_rejected`` (numbers) are kept. A row with ``completion`` and ``label`` and no pair (KTO's unpaired
-    form, ``unpaired.canonicalize_unpaired``) is refused as ``unpaired_preference``.
+    ``score_chosen`` / ``score_rejected`` (numbers) are kept. A row with ``completion`` and ``label`` and no pair
+    (KTO's unpaired form, ``unpaired.canonicalize_unpaired``) is refused as ``unpaired_preference``.
     """
     cfg = cfg or DataConfig()
     if not isinstance(row, dict):
