@@ -178,8 +178,8 @@ $(TINY_VL)/config.json:
 	$(PYTHON) -m qlora_train.tiny --vision $(VL) --out $(TINY_VL)
 
 # vision-language SFT on the bundled rows with drawn images (configs/data/quickstart-vl.jsonl, 0-2 images a row): a
-# tiny model of the family VL (qwen2-vl, qwen2.5-vl (the default), qwen3-vl, gemma3, mistral3, idefics3, internvl3: `make
-# demo-vl VL=gemma3`), its language model in 4-bit + LoRA, its vision tower frozen (docs/vision.md); trained only where its
+# tiny model of the family VL (qwen2-vl, qwen2.5-vl (the default), qwen3-vl, gemma3, mistral3, idefics3, internvl3,
+# llava-onevision: `make demo-vl VL=gemma3`), its language model in 4-bit + LoRA, its vision tower frozen (docs/vision.md); trained only where its
 # finished run is not there (again from step 0: the same qlora-train line with --overwrite)
 DEMO_VL_OUT = outputs/quickstart-vl$(if $(filter qwen2.5-vl,$(VL)),,-$(VL))
 DEMO_VL_CMD = qlora-train --config configs/quickstart-vl.yaml --set model.name_or_path=$(TINY_VL) \

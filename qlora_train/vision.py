@@ -9,8 +9,9 @@ beside the pixels), Gemma 3 (a fixed count of ``<image_soft_token>`` between its
 ``token_type_ids``), Mistral 3 and Idefics3 (structured expansions, ``masking.image_layouts``: a run of ``[IMG]`` a
 row of the resized image between ``[IMG_BREAK]`` / ``[IMG_END]``, ``image_sizes`` beside the pixels; a run of
 ``<image>`` a tile after its ``<row_R_col_C>``, then the global image's), InternVL 3 (one run of ``<IMG_CONTEXT>``
-between ``<img>`` and ``</img>``, a fixed count a tile of the grid the image's size picks). Another
-vision-language base (LLaVA-OneVision, Qwen3.5, ...) trains on text rows as before; a config that asks it for
+between ``<img>`` and ``</img>``, a fixed count a tile of the grid the image's size picks), LLaVA-OneVision
+(``<image>`` repeated by the image's size and its row's image count, anyres: ``AnyresCount``). Another
+vision-language base (PaliGemma, Qwen3.5, ...) trains on text rows as before; a config that asks it for
 images (``data.image_dir``, ``data.image_root``, ``lora.train_vision``) is refused before any data loads, and a row
 with images for it is refused (``bad_image``), which training then turns into one ``ConfigError`` naming the model
 type (``check_images_readable``). Both name the supported families.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +99,14 @@ FAMILIES = (
                  examples="InternVL3-1B/2B/8B/14B/38B-hf", type_ids="", markers=("<img>", "</img>"),
                  packable=False, layout="internvl",
                  unpackable_why="packed image rows are not proved for it (no packed-vs-unpacked loss check)"),
+    # LLaVA-OneVision: the template writes <image>, LlavaOnevisionProcessor writes <image> x N in its place, N by the
+    # image's size (anyres: the base crop's features + the unpadded grid's + one newline a grid row; a row of
+    # several images: each the base crop's + 1), ``AnyresCount``; the model reads image_sizes and batch_num_images
+    VisionFamily("llava-onevision", "llava_onevision", "model.vision_tower", "llava-onevision", image_token="<image>",
+                 examples="llava-onevision-qwen2-0.5b/7b/72b-ov-hf", type_ids="", markers=("<video>",),
+                 packable=False,
+                 unpackable_why="its images' features are laid out by the batch's image_sizes and batch_num_images, "
+                                "per batch row; a packed row's no-contamination is not proved"),
 )
 FAMILY_BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 SUPPORTED = {f.model_type: f.tower for f in FAMILIES}  # model type -> its vision tower's module path
@@ -207,6 +217,10 @@ def image_rule_for(cfg: ModelConfig, tokenizer, base: VisionBase | None = None, 
         rule = layout_rule(family, processor, tokenizer, model_config_dict(cfg) or {})
         check_saved_processor(rule.layout, Path(processor_path if processor_path is not None else cfg.name_or_path))
         return rule
+    if family.model_type == "llava_onevision":
+        return ImageRule(family.image_token, tokenizer.convert_tokens_to_ids(family.image_token), processor,
+                         tuple(t for t in family.markers if t in tokenizer.get_added_vocab()), type_ids="",
+                         counter=anyres_count(cfg, processor, processor_path))
     if family.fixed_tokens_key is not None:
         if getattr(processor, "do_pan_and_scan", False):  # crops add whole image sequences by the image's shape
             raise ModelLoadError(f"the image processor of {cfg.name_or_path} has do_pan_and_scan: true: its crops "
@@ -313,6 +327,84 @@ def fixed_image_tokens(cfg: ModelConfig, family: VisionFamily, processor_path: s
                                  f"{family.fixed_tokens_key} {n}: the processor would write another count of image "
                                  "tokens than the model reads")
     return n
+
+
+@dataclass(frozen=True)
+class AnyresCount:
+    """LLaVA-OneVision's count of ``<image>`` tokens an image (``LlavaOnevisionProcessor``'s, from the image's size
+    alone): alone in its row, the base crop's ``num_image_tokens`` + the features of the best grid
+    (``image_grid_pinpoints``) unpadded to the image's aspect + one newline a feature row (scaled down past
+    ``anyres_max_N`` crops); in a row of several images, ``num_image_tokens`` + 1 each; one fewer with the
+    ``default`` feature select strategy (its CLS dropped)."""
+
+    pinpoints: tuple[tuple[int, int], ...]
+    crop: int  # the side of a crop (the image processor's size)
+    num_image_tokens: int  # the base crop's features (patches a side, squared)
+    max_crops: int  # vision_aspect_ratio "anyres_max_9" -> 9
+    default_select: bool  # vision_feature_select_strategy == "default"
+
+    def __call__(self, width: int, height: int, images: int = 1) -> int:
+        if images != 1:
+            return self.num_image_tokens + 1 - self.default_select
+        from transformers.image_processing_utils import select_best_resolution
+
+        best_h, best_w = select_best_resolution([height, width], [list(p) for p in self.pinpoints])
+        side = int(math.sqrt(self.num_image_tokens))
+        rows, cols = side * (best_h // self.crop), side * (best_w // self.crop)
+        if width / height > cols / rows:
+            rows -= (rows - int(round(height * (cols / width), 7))) // 2 * 2
+        else:
+            cols -= (cols - int(round(width * (rows / height), 7))) // 2 * 2
+        features, newlines = rows * cols, rows
+        ratio = math.sqrt(rows * cols / (self.max_crops * side ** 2))
+        if ratio > 1.1:
+            features, newlines = int(rows // ratio) * int(cols // ratio), int(rows // ratio)
+        return self.num_image_tokens + features + newlines - self.default_select
+
+
+@dataclass(frozen=True)
+class TileCount:
+    """InternVL 3's count of ``<IMG_CONTEXT>`` tokens an image (``InternVLProcessor``'s, from the image's size alone):
+    ``tile_tokens`` (its ``image_seq_length``) a tile, the tiles as GotOcr2's ``crop_to_patches`` makes them (the
+    image processor's ``get_number_of_image_patches``: the grid of ``min_patches``..``max_patches`` tiles closest to
+    the image's aspect, plus a thumbnail tile when the grid has more than one)."""
+
+    image_processor: object  # GotOcr2ImageProcessor(Pil) with crop_to_patches on
+    tile_tokens: int
+
+    def __call__(self, width: int, height: int, images: int = 1) -> int:
+        return self.tile_tokens * int(self.image_processor.get_number_of_image_patches(height, width, {}))
+
+
+def internvl_tile_tokens(cfg: ModelConfig) -> int:
+    """An InternVL base's image tokens a tile: its config's ``image_seq_length`` (the tower's patches a side,
+    squared, times ``downsample_ratio``²); ``ModelLoadError`` when it is missing."""
+    n = (model_config_dict(cfg) or {}).get("image_seq_length")
+    if not isinstance(n, int) or n <= 0:
+        raise ModelLoadError(f"{cfg.name_or_path} is an internvl model, but its config has no image_seq_length "
+                             "(image tokens a tile)")
+    return n
+
+
+def anyres_count(cfg: ModelConfig, processor, processor_path: str | Path | None = None) -> AnyresCount:
+    """The ``AnyresCount`` of a LLaVA-OneVision base: its ``processor_config.json`` (num_image_tokens, the feature
+    select strategy, vision_aspect_ratio; in ``processor_path``, else the base's folder) and its image processor
+    (grid pinpoints, crop size); ``ModelLoadError`` when the processor config is missing or lacks num_image_tokens."""
+    saved = Path(processor_path if processor_path is not None else cfg.name_or_path) / "processor_config.json"
+    if not saved.is_file():  # an adapter or merged folder saves the image processor alone: the base's then
+        saved = Path(cfg.name_or_path) / "processor_config.json"
+    try:
+        own = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{cfg.name_or_path} is a llava_onevision model: cannot read {saved} (its image tokens "
+                             f"an image): {exc}") from None
+    if not isinstance(own.get("num_image_tokens"), int):
+        raise ModelLoadError(f"{saved}: no num_image_tokens (the base crop's image tokens)")
+    size = processor.size
+    crop = size["shortest_edge"] if "shortest_edge" in size else min(size["height"], size["width"])
+    return AnyresCount(tuple(tuple(p) for p in processor.image_grid_pinpoints), int(crop), own["num_image_tokens"],
+                       int(str(own.get("vision_aspect_ratio", "anyres_max_9")).removeprefix("anyres_max_")),
+                       own.get("vision_feature_select_strategy") == "default")
 
 
 def check_vision_training(cfg: Config, base: VisionBase | None) -> None:

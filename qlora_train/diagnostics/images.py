@@ -185,7 +185,7 @@ def image_runs(ids: list[int], refs: list[str], tokenizer, sources: list[str] = 
         now = None
         if size is not None:
             try:
-                made = rule.tokens(*size)
+                made = rule.tokens(*size, len(spans))  # (LLaVA-OneVision counts a row of several otherwise)
             except RowRejected:  # the processor refuses its size now: shown as a change
                 made = -1
             now = made if made != n else None

@@ -142,9 +142,15 @@ def prompt_inputs(tok, messages: list[dict]) -> dict:
             rule.image_processor(images=[open_image(im["ref"])], return_tensors="pt", **rule.layout.pixel_kwargs)
             for im in images]))
         return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    pixels = rule.image_processor(images=[open_image(im["ref"]) for im in images], return_tensors="pt")
-    inputs.update({"pixel_values": pixels["pixel_values"],
-                   rule.type_ids: (inputs["input_ids"] == rule.image_token_id).int()})
+    opened = [open_image(im["ref"]) for im in images]
+    # LLaVA-OneVision's processor reads a row's images as one sample (image_sizes, batch_num_images)
+    pixels = rule.image_processor(images=[opened] if rule.counter is not None else opened, return_tensors="pt")
+    inputs["pixel_values"] = pixels["pixel_values"]
+    if rule.type_ids:
+        inputs[rule.type_ids] = (inputs["input_ids"] == rule.image_token_id).int()
+    for key in ("image_sizes", "batch_num_images"):
+        if key in pixels:
+            inputs[key] = torch.as_tensor(pixels[key])
     if "image_grid_thw" in pixels:
         inputs["image_grid_thw"] = pixels["image_grid_thw"]
     return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}

@@ -61,6 +61,9 @@ class ImageRule:
     # a structured expansion (``image_layouts``: Pixtral's rows, Idefics3's tiles): several runs of the image token
     # an image, between markers the image's size decides; None: ``before`` + one run + ``after``
     layout: Any = None
+    # the family's own count (width, height, images in the row) -> tokens, where neither a patch grid nor a fixed
+    # count makes it (LLaVA-OneVision's anyres: ``vision.AnyresCount``); None: the rules above
+    counter: Any = None
 
     @classmethod
     def of(cls, image_processor, tokenizer, image_token: str = "<|image_pad|>",
@@ -83,9 +86,12 @@ class ImageRule:
         """What the template writes for an image."""
         return self.placeholder or self.image_token
 
-    def tokens(self, width: int, height: int) -> int:
-        """Image tokens of an image of this size; ``RowRejected`` (``bad_image``) for one the processor refuses
-        (an aspect ratio over 200:1). A structured expansion's: every run's together."""
+    def tokens(self, width: int, height: int, images: int = 1) -> int:
+        """Image tokens of an image of this size in a row of ``images`` images (only a ``counter`` reads it:
+        LLaVA-OneVision writes a multi-image row's images unpatched); ``RowRejected`` (``bad_image``) for one the
+        processor refuses (an aspect ratio over 200:1). A structured expansion's: every run's together."""
+        if self.counter is not None:
+            return int(self.counter(width, height, images))
         if self.layout is not None:
             return sum(n for _, n in self.layout.expansion_of(width, height)[1])
         if self.fixed_tokens is not None:
@@ -100,9 +106,10 @@ class ImageRule:
         """What the processor writes for an image of ``n`` tokens."""
         return self.before + self.image_token * n + self.after
 
-    def expansion_of(self, width: int, height: int) -> tuple[str, tuple[tuple[int, int], ...]]:
+    def expansion_of(self, width: int, height: int, images: int = 1) -> tuple[str, tuple[tuple[int, int], ...]]:
         """What the processor writes for an image of this size, and where its runs of image tokens sit in that
-        text: ``(text, ((first character, tokens), ...))``. One run after ``before`` for the one-run families; a
+        text: ``(text, ((first character, tokens), ...))``, in a row of ``images`` images. One run after ``before``
+        for the one-run families; a
         structured expansion's (``layout``) runs between its markers (Pixtral: a run a row, ``[IMG_BREAK]``
         between rows, ``[IMG_END]`` last).
 
@@ -111,7 +118,7 @@ class ImageRule:
         """
         if self.layout is not None:
             return self.layout.expansion_of(width, height)
-        n = self.tokens(width, height)
+        n = self.tokens(width, height, images)
         return self.expansion(n), ((len(self.before), n),)
 
 
@@ -152,7 +159,7 @@ def expanded_text(text: str, images: list[ImageInfo], rule: ImageRule) -> str:
                           f"{rule.written!r} for {len(images)} image(s)")
     out = [pieces[0]]
     for im, piece in zip(images, pieces[1:]):
-        out += [rule.expansion_of(im["width"], im["height"])[0], piece]
+        out += [rule.expansion_of(im["width"], im["height"], len(images))[0], piece]
     return "".join(out)
 
 
@@ -178,7 +185,7 @@ def expand_images(rendered: RenderedConversation, images: list[ImageInfo], rule:
                           "write, or the placeholder in the row's text)")
     if not images:
         return rendered
-    expansions = [rule.expansion_of(im["width"], im["height"]) for im in images]
+    expansions = [rule.expansion_of(im["width"], im["height"], len(images)) for im in images]
     pieces, masks, prev = [], [], 0
     for s, (expansion, _) in zip(starts, expansions):
         if rendered.char_mask[s:s + len(written)].any():

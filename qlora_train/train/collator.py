@@ -74,12 +74,17 @@ class ImageCollator:
         refs = [list(f.get("images") or ()) for f in features]
         if not any(refs):
             return batch
-        sizes, pixels, grids, each = [], [], [], []
+        sizes, pixels, grids, each, image_sizes = [], [], [], [], []
         layout = self.rule.layout
-        for row, row_refs in enumerate(refs):  # one image decoded at a time: a batch holds one image's pixels
+        by_row = self.rule.counter is not None  # LLaVA-OneVision: a row's images processed together (batch_num_images)
+        for row, row_refs in enumerate(refs):  # one image decoded at a time (by_row: one row's images)
+            opened = []
             for ref in row_refs:
                 image = _open(ref, row, self.max_pixels)
                 sizes.append(image.size)
+                if by_row:
+                    opened.append(image)
+                    continue
                 processed = self.rule.image_processor(images=[image], return_tensors="pt",
                                                       **getattr(layout, "pixel_kwargs", {}))
                 del image
@@ -87,7 +92,12 @@ class ImageCollator:
                 pixels.append(processed["pixel_values"])
                 if "image_grid_thw" in processed:
                     grids.append(processed["image_grid_thw"])
-        tokens = image_tokens(self.rule, grids, len(sizes), sizes)
+            if by_row and opened:
+                processed = self.rule.image_processor(images=[opened], return_tensors="pt")
+                del opened
+                pixels.append(processed["pixel_values"])
+                image_sizes.append(processed["image_sizes"])
+        tokens = image_tokens(self.rule, grids, len(sizes), sizes, [len(r) for r in refs])
         is_image = batch["input_ids"] == self.rule.image_token_id  # (pads are never the image token)
         at = 0
         for row, (held, row_refs) in enumerate(zip(is_image.sum(dim=1).tolist(), refs)):
@@ -101,6 +111,12 @@ class ImageCollator:
             at += len(row_refs)
         if layout is not None:  # a structured expansion's family batches its images its own way
             batch.update(layout.batch_pixels(each))
+        elif by_row:  # [images, crops, C, H, W]: each row's crops padded to the batch's most (the model cuts them)
+            most = max(p.shape[1] for p in pixels)
+            batch["pixel_values"] = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1]))
+                                               for p in pixels])
+            batch["image_sizes"] = torch.cat(image_sizes)
+            batch["batch_num_images"] = torch.tensor([len(r) for r in refs if r])
         else:
             batch["pixel_values"] = torch.cat(pixels)
         if grids:
@@ -110,10 +126,15 @@ class ImageCollator:
         return batch
 
 
-def image_tokens(rule, grids: list, images: int, sizes: list[tuple[int, int]] = ()) -> list[int]:
+def image_tokens(rule, grids: list, images: int, sizes: list[tuple[int, int]] = (),
+                 per_row: list[int] = ()) -> list[int]:
     """Each image's tokens as its pixels make them: the fixed count of a fixed-count family (Gemma 3), a structured
-    expansion's by the decoded image's size (``sizes``, upright), else its grid's merged patches
-    (``t * h * w // merge_size**2``, the Qwen-VL families)."""
+    expansion's by the decoded image's size (``sizes``, upright), a counter's by that size in its row of images
+    (``per_row``: each row's images; LLaVA-OneVision), else its grid's merged patches (``t * h * w //
+    merge_size**2``, the Qwen-VL families)."""
+    if rule.counter is not None:
+        counts = [n for n in per_row for _ in range(n)]
+        return [rule.tokens(w, h, n) for (w, h), n in zip(sizes, counts)]
     if rule.layout is not None:
         return [rule.tokens(w, h) for w, h in sizes]
     if rule.fixed_tokens is not None:

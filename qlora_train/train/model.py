@@ -120,7 +120,9 @@ def load_base_model(m: ModelConfig, runtime: Runtime, *, quantized: bool = True)
     (``quantized``, as training loads it; a vision tower never) or with its own weights unquantised
     (``quantized=False``)."""
     vision = vision_base(m, strict=False)  # an unreachable hub config: the model load says why
-    tower = (vision.tower,) if vision is not None and vision.supported else ()
+    # the tower and, where a family has one outside it (LLaVA-OneVision, InternVL 3, Mistral 3), its projector:
+    # kept unquantised
+    tower = (vision.tower, "model.multi_modal_projector") if vision is not None and vision.supported else ()
     quant = quantization_config(m, runtime.compute_dtype, runtime.quant_storage, tower) if quantized else None
     kwargs = dict(quantization_config=quant, dtype=runtime.compute_dtype, device_map=runtime.device_map,
                   trust_remote_code=m.trust_remote_code)

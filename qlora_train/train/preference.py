@@ -108,7 +108,7 @@ def use_pair_forward(model) -> None:
 # a vision-language batch's (ImageCollator): Qwen-VL's grids and mm_token_type_ids, Gemma 3's token_type_ids,
 # Mistral 3's image_sizes, Idefics3's pixel_attention_mask (one per tile, as its pixels)
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids", "image_sizes",
-                "pixel_attention_mask")
+                "pixel_attention_mask", "batch_num_images")
 
 
 def pair_forward(causal_lm, input_ids=None, attention_mask=None, *, labels, logps_chunk_tokens: int,

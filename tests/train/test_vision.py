@@ -145,8 +145,10 @@ def test_vision_base_reads_the_config(tmp_path):
     assert base({"model_type": "qwen3_vl", "vision_config": {"depth": 2}}).supported
     assert base({"model_type": "gemma3", "vision_config": {"hidden_size": 8}}) == VisionBase("gemma3",
                                                                                               "model.vision_tower")
-    llava = base({"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}})
-    assert llava == VisionBase("llava_onevision", None) and not llava.supported
+    assert base({"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}}) == VisionBase(
+        "llava_onevision", "model.vision_tower")
+    pali = base({"model_type": "paligemma", "vision_config": {"hidden_size": 8}})
+    assert pali == VisionBase("paligemma", None) and not pali.supported
 
 
 def config_for(tmp_path, config: dict, *overrides: str):
@@ -197,12 +199,13 @@ def test_train_vision_needs_a_vision_tower(tmp_path):
 
 
 def test_image_rows_of_an_unsupported_vision_base_are_a_config_error(tmp_path):
-    cfg = config_for(tmp_path, {"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}})
+    cfg = config_for(tmp_path, {"model_type": "paligemma", "vision_config": {"hidden_size": 8}})
     base = vision_base(cfg.model)
-    with pytest.raises(ConfigError, match=re.escape("is a llava_onevision vision-language model; this trainer reads "
+    with pytest.raises(ConfigError, match=re.escape("is a paligemma vision-language model; this trainer reads "
                                                     "images for qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), "
                                                     "qwen3-vl (qwen3_vl), gemma3 (gemma3), mistral3 (mistral3), "
-                                                    "idefics3 (idefics3), internvl3 (internvl) only")):
+                                                    "idefics3 (idefics3), internvl3 (internvl), "
+                                                    "llava-onevision (llava_onevision) only")):
         check_images_readable(cfg.model, base, 3)
     check_images_readable(cfg.model, base, 0)  # text rows: it trains on them
     check_images_readable(cfg.model, None, 3)  # a text model: counted drops
@@ -214,17 +217,18 @@ def test_image_rows_of_an_unsupported_vision_base_are_a_config_error(tmp_path):
     ("lora.train_vision=true", "lora.train_vision"),
 ])
 def test_an_unsupported_family_asked_for_images_is_refused_at_config_time(tmp_path, override, key):
-    """LLaVA-OneVision (not a family whose images are read) asked for images: one config error naming the key and
+    """PaliGemma (not a family whose images are read) asked for images: one config error naming the key and
     the supported families, before any data loads; its text rows alone still train (no such key set)."""
-    llava = {"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}}
-    cfg = config_for(tmp_path, llava, override)
+    pali = {"model_type": "paligemma", "vision_config": {"hidden_size": 8}}
+    cfg = config_for(tmp_path, pali, override)
     with pytest.raises(ConfigError) as exc:
         check_vision_training(cfg, vision_base(cfg.model))
     (problem,) = exc.value.problems
-    assert problem.startswith(f"{key}: ") and "llava_onevision" in problem
+    assert problem.startswith(f"{key}: ") and "paligemma" in problem
     assert ("qwen2-vl (qwen2_vl), qwen2.5-vl (qwen2_5_vl), qwen3-vl (qwen3_vl), gemma3 (gemma3), "
-            "mistral3 (mistral3), idefics3 (idefics3), internvl3 (internvl)") in problem
-    plain = config_for(tmp_path / "b", llava)
+            "mistral3 (mistral3), idefics3 (idefics3), internvl3 (internvl), llava-onevision (llava_onevision)"
+            ) in problem
+    plain = config_for(tmp_path / "b", pali)
     check_vision_training(plain, vision_base(plain.model))
 
 
@@ -240,6 +244,15 @@ def test_gemma3_packing_is_refused_at_config_time_with_the_reason(tmp_path):
     assert "token_type_ids" in problem and "supported for qwen2-vl, qwen2.5-vl, qwen3-vl;" in problem
     plain = config_for(tmp_path / "b", GEMMA3)
     check_vision_training(plain, vision_base(plain.model))  # unpacked: nothing refused
+
+
+def test_llava_onevision_packing_is_refused_at_config_time_with_the_reason(tmp_path):
+    cfg = config_for(tmp_path, {"model_type": "llava_onevision", "vision_config": {"hidden_size": 8}},
+                     "train.packing=true")
+    with pytest.raises(ConfigError) as exc:
+        check_vision_training(cfg, vision_base(cfg.model))
+    (problem,) = exc.value.problems
+    assert "(llava_onevision)" in problem and "image_sizes" in problem and "not proved" in problem
 
 
 def test_gemma3_rule_counts_the_models_tokens_and_its_processor_must_agree(tmp_path):
@@ -279,14 +292,15 @@ def test_family_registry_names_each_family_once():
     from qlora_train.vision import FAMILIES, SUPPORTED, family_named
 
     assert [f.name for f in FAMILIES] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "gemma3", "mistral3",
-                                          "idefics3", "internvl3"]
+                                          "idefics3", "internvl3", "llava-onevision"]
     assert SUPPORTED == {"qwen2_vl": "model.visual", "qwen2_5_vl": "model.visual", "qwen3_vl": "model.visual",
                          "gemma3": "model.vision_tower", "mistral3": "model.vision_tower",
-                         "idefics3": "model.vision_model", "internvl": "model.vision_tower"}
+                         "idefics3": "model.vision_model", "internvl": "model.vision_tower",
+                         "llava_onevision": "model.vision_tower"}
     for f in FAMILIES:
         assert family_named(f.model_type) is family_named(f.name) is f
         written = {"gemma3": "<start_of_image>", "mistral3": "-%}[IMG]", "idefics3": "{{- '<image>' }}",
-                   "internvl3": "-%}<IMG_CONTEXT>{{ '\\n' }}"}.get(
+                   "internvl3": "-%}<IMG_CONTEXT>{{ '\\n' }}", "llava-onevision": "<image>"}.get(
             f.name, "<|vision_start|><|image_pad|><|vision_end|>")
         assert written in resolve_chat_template(f.chat_template)
     with pytest.raises(ValueError, match=r"unknown vision-language family 'llava': supported: qwen2-vl \(qwen2_vl\)"):

@@ -21,14 +21,14 @@ DEMO_PAIRS = DEMO_ROWS.with_name("quickstart-vl-dpo.jsonl")
 
 
 TOWER = {"mistral3": r"model\.vision_tower\..*", "idefics3": r"model\.vision_model\..*",
-         "internvl3": r"model\.vision_tower\..*"}
+         "internvl3": r"model\.vision_tower\..*", "llava-onevision": r"model\.vision_tower\..*"}
 
 
 @pytest.fixture(scope="module", params=sorted(TOWER))
 def tiny_dir(request, tmp_path_factory, real_vocab_dir):
     from qlora_train.tiny import build_tiny_vl
 
-    if request.param != "internvl3":  # InternVL 3: the Qwen vocabulary, built from its PyPI package
+    if request.param not in ("internvl3", "llava-onevision"):  # these two: the Qwen vocabulary, from its PyPI package
         real_vocab_dir("llama3")
     return request.param, build_tiny_vl(request.param, tmp_path_factory.mktemp(request.param), hidden_size=32)
 
