@@ -88,3 +88,15 @@ def feed_rows(monkeypatch, rows: list[dict]) -> None:
     report = DatasetReport(rows_in=len(rows), rows_kept=len(rows), train_rows=len(rows))
     monkeypatch.setattr(run, "training_data",
                         lambda cfg, tok: TrainingData(datasets.Dataset.from_list(rows), None, report))
+
+
+def sizes_of(msgs) -> list[tuple[int, int]]:
+    """The (width, height) of every image in ``msgs``, in order."""
+    return [(im["width"], im["height"]) for m in msgs for im in m.get("images", ())]
+
+
+def pictures(sizes):
+    """Plain images of ``sizes`` (each its own colour), or None for none: what a processor is given."""
+    from PIL import Image
+
+    return [Image.new("RGB", s, (40 * k % 255, 90, 200)) for k, s in enumerate(sizes)] or None

@@ -25,6 +25,7 @@ from qlora_train.masking import (
 )
 from tests.data.test_image_pairs import image_pairs
 from tests.masking.test_images import image, trained, vision_rows, without_images
+from tests.vision_rows import sizes_of
 
 MARKERS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
 
@@ -65,10 +66,6 @@ def processor_out(proc, text: str, sizes: list[tuple[int, int]]) -> dict:
     images = [Image.new("RGB", s, (40 * k % 255, 90, 200)) for k, s in enumerate(sizes)] or None
     out = proc(text=[plain], images=images, add_special_tokens=False)
     return {k: v[0] for k, v in out.items() if k != "pixel_values"}
-
-
-def sizes_of(msgs) -> list[tuple[int, int]]:
-    return [(im["width"], im["height"]) for m in msgs for im in m.get("images", ())]
 
 
 TWO = [{"role": "system", "content": "Be brief."},

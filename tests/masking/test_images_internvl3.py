@@ -18,6 +18,7 @@ from hypothesis import settings as hsettings
 from qlora_train.masking import IGNORE_INDEX, IMAGE_SLOT, DropReason, RowRejected, image_rule, mask_conversation
 from tests.data.test_image_pairs import image_pairs
 from tests.masking.test_images import image, trained, vision_rows, without_images
+from tests.vision_rows import pictures, sizes_of
 
 CONTEXT, START, END = "<IMG_CONTEXT>", "<img>", "</img>"
 EXPANDED = re.compile(r"<img>(?:<IMG_CONTEXT>)+</img>")
@@ -45,22 +46,12 @@ def internvl3():
     return tok, Processor(image_processor=image_rule(tok).image_processor, tokenizer=tok, image_seq_length=4)
 
 
-def pictures(sizes):
-    from PIL import Image
-
-    return [Image.new("RGB", s, (40 * k % 255, 90, 200)) for k, s in enumerate(sizes)] or None
-
-
 def processor_out(proc, text: str, sizes: list[tuple[int, int]]) -> dict:
     """The processor's own output for the template's render (each image's expansion back to ``<IMG_CONTEXT>``) and
     images of ``sizes``."""
     out = proc(text=[EXPANDED.sub(CONTEXT, text)], images=pictures(sizes), add_special_tokens=False,
                return_tensors="pt")
     return {"input_ids": out["input_ids"][0].tolist(), **{k: v for k, v in out.items() if k != "input_ids"}}
-
-
-def sizes_of(msgs) -> list[tuple[int, int]]:
-    return [(im["width"], im["height"]) for m in msgs for im in m.get("images", ())]
 
 
 TWO = [{"role": "system", "content": "Be brief."},

@@ -18,6 +18,7 @@ from hypothesis import settings as hsettings
 
 from qlora_train.masking import IMAGE_SLOT, DropReason, ImageRule, RowRejected, image_rule, mask_conversation
 from tests.masking.test_images import image, trained, vision_rows, without_images
+from tests.vision_rows import sizes_of
 
 
 def ov_rule(tok, ip, num_image_tokens: int, select: str = "full") -> ImageRule:
@@ -69,10 +70,6 @@ def processor_ids(proc, text: str, sizes: list[tuple[int, int]]) -> list[int]:
     plain = re.sub("(?:<image>)+", "<image>", text)
     images = [Image.new("RGB", s, (40 * k % 255, 90, 200)) for k, s in enumerate(sizes)]
     return proc(text=[plain], images=[images] if images else None)["input_ids"][0]  # one sample's images
-
-
-def sizes_of(msgs) -> list[tuple[int, int]]:
-    return [(im["width"], im["height"]) for m in msgs for im in m.get("images", ())]
 
 
 ONE = [{"role": "user", "content": f"{IMAGE_SLOT}What is this?", "images": [image(100, 60)]},

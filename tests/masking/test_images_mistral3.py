@@ -21,6 +21,7 @@ from hypothesis import settings as hsettings
 from qlora_train.masking import IGNORE_INDEX, IMAGE_SLOT, DropReason, RowRejected, image_rule, mask_conversation
 from tests.data.test_image_pairs import image_pairs
 from tests.masking.test_images import image, trained, vision_rows, without_images
+from tests.vision_rows import pictures, sizes_of
 
 MARKERS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 EXPANDED = re.compile(r"(?:\[IMG\]|\[IMG_BREAK\])*\[IMG_END\]")
@@ -58,21 +59,11 @@ def mistral3(real_vocab_dir):
     return tok, proc
 
 
-def pictures(sizes):
-    from PIL import Image
-
-    return [Image.new("RGB", s, (40 * k % 255, 90, 200)) for k, s in enumerate(sizes)] or None
-
-
 def processor_out(proc, text: str, sizes: list[tuple[int, int]]) -> dict:
     """The processor's own output for the template's render (each image's expansion back to ``[IMG]``) and images
     of ``sizes`` (the render already holds the bos: no special tokens added)."""
     out = proc(text=[EXPANDED.sub("[IMG]", text)], images=pictures(sizes), add_special_tokens=False)
     return {"input_ids": out["input_ids"][0].tolist(), **{k: v for k, v in out.items() if k != "input_ids"}}
-
-
-def sizes_of(msgs) -> list[tuple[int, int]]:
-    return [(im["width"], im["height"]) for m in msgs for im in m.get("images", ())]
 
 
 TWO = [{"role": "system", "content": "Be brief."},
