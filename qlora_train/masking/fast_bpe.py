@@ -28,6 +28,7 @@ import tempfile
 import unicodedata
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 from tokenizers import Tokenizer, pre_tokenizers
 
@@ -47,6 +48,13 @@ class FastBPE:
 
     def encode(self, text: str) -> list[int]:
         return self.encoding._core_bpe.encode(text, self.special)  # Encoding.encode's checks, skipped: all allowed
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode(text)`` as an array (uint32), written by tiktoken into one buffer: no Python int a token."""
+        core = self.encoding._core_bpe
+        if hasattr(core, "encode_to_tiktoken_buffer"):
+            return np.frombuffer(core.encode_to_tiktoken_buffer(text, self.special), dtype=np.uint32)
+        return np.asarray(self.encode(text), dtype=np.uint32)  # pragma: no cover - another tiktoken
 
     def takes(self, text: str) -> bool:
         """Whether every character of ``text`` was probed (``probe``) and both encoders agreed on it: the two regex

@@ -492,13 +492,13 @@ def encode_batch(texts: list[str], tokenizer, cuts: Sequence[Sequence[int]] | No
     return out
 
 
-def _fast_ids(fast: FastBPE, piece: str) -> list[int] | None:
-    """A piece's ids by the fast encoder; None where it cannot take the text (a character not probed alike, a
-    lone surrogate)."""
+def _fast_ids(fast: FastBPE, piece: str) -> np.ndarray | None:
+    """A piece's ids by the fast encoder (an array); None where it cannot take the text (a character not probed
+    alike, a lone surrogate)."""
     if not fast.takes(piece):
         return None
     try:
-        return fast.encode(piece)
+        return fast.encode_array(piece)
     except UnicodeError:
         return None
 
@@ -582,29 +582,33 @@ def _firsts(bounds: list[list[int]]) -> list[int]:
     return firsts
 
 
-def _byte_offsets(text: str, bounds: list[int], encs: list[list[int] | None], lengths: np.ndarray,
+def _byte_offsets(text: str, bounds: list[int], encs: list[Sequence[int] | None], lengths: np.ndarray,
                   forms: tuple[str, ...]) -> tuple[list[int], ByteOffsets] | None:
-    """A text's pieces' ids -> its ids and ``ByteOffsets``, or None where a piece has none (the encoder could not
-    take it), is not in the Unicode forms the offsets need, or its ids' byte lengths do not add up to its bytes."""
+    """A text's pieces' ids (lists, or the fast encoder's arrays) -> its ids and ``ByteOffsets``, or None where a
+    piece has none (the encoder could not take it), is not in the Unicode forms the offsets need, or its ids' byte
+    lengths do not add up to its bytes."""
     if any(e is None for e in encs):
         return None
-    if len(encs) == 1:
-        ids = encs[0]
-    else:
-        ids = list(chain.from_iterable(encs))
-    if not all(unicodedata.is_normalized(f, text if len(encs) == 1 else text[i:j])
-               for f in forms for i, j in zip(bounds[:-1], bounds[1:])):
+    if forms and not all(unicodedata.is_normalized(f, text if len(encs) == 1 else text[i:j])
+                         for f in forms for i, j in zip(bounds[:-1], bounds[1:])):
         return None
+    ids = np.asarray(encs[0], dtype=np.int64) if len(encs) == 1 else np.concatenate(encs, dtype=np.int64)
     token_bounds = np.zeros(len(ids) + 1, dtype=np.int64)
-    lengths[ids].cumsum(out=token_bounds[1:])
+    np.cumsum(lengths[ids], out=token_bounds[1:])
     if text.isascii():
         piece_bytes = bounds[1:]
-    else:
-        piece_bytes = np.cumsum([len(text[i:j].encode()) for i, j in zip(bounds[:-1], bounds[1:])]).tolist()
-    ends = np.cumsum([len(e) for e in encs]) if len(encs) > 1 else [len(ids)]
-    if any(token_bounds[t] != b for t, b in zip(ends, piece_bytes)):
+    else:  # each piece's last byte, the text encoded once in pieces
+        piece_bytes, at = [], 0
+        for i, j in zip(bounds[:-1], bounds[1:]):
+            at += len(text[i:j].encode())
+            piece_bytes.append(at)
+    ends, at = [], 0
+    for e in encs:
+        at += len(e)
+        ends.append(at)
+    if token_bounds[ends].tolist() != piece_bytes:
         return None
-    return ids, ByteOffsets(token_bounds, text)
+    return ids.tolist(), ByteOffsets(token_bounds, text)
 
 
 def _joined(bounds: list[int], encoded: list[tuple[list[int], Sequence[tuple[int, int]]]]

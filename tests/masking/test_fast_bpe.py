@@ -8,6 +8,7 @@ import copy
 import json
 import logging
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -137,6 +138,9 @@ class Wrong:
     def encode(self, text):
         ids = self.fast.encode(text)
         return ids[::-1] if "7" in text else ids
+
+    def encode_array(self, text):
+        return np.asarray(self.encode(text), dtype=np.uint32)
 
 
 def test_a_difference_on_a_checked_row_switches_the_tokenizer_back_counted(qwen3_tok, monkeypatch, caplog):
