@@ -100,3 +100,35 @@ def pictures(sizes):
     from PIL import Image
 
     return [Image.new("RGB", s, (40 * k % 255, 90, 200)) for k, s in enumerate(sizes)] or None
+
+
+def rule_of_folder(folder: Path, family: str, config: dict, tok, processor_config: dict | None = None):
+    """The image rule (``vision.image_rule_for``) of a model folder holding ``config`` as its ``config.json``, the
+    family's tiny image processor and, when given, ``processor_config`` as its ``processor_config.json``."""
+    import json
+
+    from qlora_train.config import ModelConfig
+    from qlora_train.tiny import tiny_image_processor
+    from qlora_train.vision import image_rule_for
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    tiny_image_processor(family).save_pretrained(folder)
+    if processor_config is not None:
+        (folder / "processor_config.json").write_text(json.dumps(processor_config))
+    return image_rule_for(ModelConfig(name_or_path=str(folder)), tok)
+
+
+def packing_problem(folder: Path, config: dict) -> str:
+    """The one problem ``vision.check_vision_training`` finds in a packed run of a model with ``config``."""
+    import pytest
+
+    from qlora_train.errors import ConfigError
+    from qlora_train.vision import check_vision_training, vision_base
+    from tests.train.test_vision import config_for
+
+    cfg = config_for(folder, config, "train.packing=true")
+    with pytest.raises(ConfigError) as exc:
+        check_vision_training(cfg, vision_base(cfg.model))
+    (problem,) = exc.value.problems
+    return problem

@@ -21,7 +21,7 @@ from hypothesis import settings as hsettings
 from qlora_train.masking import IGNORE_INDEX, IMAGE_SLOT, DropReason, RowRejected, image_rule, mask_conversation
 from tests.data.test_image_pairs import image_pairs
 from tests.masking.test_images import image, trained, vision_rows, without_images
-from tests.vision_rows import pictures, sizes_of
+from tests.vision_rows import packing_problem, pictures, rule_of_folder, sizes_of
 
 FAKE, GLOBAL, IMAGE = "<fake_token_around_image>", "<global-img>", "<image>"
 ROW_COL = re.compile(r"<row_(\d)_col_(\d)>")
@@ -179,46 +179,24 @@ def test_rule_read_from_the_models_config_and_packing_refused(idefics3, tmp_path
     """``vision.image_rule_for`` on an Idefics3 folder: ``(image_size // patch_size)² / scale_factor²`` image tokens
     a tile (the real model's 364 // 14 = 26, 676 / 4 = 169), the image processor's edges and splitting; packed image
     rows are refused at config time with the reason."""
-    import json
-
-    from qlora_train.config import ModelConfig
-    from qlora_train.errors import ConfigError
     from qlora_train.masking.image_layouts import Idefics3Tiles
-    from qlora_train.tiny import tiny_image_processor
-    from qlora_train.vision import check_vision_training, image_rule_for, vision_base
-    from tests.train.test_vision import config_for
 
     tok, _ = idefics3
     real = {"model_type": "idefics3", "vision_config": {"image_size": 364, "patch_size": 14}, "scale_factor": 2}
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps(real))
-    tiny_image_processor("idefics3").save_pretrained(tmp_path / "m")
-    rule = image_rule_for(ModelConfig(name_or_path=str(tmp_path / "m")), tok)
+    rule = rule_of_folder(tmp_path / "m", "idefics3", real, tok)
     assert rule.layout == Idefics3Tiles(169, 64, 32) and rule.type_ids == ""
     assert rule.tokens(50, 30) == 5 * 169  # 2x2 tiles and the global image
-    cfg = config_for(tmp_path / "p", real, "train.packing=true")
-    with pytest.raises(ConfigError) as exc:
-        check_vision_training(cfg, vision_base(cfg.model))
-    (problem,) = exc.value.problems
+    problem = packing_problem(tmp_path / "p", real)
     assert problem.startswith("train.packing: packed image rows are not supported for ") and "(idefics3)" in problem
 
 
 def test_a_saved_processor_that_disagrees_with_the_model_is_refused(idefics3, tmp_path):
     """A ``processor_config.json`` whose ``image_seq_len`` is not the model config's: refused when the rule is
     made (the processor would write another count of ``<image>`` a tile than the model reads)."""
-    import json
-
-    from qlora_train.config import ModelConfig
     from qlora_train.errors import ModelLoadError
-    from qlora_train.tiny import tiny_image_processor
-    from qlora_train.vision import image_rule_for
 
     tok, _ = idefics3
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "idefics3", "vision_config": {"image_size": 32, "patch_size": 8}, "scale_factor": 2}))
-    tiny_image_processor("idefics3").save_pretrained(tmp_path)
-    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_len": 4}))
-    assert image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok).layout.image_seq_len == 4
-    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_len": 169}))
+    config = {"model_type": "idefics3", "vision_config": {"image_size": 32, "patch_size": 8}, "scale_factor": 2}
+    assert rule_of_folder(tmp_path, "idefics3", config, tok, {"image_seq_len": 4}).layout.image_seq_len == 4
     with pytest.raises(ModelLoadError, match="image_seq_len 169 differs from the model config's 4"):
-        image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok)
+        rule_of_folder(tmp_path, "idefics3", config, tok, {"image_seq_len": 169})

@@ -18,7 +18,7 @@ from hypothesis import settings as hsettings
 from qlora_train.masking import IGNORE_INDEX, IMAGE_SLOT, DropReason, RowRejected, image_rule, mask_conversation
 from tests.data.test_image_pairs import image_pairs
 from tests.masking.test_images import image, trained, vision_rows, without_images
-from tests.vision_rows import pictures, sizes_of
+from tests.vision_rows import packing_problem, pictures, rule_of_folder, sizes_of
 
 CONTEXT, START, END = "<IMG_CONTEXT>", "<img>", "</img>"
 EXPANDED = re.compile(r"<img>(?:<IMG_CONTEXT>)+</img>")
@@ -170,48 +170,27 @@ def test_rule_read_from_the_models_config_and_packing_refused(internvl3, tmp_pat
     """``vision.image_rule_for`` on an InternVL folder: ``(image_size // patch_size)² x downsample_ratio²`` image
     tokens a tile (the real model's 448 // 14 = 32, 1024 / 4 = 256), the image processor's tile and patch bounds;
     packed image rows are refused at config time with the reason."""
-    import json
-
-    from qlora_train.config import ModelConfig
-    from qlora_train.errors import ConfigError
     from qlora_train.masking.image_layouts import InternVLTiles
-    from qlora_train.tiny import tiny_image_processor
-    from qlora_train.vision import check_vision_training, image_rule_for, vision_base
-    from tests.train.test_vision import config_for
 
     tok, _ = internvl3
     real = {"model_type": "internvl", "vision_config": {"image_size": [448, 448], "patch_size": [14, 14]},
             "downsample_ratio": 0.5}
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps(real))
-    tiny_image_processor("internvl3").save_pretrained(tmp_path / "m")
-    rule = image_rule_for(ModelConfig(name_or_path=str(tmp_path / "m")), tok)
+    rule = rule_of_folder(tmp_path / "m", "internvl3", real, tok)
     assert rule.layout == InternVLTiles(256, (32, 32), 1, 6) and rule.type_ids == ""
     assert rule.tokens(50, 30) == 7 * 256  # the 3x2 grid and the thumbnail
-    cfg = config_for(tmp_path / "p", real, "train.packing=true")
-    with pytest.raises(ConfigError) as exc:
-        check_vision_training(cfg, vision_base(cfg.model))
-    (problem,) = exc.value.problems
+    problem = packing_problem(tmp_path / "p", real)
     assert problem.startswith("train.packing: packed image rows are not supported for ") and "(internvl)" in problem
 
 
 def test_a_saved_processor_that_disagrees_with_the_model_is_refused(internvl3, tmp_path):
     """A ``processor_config.json`` whose ``image_seq_length`` is not the model config's: refused when the rule is
     made (the processor would write another count of ``<IMG_CONTEXT>`` a tile than the model reads)."""
-    import json
-
-    from qlora_train.config import ModelConfig
     from qlora_train.errors import ModelLoadError
-    from qlora_train.tiny import tiny_image_processor
-    from qlora_train.vision import image_rule_for
 
     tok, _ = internvl3
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "internvl", "vision_config": {"image_size": [32, 32], "patch_size": [8, 8]},
-         "downsample_ratio": 0.5}))
-    tiny_image_processor("internvl3").save_pretrained(tmp_path)
-    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
-    assert image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok).layout.image_seq_length == 4
-    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_length": 256}))
+    config = {"model_type": "internvl", "vision_config": {"image_size": [32, 32], "patch_size": [8, 8]},
+              "downsample_ratio": 0.5}
+    rule = rule_of_folder(tmp_path, "internvl3", config, tok, {"image_seq_length": 4})
+    assert rule.layout.image_seq_length == 4
     with pytest.raises(ModelLoadError, match="image_seq_length 256 differs from the model config's 4"):
-        image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok)
+        rule_of_folder(tmp_path, "internvl3", config, tok, {"image_seq_length": 256})

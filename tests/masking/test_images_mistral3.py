@@ -21,7 +21,7 @@ from hypothesis import settings as hsettings
 from qlora_train.masking import IGNORE_INDEX, IMAGE_SLOT, DropReason, RowRejected, image_rule, mask_conversation
 from tests.data.test_image_pairs import image_pairs
 from tests.masking.test_images import image, trained, vision_rows, without_images
-from tests.vision_rows import pictures, sizes_of
+from tests.vision_rows import packing_problem, pictures, rule_of_folder, sizes_of
 
 MARKERS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 EXPANDED = re.compile(r"(?:\[IMG\]|\[IMG_BREAK\])*\[IMG_END\]")
@@ -173,27 +173,14 @@ def test_rule_read_from_the_models_config_and_packing_refused(mistral3, tmp_path
     """``vision.image_rule_for`` on a Mistral 3 folder: a token ``vision_config.patch_size`` x
     ``spatial_merge_size`` pixels a side (the real models' 14 x 2), the image processor's longest edge; packed
     image rows are refused at config time with the reason."""
-    import json
-
-    from qlora_train.config import ModelConfig
-    from qlora_train.errors import ConfigError
     from qlora_train.masking.image_layouts import PixtralRows
-    from qlora_train.tiny import tiny_image_processor
-    from qlora_train.vision import check_vision_training, image_rule_for, vision_base
-    from tests.train.test_vision import config_for
 
     tok, _ = mistral3
     real = {"model_type": "mistral3", "vision_config": {"patch_size": 14}, "spatial_merge_size": 2}
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps(real))
-    tiny_image_processor("mistral3").save_pretrained(tmp_path / "m")
-    rule = image_rule_for(ModelConfig(name_or_path=str(tmp_path / "m")), tok)
+    rule = rule_of_folder(tmp_path / "m", "mistral3", real, tok)
     assert rule.layout == PixtralRows(28, 128) and rule.type_ids == "" and rule.other_tokens == MARKERS[1:]
     assert rule.tokens(1000, 500) == 5 * 3  # 128x64 -> 5 columns of 28 pixels, 3 rows
-    cfg = config_for(tmp_path / "p", real, "train.packing=true")
-    with pytest.raises(ConfigError) as exc:
-        check_vision_training(cfg, vision_base(cfg.model))
-    (problem,) = exc.value.problems
+    problem = packing_problem(tmp_path / "p", real)
     assert problem.startswith("train.packing: packed image rows are not supported for ") and "(mistral3)" in problem
     assert "not proved" in problem
 
@@ -215,19 +202,11 @@ def test_debug_samples_show_one_run_an_image(mistral3, tmp_path):
 
 
 def test_a_saved_processor_that_disagrees_with_the_model_is_refused(mistral3, tmp_path):
-    import json
-
-    from qlora_train.config import ModelConfig
     from qlora_train.errors import ModelLoadError
-    from qlora_train.tiny import tiny_image_processor
-    from qlora_train.vision import image_rule_for
 
     tok, _ = mistral3
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "mistral3", "vision_config": {"patch_size": 14}, "spatial_merge_size": 2}))
-    tiny_image_processor("mistral3").save_pretrained(tmp_path)
-    (tmp_path / "processor_config.json").write_text(json.dumps({"patch_size": 14, "spatial_merge_size": 2}))
-    assert image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok).layout.patch == 28
-    (tmp_path / "processor_config.json").write_text(json.dumps({"patch_size": 14}))  # its default merge: 1
+    config = {"model_type": "mistral3", "vision_config": {"patch_size": 14}, "spatial_merge_size": 2}
+    rule = rule_of_folder(tmp_path, "mistral3", config, tok, {"patch_size": 14, "spatial_merge_size": 2})
+    assert rule.layout.patch == 28
     with pytest.raises(ModelLoadError, match="patch_size x spatial_merge_size 14 differs from the model config's 28"):
-        image_rule_for(ModelConfig(name_or_path=str(tmp_path)), tok)
+        rule_of_folder(tmp_path, "mistral3", config, tok, {"patch_size": 14})  # its default merge: 1
