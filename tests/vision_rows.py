@@ -132,3 +132,10 @@ def packing_problem(folder: Path, config: dict) -> str:
         check_vision_training(cfg, vision_base(cfg.model))
     (problem,) = exc.value.problems
     return problem
+
+
+def processor_output(proc, text: str, sizes: list[tuple[int, int]], **kwargs) -> dict:
+    """A processor's own output for ``text`` (its images written as the processor takes them) and images of
+    ``sizes``, no special tokens added (the render holds its own): ``input_ids`` as a list, the rest as returned."""
+    out = proc(text=[text], images=pictures(sizes), add_special_tokens=False, **kwargs)
+    return {"input_ids": out["input_ids"][0].tolist(), **{k: v for k, v in out.items() if k != "input_ids"}}

@@ -18,7 +18,7 @@ from hypothesis import settings as hsettings
 from qlora_train.masking import IGNORE_INDEX, IMAGE_SLOT, DropReason, RowRejected, image_rule, mask_conversation
 from tests.data.test_image_pairs import image_pairs
 from tests.masking.test_images import image, trained, vision_rows, without_images
-from tests.vision_rows import packing_problem, pictures, rule_of_folder, sizes_of
+from tests.vision_rows import packing_problem, pictures, processor_output, rule_of_folder, sizes_of
 
 CONTEXT, START, END = "<IMG_CONTEXT>", "<img>", "</img>"
 EXPANDED = re.compile(r"<img>(?:<IMG_CONTEXT>)+</img>")
@@ -49,9 +49,7 @@ def internvl3():
 def processor_out(proc, text: str, sizes: list[tuple[int, int]]) -> dict:
     """The processor's own output for the template's render (each image's expansion back to ``<IMG_CONTEXT>``) and
     images of ``sizes``."""
-    out = proc(text=[EXPANDED.sub(CONTEXT, text)], images=pictures(sizes), add_special_tokens=False,
-               return_tensors="pt")
-    return {"input_ids": out["input_ids"][0].tolist(), **{k: v for k, v in out.items() if k != "input_ids"}}
+    return processor_output(proc, EXPANDED.sub(CONTEXT, text), sizes, return_tensors="pt")
 
 
 TWO = [{"role": "system", "content": "Be brief."},

@@ -21,7 +21,7 @@ from hypothesis import settings as hsettings
 from qlora_train.masking import IGNORE_INDEX, IMAGE_SLOT, DropReason, RowRejected, image_rule, mask_conversation
 from tests.data.test_image_pairs import image_pairs
 from tests.masking.test_images import image, trained, vision_rows, without_images
-from tests.vision_rows import packing_problem, pictures, rule_of_folder, sizes_of
+from tests.vision_rows import packing_problem, pictures, processor_output, rule_of_folder, sizes_of
 
 MARKERS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 EXPANDED = re.compile(r"(?:\[IMG\]|\[IMG_BREAK\])*\[IMG_END\]")
@@ -62,8 +62,7 @@ def mistral3(real_vocab_dir):
 def processor_out(proc, text: str, sizes: list[tuple[int, int]]) -> dict:
     """The processor's own output for the template's render (each image's expansion back to ``[IMG]``) and images
     of ``sizes`` (the render already holds the bos: no special tokens added)."""
-    out = proc(text=[EXPANDED.sub("[IMG]", text)], images=pictures(sizes), add_special_tokens=False)
-    return {"input_ids": out["input_ids"][0].tolist(), **{k: v for k, v in out.items() if k != "input_ids"}}
+    return processor_output(proc, EXPANDED.sub("[IMG]", text), sizes)
 
 
 TWO = [{"role": "system", "content": "Be brief."},
